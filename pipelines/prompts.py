@@ -1,0 +1,339 @@
+"""Prompt sources loaded through ``datasets`` and normalized to one conversation schema.
+
+Schema of every row: ``id: str``, ``messages: list[{role: str, content: str}]``, ``source: str``.
+Roles are ``system`` (optional, first only), then ``user`` / ``assistant`` alternating, starting with
+``user``. A conversation may end on a user turn (a prompt the target answers when regenerating).
+
+Sources (``pipelines.recipe.SourceConfig.kind``):
+- ``sharegpt``: the packaged ShareGPT V3 file (``{"id", "conversations": [{"from", "value"}]}``;
+  ``human``/``user`` -> user, ``gpt``/``chatgpt``/``bing``/``bard``/``assistant`` -> assistant).
+- ``humaneval``: the packaged HumanEval problems; each ``prompt`` becomes one user turn, id = task_id.
+- ``sharegpt_file``: a user ShareGPT JSON array or JSONL file.
+- ``openai_jsonl``: a user JSONL file of ``{"messages": [{"role", "content"}], "id"?}``.
+
+Every file is read as raw JSON lines with ``datasets.load_dataset("text", ...)`` (a JSON array is
+first rewritten as JSONL once, under ``$PEAGLE_HOME/data``), so a row with odd types cannot break
+Arrow's schema inference and every malformed row is reported with its index (0-based position in the
+file: line number - 1 for JSONL, array position for JSON). Per ``on_bad_row``, malformed rows are
+skipped (counted, logged with a warning) or raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipelines import assets
+
+if TYPE_CHECKING:
+    import datasets
+
+    from pipelines.recipe import DataConfig, SourceConfig
+
+log = logging.getLogger(__name__)
+
+ROLE_ALIASES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+}
+MAX_REPORTED_BAD_ROWS = 5
+_MODULE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+class BadRow(ValueError):
+    """A malformed source row; the message names the row index and the problem, ``reason`` is a
+    short category (e.g. "wrong role order") used in skip summaries."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+
+def _check_messages(messages: Any, index: int, source: str, role_key: str, content_key: str) -> list[dict]:
+    where = f"{source} row {index}"
+    if not isinstance(messages, list) or not messages:
+        raise BadRow(f"{where}: no turns (expected a non-empty list of messages)", "no turns")
+    out = []
+    for j, turn in enumerate(messages):
+        if not isinstance(turn, dict):
+            raise BadRow(f"{where}: turn {j} is {type(turn).__name__}, expected an object", "turn not an object")
+        role = turn.get(role_key)
+        if role is None:
+            raise BadRow(f"{where}: turn {j} has no {role_key!r}", "missing role")
+        if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+            raise BadRow(f"{where}: turn {j} has unknown role {role!r} (known: {sorted(ROLE_ALIASES)})", "unknown role")
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise BadRow(f"{where}: turn {j} {content_key!r} is {type(content).__name__}, expected a string", "non-string content")
+        if not content.strip():
+            raise BadRow(f"{where}: turn {j} ({role}) is empty", "empty turn")
+        out.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+    roles = [m["role"] for m in out]
+    body = roles[1:] if roles[0] == "system" else roles
+    if not body:
+        raise BadRow(f"{where}: only a system turn", "no turns")
+    for j, role in enumerate(body):
+        want = "user" if j % 2 == 0 else "assistant"
+        if role != want:
+            pos = j + (len(roles) - len(body))
+            raise BadRow(
+                f"{where}: wrong role order {_short(roles)}: turn {pos} is {role!r}, expected {want!r} "
+                "(system optional first, then user/assistant alternating, starting with user)",
+                "wrong role order",
+            )
+    return out
+
+
+def _short(roles: list[str], n: int = 4) -> str:
+    return "[" + ", ".join(roles[:n]) + (", ...]" if len(roles) > n else "]")
+
+
+def normalize_row(row: Any, index: int, source: str) -> dict[str, Any]:
+    """Normalize one raw row of ``source`` (a SourceConfig kind) to ``{id, messages, source}``.
+
+    ``row``: the parsed JSON object, or a JSON string (one line of a file). ``index``: its 0-based
+    position, used in ids and error messages.
+
+    Raises:
+        BadRow (a ValueError): the row is malformed (not JSON / not an object, missing or unknown
+            roles, empty turns, non-string content, wrong role order); the message names the row index.
+    """
+    kind = source.split(":", 1)[0]
+    if isinstance(row, str):
+        try:
+            row = json.loads(row)
+        except json.JSONDecodeError as e:
+            raise BadRow(f"{source} row {index}: not valid JSON ({e.msg} at column {e.colno})", "not JSON") from None
+    if not isinstance(row, dict):
+        raise BadRow(f"{source} row {index}: expected a JSON object, got {type(row).__name__}", "not an object")
+
+    if kind in ("sharegpt", "sharegpt_file"):
+        if "conversations" not in row:
+            raise BadRow(f"{source} row {index}: no 'conversations' field (ShareGPT rows are "
+                         "{id, conversations: [{from, value}]})", "missing conversations")
+        messages = _check_messages(row["conversations"], index, source, "from", "value")
+    elif kind == "openai_jsonl":
+        if "messages" not in row:
+            raise BadRow(f"{source} row {index}: no 'messages' field (expected {{messages: [{{role, content}}]}})", "missing messages")
+        messages = _check_messages(row["messages"], index, source, "role", "content")
+    elif kind == "humaneval":
+        prompt = row.get("prompt")
+        messages = _check_messages([{"role": "user", "content": prompt}], index, source, "role", "content")
+        row = {"id": row.get("task_id")}
+    else:
+        raise ValueError(f"unknown source kind {kind!r}")
+    rid = row.get("id")
+    rid = f"{source}-{index}" if rid is None or rid == "" else str(rid)
+    return {"id": rid, "messages": messages, "source": source}
+
+
+def _normalize_batch(batch: dict[str, list], indices: list[int], source: str) -> dict[str, list]:
+    out: dict[str, list] = {"id": [], "messages": [], "source": [], "error": [], "reason": []}
+    for line, index in zip(batch["text"], indices):
+        if not line.strip():  # blank lines of a JSONL file are not rows
+            continue
+        try:
+            norm = normalize_row(line, index, source)
+            err, reason = "", ""
+        except BadRow as e:
+            norm = {"id": f"{source}-{index}", "messages": [], "source": source}
+            err, reason = str(e), e.reason
+        for k in ("id", "messages", "source"):
+            out[k].append(norm[k])
+        out["error"].append(err)
+        out["reason"].append(reason)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+_WS_COMMA = re.compile(r"[\s,]*")
+
+
+def json_array_to_jsonl(src: Path, dst: Path) -> dict[str, int]:
+    """Rewrite a JSON array file as JSONL (one element per line), keeping complete elements only.
+
+    A file cut off mid-element (as the packaged ShareGPT is) keeps the complete prefix and is
+    reported as truncated. Returns ``{"num_rows", "truncated_at_char"}`` (-1 if complete).
+
+    Raises:
+        ValueError: the file is not a JSON array.
+    """
+    text = src.read_text(encoding="utf-8")
+    start = _WS_COMMA.match(text, 0).end()
+    if start >= len(text) or text[start] != "[":
+        raise ValueError(f"{src} is not a JSON array; use a JSONL file with one object per line")
+    decoder = json.JSONDecoder()
+    i, n, count, truncated = start + 1, len(text), 0, -1
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            while True:
+                i = _WS_COMMA.match(text, i).end()
+                if i >= n:
+                    truncated = i
+                    break
+                if text[i] == "]":
+                    break
+                try:
+                    obj, i = decoder.raw_decode(text, i)
+                except json.JSONDecodeError:
+                    truncated = i
+                    break
+                out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+                count += 1
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return {"num_rows": count, "truncated_at_char": truncated}
+
+
+def _as_jsonl(path: Path, home: Path | None) -> Path:
+    """``path`` itself if it is JSONL (or .jsonl.gz), else a cached JSONL rewrite of the JSON array."""
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+        return path
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"["):
+        return path  # JSON Lines with another extension
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    dst = assets.peagle_home(home) / "data" / f"{path.stem}-{key}.jsonl"
+    meta = dst.with_suffix(".meta.json")
+    if dst.is_file() and meta.is_file():
+        info = json.loads(meta.read_text())
+    else:
+        info = json_array_to_jsonl(path, dst)
+        meta.write_text(json.dumps(info))
+    if info["truncated_at_char"] >= 0:
+        log.warning(
+            "%s is cut off at character %d (an incomplete last element); using its %d complete rows",
+            path, info["truncated_at_char"], info["num_rows"],
+        )
+    return dst
+
+
+def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
+    """(file, source label) of a source. Packaged kinds resolve inside their packages.
+
+    Raises:
+        ValueError: a user file that does not exist.
+    """
+    if source_cfg.kind == "sharegpt":
+        return assets.sharegpt_path(), "sharegpt"
+    if source_cfg.kind == "humaneval":
+        return assets.humaneval_path(), "humaneval"
+    path = source_cfg.resolved_path()
+    if path is None or not path.is_file():
+        raise ValueError(f"source {source_cfg.kind} path={source_cfg.path!r} is not a file; fix data.sources[].path")
+    return path, f"{source_cfg.kind}:{path.name}"
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+
+
+def load_conversations(
+    source_cfg: SourceConfig, on_bad_row: str = "skip", home: Path | None = None, seed: int = 0
+) -> datasets.Dataset:
+    """Load one source as a normalized ``datasets.Dataset`` (columns id, messages, source).
+
+    ``source_cfg.num_samples`` (if set) draws that many conversations deterministically (``seed``)
+    after malformed rows are removed. Datasets' Arrow cache lives under ``$PEAGLE_HOME/hf-datasets``.
+
+    Raises:
+        ValueError: a missing file; with ``on_bad_row="fail"`` the first malformed rows (with their
+            indices); with ``"skip"`` only if no row is usable.
+    """
+    import datasets
+
+    if on_bad_row not in ("skip", "fail"):
+        raise ValueError(f"on_bad_row={on_bad_row!r}; use 'skip' or 'fail'")
+    path, label = source_file(source_cfg)
+    jsonl = _as_jsonl(path, home)
+    cache_dir = str(assets.peagle_home(home) / "hf-datasets")
+    raw = datasets.load_dataset("text", data_files=str(jsonl), split="train", cache_dir=cache_dir)
+    # datasets hashes module-level functions by name, so a code change would reuse a stale cache:
+    # key the normalized cache on this module's source and the input file instead.
+    st = jsonl.stat()
+    fingerprint = hashlib.sha256(
+        f"{_MODULE_HASH}|{label}|{jsonl.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+    ).hexdigest()[:32]
+    ds = raw.map(
+        _normalize_batch, batched=True, with_indices=True, fn_kwargs={"source": label},
+        remove_columns=raw.column_names, desc=f"normalize {label}", new_fingerprint=fingerprint,
+    )
+    bad = ds.filter(lambda e: bool(e), input_columns="error")
+    if len(bad):
+        shown = bad.select(range(min(len(bad), MAX_REPORTED_BAD_ROWS)))["error"]
+        counts = Counter(bad["reason"])
+        summary = ", ".join(f"{reason}: {n}" for reason, n in counts.most_common())
+        more = f"\n  ... and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
+        report = f"({summary})\n  " + "\n  ".join(shown) + more
+        if on_bad_row == "fail":
+            raise ValueError(
+                f"{len(bad)} malformed row(s) in {path} (data.on_bad_row=fail; set it to skip to drop them):\n"
+                f"  {report}"
+            )
+        log.warning("skipped %d malformed row(s) of %d in %s:\n  %s", len(bad), len(ds), path, report)
+    good = ds.filter(lambda e: not e, input_columns="error").remove_columns(["error", "reason"])
+    if len(good) == 0:
+        raise ValueError(f"no usable conversations in {path} ({len(bad)} malformed rows)")
+    if source_cfg.num_samples is not None:
+        good = sample(good, source_cfg.num_samples, seed)
+    return good
+
+
+def sample(ds: datasets.Dataset, num_samples: int | None, seed: int) -> datasets.Dataset:
+    """``num_samples`` rows drawn deterministically (same seed -> same rows, same order); all rows if
+    None. Warns when fewer rows exist than requested."""
+    if num_samples is None:
+        return ds
+    if num_samples > len(ds):
+        log.warning("requested %d conversations but only %d are usable; using all of them", num_samples, len(ds))
+        num_samples = len(ds)
+    return ds.shuffle(seed=seed).select(range(num_samples)).flatten_indices()
+
+
+def train_eval_split(ds: datasets.Dataset, eval_fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Deterministic (train, eval) split; eval holds round(eval_fraction * len) rows (at least one when
+    eval_fraction > 0 and there are two or more rows)."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction={eval_fraction}; use a value in [0, 1)")
+    num_eval = round(eval_fraction * len(ds))
+    if eval_fraction > 0 and len(ds) >= 2:
+        num_eval = min(max(num_eval, 1), len(ds) - 1)
+    if num_eval == 0:
+        return ds, ds.select([])
+    split = ds.train_test_split(test_size=num_eval, seed=seed, shuffle=True)
+    return split["train"], split["test"]
+
+
+def load_prompt_dataset(data: DataConfig, home: Path | None = None) -> datasets.Dataset:
+    """All of ``data.sources`` normalized and concatenated, then ``data.num_samples`` drawn
+    deterministically (``data.seed``)."""
+    import datasets
+
+    parts = [load_conversations(s, data.on_bad_row, home, data.seed) for s in data.sources]
+    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    return sample(ds, data.num_samples, data.seed)
