@@ -270,6 +270,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def last_valid_index(valid: torch.Tensor) -> torch.Tensor:
+    """``valid [B, T]`` bool -> ``[B]`` index of each row's last True (left or right padding).
+
+    Raises:
+        ValueError: a row has no valid slot.
+    """
+    if not bool(valid.any(1).all()):
+        raise ValueError("every row needs at least one valid slot (the anchor)")
+    T = valid.shape[1]
+    return T - 1 - valid.flip(1).to(torch.int8).argmax(1)
+
+
 class DrafterCache:
     """Per-layer key/value cache with per-slot validity and positions.
 
@@ -568,7 +580,7 @@ class Eagle3Drafter(nn.Module):
         B, T = input_ids.shape
         if query_valid is None:
             query_valid = torch.ones_like(input_ids, dtype=torch.bool)
-        anchor_idx = query_valid.sum(1) - 1  # [B]
+        anchor_idx = last_valid_index(query_valid)  # [B]
         rows = torch.arange(B, device=input_ids.device)
         anchor_pos = position_ids[rows, anchor_idx]  # [B]
         hidden = self.combine_hidden_states(aux_hidden)  # [B, T, H]
@@ -604,7 +616,7 @@ class Eagle3Drafter(nn.Module):
         B, T = input_ids.shape
         if query_valid is None:
             query_valid = torch.ones_like(input_ids, dtype=torch.bool)
-        anchor_idx = query_valid.sum(1) - 1
+        anchor_idx = last_valid_index(query_valid)
         rows = torch.arange(B, device=input_ids.device)
         pos = position_ids[rows, anchor_idx]  # [B]
         committed = cache.length + T

@@ -1,0 +1,35 @@
+"""Tiny random models with odd sizes for unit tests (vocab 99, hidden 36, 3-5 layers)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from peagle_core.drafter import DrafterConfig, Eagle3Drafter
+
+VOCAB, HIDDEN, MASK_ID = 99, 36, 97
+
+
+def tiny_target_config(**kw) -> LlamaConfig:
+    base = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=50, num_hidden_layers=5,
+                num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                tie_word_embeddings=False)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+@pytest.fixture
+def tiny_target() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_target_config()).eval()
+
+
+def make_drafter(mask_token_id: int | None = MASK_ID, **kw) -> Eagle3Drafter:
+    torch.manual_seed(1)
+    cfg = DrafterConfig.from_target(tiny_target_config(), num_hidden_layers=kw.pop("num_hidden_layers", 2),
+                                    mask_token_id=mask_token_id, **kw)
+    return Eagle3Drafter(cfg).eval()
+
+
+@pytest.fixture
+def tiny_drafter() -> Eagle3Drafter:
+    return make_drafter()

@@ -1,0 +1,150 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from peagle_core.contract import (
+    HeadContractError,
+    export_head,
+    load_head,
+    validate_head,
+    write_checksums,
+)
+from peagle_core.vocab import vocab_mapping_from_counts
+
+from .conftest import make_drafter
+
+pytestmark = pytest.mark.unit
+
+TARGET = {"hidden_size": 36, "vocab_size": 99, "num_hidden_layers": 5}
+
+
+@pytest.fixture
+def head(tmp_path):
+    d = make_drafter(draft_vocab_size=64)
+    d2t, t2d = vocab_mapping_from_counts(torch.arange(99.0), 64)
+    d.set_vocab_mapping(d2t, t2d)
+    return d, export_head(d, tmp_path / "head", dtype="float32")
+
+
+def test_round_trip_is_bit_exact(head):
+    d, path = head
+    back = load_head(path)
+    sd, sb = d.state_dict(), back.state_dict()
+    assert sd.keys() == sb.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sb[k]), k
+    assert back.config == d.config
+
+
+def test_config_json_has_vllm_keys(head):
+    _, path = head
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["mask_token_id"] == 97
+    assert cfg["draft_vocab_size"] == 64 and cfg["target_hidden_size"] == 36
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 2]
+    names = set(load_file(str(path / "model.safetensors")))
+    assert {"mask_hidden", "d2t", "t2d", "fc.weight", "layers.0.hidden_norm.weight",
+            "layers.0.self_attn.q_proj.weight", "embed_tokens.weight", "lm_head.weight"} <= names
+    assert load_file(str(path / "model.safetensors"))["layers.0.self_attn.q_proj.weight"].shape == (36, 72)
+
+
+def test_bfloat16_export_keeps_index_dtypes(tmp_path):
+    d = make_drafter()
+    path = export_head(d, tmp_path / "h", dtype="bfloat16")
+    t = load_file(str(path / "model.safetensors"))
+    assert t["fc.weight"].dtype == torch.bfloat16 and t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
+    validate_head(path, dtype="bfloat16")
+    with pytest.raises(HeadContractError, match="dtype"):
+        validate_head(path, dtype="float32")
+
+
+def test_export_refuses_to_overwrite(head, tmp_path):
+    d, path = head
+    with pytest.raises(ValueError, match="exists"):
+        export_head(d, path)
+
+
+# --- validator: one test per rule ------------------------------------------------------------
+
+def _rewrite(path, *, config=None, drop=None, tensors=None):
+    if config is not None:
+        cfg = json.loads((path / "config.json").read_text())
+        config(cfg)
+        (path / "config.json").write_text(json.dumps(cfg))
+    if drop or tensors:
+        t = load_file(str(path / "model.safetensors"))
+        for k in drop or ():
+            t.pop(k)
+        t.update(tensors or {})
+        save_file(t, str(path / "model.safetensors"))
+    write_checksums(path)
+
+
+def test_rule_target_hidden_size(head):
+    with pytest.raises(HeadContractError, match="target_hidden_size=36"):
+        validate_head(head[1], target_config={**TARGET, "hidden_size": 40})
+
+
+def test_rule_vocab(head):
+    with pytest.raises(HeadContractError, match="vocab_size"):
+        validate_head(head[1], target_config={**TARGET, "vocab_size": 100})
+
+
+def test_rule_aux_layer_ids(head):
+    _rewrite(head[1], config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 3, 4]))
+    with pytest.raises(HeadContractError, match="eagle_aux_hidden_state_layer_ids"):
+        validate_head(head[1], target_config={**TARGET, "num_hidden_layers": 4})
+
+
+def test_rule_missing_mask_hidden(head):
+    _rewrite(head[1], drop=["mask_hidden"])
+    with pytest.raises(HeadContractError, match="mask_hidden"):
+        validate_head(head[1], parallel_drafting=True)
+    validate_head(head[1], parallel_drafting=False)  # fine as an EAGLE-3 head
+
+
+def test_rule_missing_mask_token_id(head):
+    _rewrite(head[1], config=lambda c: c.pop("mask_token_id"))
+    with pytest.raises(HeadContractError, match="mask_token_id"):
+        validate_head(head[1], parallel_drafting=True)
+
+
+def test_rule_shape_mismatch(head):
+    _rewrite(head[1], tensors={"fc.weight": torch.zeros(36, 100)})
+    with pytest.raises(HeadContractError, match="fc.weight"):
+        validate_head(head[1])
+
+
+def test_rule_unknown_tensor(head):
+    _rewrite(head[1], tensors={"layers.9.mlp.up_proj.weight": torch.zeros(2)})
+    with pytest.raises(HeadContractError, match="does not expect"):
+        validate_head(head[1])
+
+
+def test_rule_d2t_out_of_vocab(head):
+    _rewrite(head[1], tensors={"d2t": torch.full((64,), 50, dtype=torch.long)})
+    with pytest.raises(HeadContractError, match="d2t"):
+        validate_head(head[1])
+
+
+def test_rule_architecture(head):
+    _rewrite(head[1], config=lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    with pytest.raises(HeadContractError, match="architectures"):
+        validate_head(head[1])
+
+
+def test_rule_checksum_catches_corruption(head):
+    p = head[1] / "model.safetensors"
+    raw = bytearray(p.read_bytes())
+    raw[-5] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    with pytest.raises(HeadContractError, match="sha256"):
+        validate_head(head[1])
+
+
+def test_rule_not_a_head(tmp_path):
+    with pytest.raises(HeadContractError, match="config.json is missing"):
+        validate_head(tmp_path)

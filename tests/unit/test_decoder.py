@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from peagle_core.decoder import speculative_generate
+
+from .conftest import make_drafter
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+@pytest.mark.parametrize("K", [1, 3, 5])
+def test_lossless_against_target_greedy(tiny_target, method, K):
+    ref = speculative_generate(tiny_target, PROMPTS, method="none", max_new_tokens=24)
+    d = make_drafter(mask_token_id=97 if method == "peagle" else None)
+    got = speculative_generate(tiny_target, PROMPTS, drafter=d, method=method, num_speculative_tokens=K,
+                               max_new_tokens=24)
+    assert got.output_ids == ref.output_ids
+    assert got.num_draft_tokens == K * got.num_drafts
+
+
+def test_none_equals_hf_generate(tiny_target):
+    ref = speculative_generate(tiny_target, PROMPTS, method="none", max_new_tokens=12)
+    for p, out in zip(PROMPTS, ref.output_ids):
+        ids = torch.tensor([p])
+        g = tiny_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assert g[0, len(p):].tolist() == out
+
+
+def test_all_accepted_bookkeeping(tiny_target):
+    """A target that always emits token 0 and a drafter that always drafts 0: every draft accepted."""
+    with torch.no_grad():
+        tiny_target.lm_head.weight.zero_()
+    d = make_drafter()
+    with torch.no_grad():
+        d.norm.weight.zero_()  # all draft logits 0 -> argmax draft id 0 -> target id 0 + d2t[0] = 0
+    K = 4
+    res = speculative_generate(tiny_target, PROMPTS, drafter=d, method="peagle", num_speculative_tokens=K,
+                               max_new_tokens=21)
+    assert all(o == [0] * 21 for o in res.output_ids)
+    # 1 token from prefill, then 5 per step -> 4 steps per sequence, each fully accepted.
+    assert res.num_drafts == 3 * 4
+    assert res.accepted_per_pos == [res.num_drafts] * K
+    assert res.acceptance_length == pytest.approx(1 + K)
+
+
+def test_eos_stops_each_row(tiny_target):
+    ref = speculative_generate(tiny_target, PROMPTS, method="none", max_new_tokens=24)
+    eos = ref.output_ids[0][3]
+    got = speculative_generate(tiny_target, PROMPTS, drafter=make_drafter(), method="peagle",
+                               num_speculative_tokens=3, max_new_tokens=24, eos_token_id=eos)
+    for r, g in zip(ref.output_ids, got.output_ids):
+        cut = r.index(eos) + 1 if eos in r else len(r)
+        assert g == r[:cut]
+
+
+def test_errors(tiny_target):
+    with pytest.raises(ValueError, match="method"):
+        speculative_generate(tiny_target, PROMPTS, method="medusa")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        speculative_generate(tiny_target, PROMPTS, method="peagle")
+    with pytest.raises(ValueError, match="mask_hidden"):
+        speculative_generate(tiny_target, PROMPTS, drafter=make_drafter(mask_token_id=None), method="peagle")
+    with pytest.raises(ValueError, match="at least one token"):
+        speculative_generate(tiny_target, [[]], method="none")
