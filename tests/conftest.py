@@ -1,0 +1,49 @@
+"""Shared fixtures for all tests: an isolated PEAGLE_HOME and a tiny chat tokenizer.
+
+The shared embedded target (converted once, ~40 s) lives in the session's real PEAGLE_HOME so that
+integration tests reuse it; tests that need a private home use ``tmp_peagle_home``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+
+# Tiny ChatML-like tokenizer: ids 0..4 special, 5.. plain words; odd vocab size.
+TINY_SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<reserved_0>", "<reserved_1>"]
+TINY_WORDS = ["system", "user", "assistant", "S", "U", "A", "V", "hello", "world", "\n"]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture
+def tmp_peagle_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "peagle-home"
+    monkeypatch.setenv("PEAGLE_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_tokenizer():
+    """PreTrainedTokenizerFast with 15 tokens: specials 0-4 (bos/eos = 1/2, unk 0, reserved 3 and 4,
+    never emitted by the template) and words 5-14; chat template = ChatML."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + TINY_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(pattern="\n", behavior="isolated"), pre_tokenizers.WhitespaceSplit()]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<unk>",
+        pad_token="<|im_end|>", additional_special_tokens=TINY_SPECIALS[3:],
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
