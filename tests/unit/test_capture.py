@@ -1,0 +1,243 @@
+"""pipelines.capture without Ray: loss masks, length handling, hidden states, resume after a crash."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from peagle_core import shards
+from pipelines import capture
+from pipelines.recipe import CaptureConfig, DataConfig, TargetConfig
+from tests.unit.conftest import tiny_target_config
+
+pytestmark = pytest.mark.unit
+
+WORDS = [
+    "system", "user", "assistant", "hi", "hello", "how", "are", "you", "fine", "thanks", "bye", "what", "is", "two",
+    "plus", "three", "five", "the", "a", "an", "question", "answer", "yes", "no", "ok", "good", "bad", "one",
+    "four", "six", "seven", "eight", "nine", "ten",
+]
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Same rendering, with {% generation %} around what the assistant generates.
+CHATML_GEN = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LAYER_IDS = (1, 2, 4)
+
+
+def tiny_tokenizer(template: str = CHATML) -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for w in WORDS + ["?", "!", ".", ","]:
+        vocab.setdefault(w, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = template
+    return tok
+
+
+def convo(cid: str, *turns: str) -> dict:
+    roles = ["user", "assistant"]
+    return {"id": cid, "messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]}
+
+
+CONVOS = [
+    convo("c0", "hi how are you ?", "fine thanks !", "what is two plus three ?", "five ."),
+    convo("c1", "hello", "hi"),
+    convo("c2", "question", "yes no ok good bad one four six seven eight nine ten the a an", "bye"),
+    convo("c3", "one two", "three four five six"),
+    convo("c4", "what", "is"),
+]
+
+
+@pytest.fixture
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_target_config()).eval()
+
+
+def decode_masked(tok, ids, mask):
+    return tok.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m])
+
+
+def test_loss_mask_covers_assistant_content_and_end_of_turn(tok):
+    ids, mask = capture.tokenize_conversation(tok, CONVOS[0]["messages"])
+    assert decode_masked(tok, ids, mask) == ["fine", "thanks", "!", "<|im_end|>", "five", ".", "<|im_end|>"]
+    assert ids == tok.apply_chat_template(CONVOS[0]["messages"], tokenize=True, return_dict=True)["input_ids"]
+
+
+def test_prefix_diff_matches_generation_tags(tok):
+    gen = tiny_tokenizer(CHATML_GEN)
+    for c in CONVOS:
+        assert capture.tokenize_conversation(tok, c["messages"]) == capture.tokenize_conversation(gen, c["messages"])
+
+
+def test_trailing_user_turn_is_cut(tok):
+    ids, mask = capture.tokenize_conversation(tok, CONVOS[2]["messages"])
+    assert tok.convert_ids_to_tokens(ids)[-1] == "<|im_end|>" and mask[-1] == 1
+
+
+def test_drops_and_truncation_are_counted(tok):
+    rows = [
+        convo("empty", "hi", "  "),
+        convo("noasst", "hi"),
+        convo("long", "hi " * 30, "ok"),
+        convo("fine", "hi", "ok"),
+    ]
+    stats = Counter()
+    out = capture.prepare_samples(tok, rows, max_length_tokens=20, on_too_long="truncate", stats=stats)
+    assert [s[0] for s in out] == ["fine"]
+    assert stats["dropped_empty_assistant_turn"] == 1 and stats["dropped_no_assistant_turn"] == 1
+    assert stats["dropped_no_loss_tokens_after_truncation"] == 1 and stats["truncated"] == 1
+
+    stats = Counter()
+    rows[2] = convo("long", "hi", "ok " * 30)
+    out = capture.prepare_samples(tok, rows, max_length_tokens=20, on_too_long="truncate", stats=stats)
+    assert [(s[0], len(s[1])) for s in out] == [("long", 20), ("fine", 8)] and stats["truncated"] == 1
+    stats = Counter()
+    out = capture.prepare_samples(tok, rows, max_length_tokens=20, on_too_long="drop", stats=stats)
+    assert [s[0] for s in out] == ["fine"] and stats["dropped_too_long"] == 1 and stats["truncated"] == 0
+    with pytest.raises(ValueError, match="capture.on_too_long='cut'"):
+        capture.prepare_samples(tok, rows, max_length_tokens=20, on_too_long="cut")
+
+
+def test_template_errors():
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat_template"):
+        capture.tokenize_conversation(tok, CONVOS[1]["messages"])
+    # a template that drops earlier assistant turns: prefixes are not prefixes of the full render
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}{{ '<|im_start|>' + m['role'] + "
+        "'\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    with pytest.raises(ValueError, match="not prefix-stable"):
+        capture.tokenize_conversation(tok, CONVOS[0]["messages"])
+
+
+def test_capture_batch_equals_direct_forward(model, tok):
+    cfg = CaptureConfig(batch_size=2, dtype="float32")
+    stats = Counter()
+    out = capture.capture_batch(model, tok, CONVOS, cfg, LAYER_IDS, max_length_tokens=64, stats=stats)
+    assert [s["sample_id"] for s in out] == [c["id"] for c in CONVOS]  # input order, whatever the grouping
+    assert stats["num_samples"] == 5 and stats["num_tokens"] == sum(len(s["input_ids"]) for s in out)
+    for s in out:
+        ids = s["input_ids"].long()[None]
+        with torch.no_grad():
+            hs = model(ids, output_hidden_states=True).hidden_states
+        want_aux = torch.cat([hs[i] for i in LAYER_IDS], -1)[0]
+        torch.testing.assert_close(s["aux"], want_aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s["final_hidden"], hs[-1][0], rtol=1e-5, atol=1e-5)  # HF last = after norm
+        logits = model.lm_head(s["final_hidden"])
+        torch.testing.assert_close(logits, model(ids).logits[0], rtol=1e-4, atol=1e-4)
+        shards.validate_sample(s, hidden_size=36, dtype="float32")
+
+
+def test_capture_batch_dtype_and_nan(model, tok):
+    out = capture.capture_batch(model, tok, CONVOS[:2], CaptureConfig(dtype="bfloat16"), LAYER_IDS)
+    assert out[0]["aux"].dtype == torch.bfloat16 and out[0]["aux"].shape[1] == 3 * 36
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="sample 'c0': final_hidden holds .* NaN/Inf"):
+        capture.capture_batch(model, tok, CONVOS[:1], CaptureConfig(dtype="float32"), (1, 2, 3))
+
+
+def test_length_batches():
+    assert capture.length_batches([3, 9, 1, 9, 4], 2) == [[1, 3], [4, 0], [2]]
+
+
+# ------------------------------------------------------------------------------ materialized, in-process
+
+
+@pytest.fixture
+def target_dir(tmp_path, model):
+    d = tmp_path / "tiny-target"
+    model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+def cfgs(target_dir, **capture_kw):
+    return (TargetConfig(model=str(target_dir), aux_layer_ids=LAYER_IDS),
+            CaptureConfig(dtype="float16", batch_size=2, shard_size_samples=2, **capture_kw),
+            DataConfig(max_length_tokens=64))
+
+
+def many_convos(n: int) -> list[dict]:
+    return [dict(c, id=f"{c['id']}-{i}") for i in range(n // len(CONVOS) + 1) for c in CONVOS][:n]
+
+
+def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir):
+    rows = many_convos(7) + [convo("empty", "hi", "")]  # 8 conversations -> 4 shards, one drop
+    t, c, d = cfgs(target_dir)
+    ref = capture.run_capture(rows, t, c, d, tmp_path / "ref", use_ray=False)
+    assert (ref.num_samples, ref.num_shards, ref.dropped["empty_assistant_turn"]) == (7, 4, 1)
+    ref_manifest = shards.load_manifest(tmp_path / "ref").to_pylist()
+    meta = shards.load_capture_meta(tmp_path / "ref")
+    assert meta["aux_layer_ids"] == list(LAYER_IDS) and meta["hidden_size"] == 36 and meta["dtype"] == "float16"
+    assert meta["bytes_per_token"] == 4 + 1 + 4 * 36 * 2
+
+    out = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="injected crash before writing shard-00002"):
+        capture.run_capture(rows, t, c, d, out, use_ray=False, crash_after_shards=2)
+    assert sorted(p.name for p in out.iterdir()) == [".shard-00002.safetensors.crash.tmp",
+                                                     "shard-00000.safetensors", "shard-00001.safetensors"]
+    before = (out / "shard-00000.safetensors").stat().st_mtime_ns
+    # also corrupt a finished shard: resume must rewrite it, not trust it
+    raw = bytearray((out / "shard-00001.safetensors").read_bytes())
+    raw[-3] ^= 0xFF
+    (out / "shard-00001.safetensors").write_bytes(bytes(raw))
+    res = capture.run_capture(rows, t, c, d, out, use_ray=False)
+    assert res.num_shards_reused == 1
+    assert (out / "shard-00000.safetensors").stat().st_mtime_ns == before  # kept, not recomputed
+    assert shards.load_manifest(out).to_pylist() == ref_manifest  # nothing lost, nothing duplicated
+    assert not list(out.glob(".*tmp"))
+    again = capture.run_capture(rows, t, c, d, out, use_ray=False)
+    assert again.num_shards_reused == 4 and shards.load_manifest(out).to_pylist() == ref_manifest
+    got = list(shards.iter_samples(out))
+    assert [s["sample_id"] for s in got] == [r["sample_id"] for r in ref_manifest]
+    counts = shards.load_token_counts(out / shards.TOKEN_COUNTS_NAME)
+    assert int(counts.sum()) == sum(int(s["loss_mask"].sum()) for s in got)
+    assert torch.equal(counts, capture.count_tokens(rows, 99, tokenizer=tiny_tokenizer(), max_length_tokens=64))
+
+
+def test_run_capture_refuses_other_settings(tmp_path, target_dir):
+    t, c, d = cfgs(target_dir)
+    capture.run_capture(many_convos(3), t, c, d, tmp_path / "cap", use_ray=False)
+    manifest = (tmp_path / "cap" / shards.MANIFEST_NAME).read_bytes()
+    t2 = TargetConfig(model=str(target_dir), aux_layer_ids=(1, 2, 3))
+    with pytest.raises(ValueError, match="captured with other settings.*aux_layer_ids"):
+        capture.run_capture(many_convos(3), t2, c, d, tmp_path / "cap", use_ray=False)
+    assert (tmp_path / "cap" / shards.MANIFEST_NAME).read_bytes() == manifest  # nothing lost
+
+
+def test_vllm_backend_is_gpu_only(tmp_path, target_dir):
+    t, c, d = cfgs(target_dir, backend="vllm")
+    with pytest.raises(ValueError, match="CUDA-only"):
+        capture.run_capture(many_convos(2), t, c, d, tmp_path / "x", use_ray=False)
+
+
+def test_samples_to_columns_ragged(model, tok):
+    out = capture.capture_batch(model, tok, CONVOS[:3], CaptureConfig(dtype="bfloat16"), LAYER_IDS)
+    cols = capture.samples_to_columns(out)
+    assert list(cols["sample_id"]) == ["c0", "c1", "c2"]
+    assert [a.shape for a in cols["aux"]] == [(len(s["input_ids"]), 108) for s in out]
+    assert cols["aux"][0].dtype.name == "float32"  # bf16 carried exactly as float32
+    assert json.dumps(list(cols["sample_id"]))
