@@ -1,0 +1,237 @@
+"""The plain (Ray-free) training loop of pipelines/train.py: schedule, packing position, resume."""
+
+import itertools
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from peagle_core.drafter import DrafterConfig, Eagle3Drafter
+from peagle_core.objective import pack_samples
+from pipelines import train as T
+
+from .conftest import HIDDEN, MASK_ID, VOCAB, tiny_target_config
+
+pytestmark = pytest.mark.unit
+
+
+class StandInObjective:
+    """Next-token distillation at depth 0 with a random row subsample (exercises the RNG the
+    trainer must checkpoint); the interface of ``peagle_core.objective`` objectives."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward_backward(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, no_sync=None,
+                         elements=None):
+        d = getattr(drafter, "module", drafter)
+        N = batch.num_tokens
+        ar = torch.arange(N)
+        mask = (batch.doc_ids[:, None] == batch.doc_ids[None, :]) & (ar[:, None] >= ar[None, :])
+        hidden = d.combine_hidden_states(batch.aux)[None]
+        normed, _ = drafter(batch.input_ids[None], hidden, batch.position_ids[None], attn_mask=mask[None, None])
+        # slot p predicts x[p+2]: target distribution = lm_head(final_hidden[p+1])
+        valid = (ar[:-1] + 1 < N) & (batch.doc_ids[:-1] == batch.doc_ids[1:])
+        keep = valid & (torch.rand(N - 1, generator=self.generator) < 0.9)
+        rows = torch.nonzero(keep).flatten()
+        logits = d.compute_logits(normed[0, rows])  # [m, Vd]
+        tgt = (batch.final_hidden[rows + 1] @ target_lm_head.T)[:, d.t2d]  # [m, Vd]
+        logp = torch.log_softmax(logits.float(), -1)
+        p_t = torch.softmax(tgt.float(), -1)
+        loss = (p_t * (torch.log(p_t + 1e-12) - logp)).sum(-1).sum() / max(len(rows), 1)
+        loss.backward()
+        acc = (logits.argmax(-1) == tgt.argmax(-1)).float().mean()
+        return {"loss": float(loss.detach()), "acc_d0": float(acc), "num_forward_slots": float(N)}
+
+
+def make_samples(num: int, seed: int = 0) -> list[dict]:
+    """Learnable synthetic rows: final_hidden is a fixed function of aux."""
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(3 * HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(123)) / math.sqrt(3 * HIDDEN)
+    out = []
+    for i in range(num):
+        n = int(torch.randint(5, 14, (1,), generator=g))
+        aux = torch.randn(n, 3 * HIDDEN, generator=g)
+        out.append({"sample_id": f"s{i}", "input_ids": torch.randint(0, VOCAB - 3, (n,), generator=g),
+                    "loss_mask": torch.ones(n, dtype=torch.bool), "aux": aux, "final_hidden": aux @ proj * 3})
+    return out
+
+
+def make_drafter(draft_vocab_size=None) -> Eagle3Drafter:
+    torch.manual_seed(1)
+    cfg = DrafterConfig.from_target(tiny_target_config(), num_hidden_layers=1, mask_token_id=MASK_ID,
+                                    draft_vocab_size=draft_vocab_size)
+    return Eagle3Drafter(cfg)
+
+
+def config(**kw) -> dict:
+    base = {"method": "peagle", "num_epochs": 3, "max_steps": None, "lr": 3e-3, "betas": (0.9, 0.95),
+            "weight_decay": 0.01, "warmup_steps": 2, "batch_tokens": 24, "grad_clip": 1.0,
+            "checkpoint_every_steps": 4, "seed": 0}
+    base.update(kw)
+    return base
+
+
+LM_HEAD = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(7))
+
+
+def train(samples, tmp, **kw):
+    cfg = config(**{k: v for k, v in kw.items() if k in config()})
+    extra = {k: v for k, v in kw.items() if k not in config()}
+    return T.run_training(lambda epoch: iter(samples), make_drafter(), LM_HEAD, StandInObjective(), cfg,
+                          checkpoint_dir=tmp, device="cpu", log_every_steps=1, pack_fn=pack_samples, **extra)
+
+
+def test_lr_schedule_shape():
+    f = [T.lr_multiplier(s, warmup_steps=4, total_steps=20) for s in range(21)]
+    assert f[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert f[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(f[4:]))  # cosine decays monotonically
+    assert f[12] == pytest.approx(0.5)  # half-way through the decay
+    assert f[20] == pytest.approx(0.0, abs=1e-12)
+    assert T.lr_multiplier(30, warmup_steps=4, total_steps=20) == pytest.approx(0.0, abs=1e-12)
+    assert T.lr_multiplier(20, warmup_steps=0, total_steps=20, min_lr_ratio=0.1) == pytest.approx(0.1)
+    # the scheduler applies it to AdamW's lr
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = T.build_optimizer(torch.nn.ParameterList([p]), config(lr=1.0))
+    sched = T.build_scheduler(opt, warmup_steps=4, total_steps=20)
+    lrs = []
+    for _ in range(6):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx(f[:6])
+
+
+def test_packing_data_position_and_skip():
+    samples = make_samples(20)
+    batches = list(T.iter_packed_batches(samples, 24, pack_samples))
+    counts = [n for _, n in batches]
+    assert sum(counts) == 20
+    assert all(b.num_tokens <= 24 for b, _ in batches)
+    # resuming after k batches = skipping their samples gives the same remaining batches
+    k = 3
+    rest = list(T.iter_packed_batches(samples, 24, pack_samples, skip_samples=sum(counts[:k])))
+    assert len(rest) == len(batches) - k
+    for (a, _), (b, _) in zip(batches[k:], rest):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.doc_ids, b.doc_ids)
+    # estimate_steps_per_epoch simulates the same greedy packing
+    lengths = [len(s["input_ids"]) for s in samples]
+    assert T.estimate_steps_per_epoch(lengths, 24) == len(batches)
+    assert T.estimate_steps_per_epoch(lengths, 24, num_workers=2) == len(batches) // 2
+
+
+def test_loss_decreases_and_checkpoints(tmp_path):
+    samples = make_samples(24)
+    res = train(samples, tmp_path / "ck", num_epochs=6, checkpoint_every_steps=5, lr=1e-2)
+    losses = [h["loss"] for h in res.history]
+    assert res.step == len(losses) and res.step > 20
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+    assert all(h["tokens_per_s"] > 0 and h["positions_per_s"] > 0 for h in res.history)
+    assert "acc_d0" in res.history[-1] and "lr" in res.history[-1] and "grad_norm" in res.history[-1]
+    kept = sorted(p.name for p in (tmp_path / "ck").glob("checkpoint_*"))
+    assert len(kept) == 2 and kept[-1] == f"checkpoint_{res.step:08d}"  # num_to_keep=2, final one saved
+    for name in (T.MODEL_FILE, T.OPTIMIZER_FILE, T.SCHEDULER_FILE, T.STATE_FILE, "rank_0000.pt"):
+        assert (tmp_path / "ck" / kept[-1] / name).is_file()
+
+
+def test_resume_is_exact(tmp_path):
+    """A run killed after its step-4 checkpoint and resumed ends bit-identical to an uninterrupted
+    run: model, optimizer (AdamW moments), scheduler, data position (mid-epoch) and RNG restored."""
+    samples = make_samples(14)  # ~4 batches per epoch: step 4 ends epoch 0 or lands mid epoch 1
+    full = train(samples, tmp_path / "a", max_steps=9)
+    with pytest.raises(RuntimeError, match="fail_after_step"):
+        train(samples, tmp_path / "b", max_steps=9, fail_after_step=6, checkpoint_every_steps=3)
+    assert T._latest_checkpoint(tmp_path / "b").name == "checkpoint_00000006"
+    resumed = train(samples, tmp_path / "b", max_steps=9, checkpoint_every_steps=3)
+    assert resumed.resumed_from_step == 6 and resumed.step == full.step == 9
+    assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in full.history[6:]], rel=1e-6)
+
+    def load(ck):
+        d = T._latest_checkpoint(ck)
+        from safetensors.torch import load_file
+
+        return (load_file(str(d / T.MODEL_FILE)), torch.load(d / T.OPTIMIZER_FILE, weights_only=True),
+                torch.load(d / T.SCHEDULER_FILE, weights_only=True), torch.load(d / "rank_0000.pt", weights_only=True))
+
+    (ma, oa, sa, ra), (mb, ob, sb, rb) = load(tmp_path / "a"), load(tmp_path / "b")
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], rtol=1e-6, atol=1e-7, msg=k)
+    assert T.optimizer_digest(oa) == pytest.approx(T.optimizer_digest(ob), rel=1e-9)
+    assert sa["last_epoch"] == sb["last_epoch"] == 9
+    assert ra["position"] == rb["position"]
+
+
+def test_load_checkpoint_restores_optimizer_and_position(tmp_path):
+    samples = make_samples(10)
+    res = train(samples, tmp_path / "ck", max_steps=3, checkpoint_every_steps=3)
+    ck = res.checkpoint
+    drafter = make_drafter()
+    trainer = T.Trainer(config=config(), model=drafter, objective=StandInObjective(), target_lm_head=LM_HEAD,
+                        total_steps=10, pack_fn=pack_samples)
+    meta = trainer.load_checkpoint(ck)
+    assert meta["step"] == trainer.state.step == 3
+    saved = torch.load(ck / T.OPTIMIZER_FILE, weights_only=True)
+    assert T.optimizer_digest(trainer.optimizer.state_dict()) == pytest.approx(T.optimizer_digest(saved))
+    assert trainer.state.position.samples_consumed > 0
+    assert trainer.scheduler.last_epoch == 3
+    with pytest.raises(ValueError, match="optimizer.pt is missing"):
+        (ck / T.OPTIMIZER_FILE).unlink()
+        trainer.load_checkpoint(ck)
+
+
+def test_target_weights_and_init(tmp_path):
+    embed = torch.randn(VOCAB, HIDDEN)
+    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(HIDDEN)},
+              str(tmp_path / "model.safetensors"))
+    # tied target: lm_head falls back to embed_tokens
+    assert torch.equal(T.load_target_lm_head(tmp_path), embed)
+    assert torch.equal(T.load_target_embed(tmp_path), embed)
+    head = torch.randn(VOCAB, HIDDEN)
+    d2 = tmp_path / "untied"
+    d2.mkdir()
+    save_file({"model.embed_tokens.weight": embed}, str(d2 / "model-00001-of-00002.safetensors"))
+    save_file({"lm_head.weight": head}, str(d2 / "model-00002-of-00002.safetensors"))
+    assert torch.equal(T.load_target_lm_head(d2), head)
+
+    counts = torch.arange(VOCAB, dtype=torch.int64)  # the highest ids are the most frequent
+    d2t, t2d = T.draft_vocab_mapping(counts, 40, always_keep=[0])
+    drafter = make_drafter(draft_vocab_size=40)
+    drafter.set_vocab_mapping(d2t, t2d)
+    T.init_drafter_from_target(drafter, embed, head)
+    assert torch.equal(drafter.embed_tokens.weight, embed)
+    assert drafter.embed_tokens.weight.requires_grad
+    target_ids = torch.nonzero(t2d).flatten()
+    assert torch.equal(drafter.lm_head.weight, head[target_ids])
+    assert target_ids[0] == 0 and target_ids[-1] == VOCAB - 1
+    with pytest.raises(ValueError, match="vocab_size, hidden_size"):
+        T.init_drafter_from_target(drafter, embed[:, :10], head)
+    with pytest.raises(ValueError, match="none of the tensors"):
+        T.load_target_tensor(tmp_path, ["lm_head.weight"])
+
+
+def test_count_tokens_assistant_only():
+    s = [{"input_ids": torch.tensor([1, 2, 2, 3]), "loss_mask": torch.tensor([0, 1, 1, 0])}]
+    c = T.count_tokens(s, 5)
+    assert c.tolist() == [0, 0, 2, 0, 0]
+    assert T.count_tokens(s, 5, assistant_only=False).tolist() == [0, 1, 2, 1, 0]
+
+
+def test_bad_config_raises_before_compute():
+    with pytest.raises(ValueError, match="set either"):
+        T.run_training(lambda e: iter([]), make_drafter(), LM_HEAD, StandInObjective(),
+                       config(num_epochs=0, max_steps=None), pack_fn=pack_samples)
+    with pytest.raises(ValueError, match="batch_tokens"):
+        T.Trainer(config=config(batch_tokens=1), model=make_drafter(), objective=StandInObjective(),
+                  target_lm_head=LM_HEAD, total_steps=5, pack_fn=pack_samples)
+
+
+def test_plain_path_does_not_import_ray():
+    code = ("import sys, pipelines.train as t; assert 'ray' not in sys.modules, 'ray imported'; "
+            "assert 'mlflow' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
