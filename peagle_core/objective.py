@@ -716,9 +716,11 @@ class PEagleObjective(Objective):
 
     def _segment(
         self, drafter: nn.Module, batch: PackedBatch, el: Elements, W_t: torch.Tensor, denom: float,
-        stats: DepthStats, force_loss: bool = False,
+        stats: DepthStats, num_context: int = 0,
     ) -> torch.Tensor:
-        """One forward over elements ``el`` (context + own slice); returns the scaled loss sum."""
+        """One forward over elements ``el`` = ``num_context`` keys-only context slots, then the
+        segment's own slots; returns the scaled loss sum of the own loss elements (a zero that
+        still reaches every parameter when there is none)."""
         d = unwrap(drafter)
         T = el.num_elements
         is0 = el.depth == 0
@@ -732,9 +734,11 @@ class PEagleObjective(Objective):
         mask = element_mask(el, attention=self.cfg.attention)
         normed, _ = drafter(el.input_ids[None], hidden[None], el.position[None], attn_mask=mask)
         stats.num_forward_slots += T
-        rows = torch.nonzero(el.loss).flatten()
+        own_loss = el.loss.clone()
+        own_loss[:num_context] = False
+        rows = torch.nonzero(own_loss).flatten()
         if rows.numel() == 0:
-            return normed.sum() * 0.0 if force_loss else None
+            return (normed.sum() + d.lm_head.weight.sum()) * 0.0
         sub = el.index(rows)
         scale = torch.full((rows.numel(),), 1.0 / denom, device=normed.device, dtype=torch.float32)
         return self._loss_rows(d, batch, normed[0, rows], sub, W_t, scale, stats)
@@ -764,7 +768,8 @@ class PEagleObjective(Objective):
             last = i == len(todo) - 1
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with ctx:
-                loss = self._segment(drafter, batch, el.index(seg.indices), W_t, denom, stats, force_loss=True)
+                loss = self._segment(drafter, batch, el.index(seg.indices), W_t, denom, stats,
+                                     num_context=int(seg.context.numel()))
                 loss.backward()
             total += float(loss.detach())
         return stats.metrics(total)
@@ -772,7 +777,7 @@ class PEagleObjective(Objective):
     def compute_loss(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, elements=None):
         d, el, W_t, denom = self._prepare(drafter, batch, target_lm_head, loss_scale_denominator, elements)
         stats = DepthStats(self.num_depths, el.anchor.device)
-        loss = self._segment(drafter, batch, el, W_t, denom, stats, force_loss=True)
+        loss = self._segment(drafter, batch, el, W_t, denom, stats)
         return loss, stats.metrics(float(loss.detach()))
 
 
