@@ -1,0 +1,101 @@
+"""pipelines.regenerate without Ray or vLLM: turn-by-turn conditioning, provenance, the transformers engine."""
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from pipelines import regenerate
+from pipelines.recipe import RegenerateConfig
+from tests.unit.conftest import tiny_target_config
+from tests.unit.test_capture import tiny_tokenizer
+
+pytestmark = pytest.mark.unit
+
+
+class EchoEngine:
+    """Answers 'reply to <last user> after <n> assistant turns'; records every prompt it saw."""
+
+    name = "echo"
+
+    def __init__(self, empty_on: str | None = None, none_on: str | None = None):
+        self.prompts, self.empty_on, self.none_on = [], empty_on, none_on
+
+    def generate(self, prompts, cfg, seeds):
+        out = []
+        for p in prompts:
+            self.prompts.append(p)
+            last = p[-1]["content"]
+            n_prev = sum(m["role"] == "assistant" for m in p)
+            if last == self.none_on:
+                out.append(None)
+            elif last == self.empty_on:
+                out.append(regenerate.Generation("  ", 1, "stop"))
+            else:
+                out.append(regenerate.Generation(f"re:{last}/{n_prev}", 3, "stop"))
+        return out
+
+
+def test_turn_by_turn_conditioning_and_provenance():
+    rows = [
+        {"id": "a", "source": "s", "messages": [
+            {"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "OLD"}, {"role": "user", "content": "u2"},
+            {"role": "assistant", "content": "OLD2"}]},
+        {"id": "b", "source": "s", "messages": [{"role": "user", "content": "only"}]},  # ends on a user turn
+    ]
+    eng, cfg, stats = EchoEngine(), RegenerateConfig(temperature=0.7, seed=3), Counter()
+    out = regenerate.regenerate_conversations(rows, eng, cfg, stats=stats)
+    assert out[0]["messages"] == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "re:u1/0"}, {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "re:u2/1"}]
+    # turn 2 was conditioned on the regenerated turn 1, never on the dataset's answer
+    assert all("OLD" not in m["content"] for p in eng.prompts for m in p)
+    assert out[1]["messages"][-1] == {"role": "assistant", "content": "re:only/0"}
+    assert out[0]["source_id"] == "a" and out[0]["regen_model"] == "echo"
+    assert out[0]["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens_per_turn": 512, "seed": 3,
+                                  "greedy": False}
+    assert out[0]["num_generated_tokens"] == 6 and stats["num_generated_tokens"] == 9 and stats["num_turns"] == 3
+    assert regenerate.request_seed(3, "a", 1) == regenerate.request_seed(3, "a", 1) != regenerate.request_seed(3, "a", 0)
+
+
+def test_empty_and_context_full_stop_the_conversation():
+    rows = [
+        {"id": "e", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                 {"role": "user", "content": "EMPTY"}]},
+        {"id": "n", "messages": [{"role": "user", "content": "FULL"}]},
+    ]
+    stats = Counter()
+    out = regenerate.regenerate_conversations(rows, EchoEngine(empty_on="EMPTY", none_on="FULL"), RegenerateConfig(),
+                                              stats=stats)
+    assert [r["id"] for r in out] == ["e"] and len(out[0]["messages"]) == 2  # stopped before the empty answer
+    assert stats["empty_generations"] == 1 and stats["stopped_context_full"] == 1 and stats["dropped_no_response"] == 1
+
+
+def test_transformers_engine_greedy_matches_generate():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_target_config(eos_token_id=2)).eval()
+    tok = tiny_tokenizer()
+    eng = regenerate.TransformersEngine("tiny", model=model, tokenizer=tok, max_model_len=64, name="tiny")
+    prompts = [[{"role": "user", "content": "hi how are you ?"}], [{"role": "user", "content": "one"}]]
+    cfg = RegenerateConfig(max_tokens_per_turn=5, temperature=0.0)
+    gens = eng.generate(prompts, cfg, [0, 0])
+    for p, g in zip(prompts, gens):  # batched left-padded greedy == one prompt alone
+        ids = tok.apply_chat_template(p, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ref = model.generate(**ids, max_new_tokens=5, do_sample=False, eos_token_id=[2], pad_token_id=2, top_k=None)
+        new = ref[0, ids["input_ids"].shape[1]:].tolist()
+        new = new[: new.index(2)] if 2 in new else new
+        assert g.text == tok.decode(new, skip_special_tokens=True)
+        assert g.num_tokens == min(len(new) + (g.finish_reason == "stop"), 5)
+    # context full: prompt longer than max_model_len -> None
+    eng.max_model_len = 4
+    assert eng.generate(prompts[:1], cfg, [0]) == [None]
+
+
+def test_bad_config_raises_before_engine():
+    with pytest.raises(ValueError, match="regenerate.backend='sglang'"):
+        regenerate.make_engine("sglang", "x", dtype="float32", max_model_len=8)
+    with pytest.raises(ValueError, match="regenerate.enabled is false"):
+        regenerate.run_regenerate([], None, RegenerateConfig(enabled=False), None)
