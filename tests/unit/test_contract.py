@@ -51,8 +51,19 @@ def test_config_json_has_vllm_keys(head):
     assert load_file(str(path / "model.safetensors"))["layers.0.self_attn.q_proj.weight"].shape == (36, 72)
 
 
+def test_full_vocab_head_has_no_d2t(tmp_path):
+    """vLLM refuses d2t when draft_vocab_size == vocab_size (no draft_id_to_target_id parameter)."""
+    path = export_head(make_drafter(), tmp_path / "h", dtype="float32")
+    names = set(load_file(str(path / "model.safetensors")))
+    assert "d2t" not in names and "t2d" not in names
+    assert load_head(path).draft_to_target(torch.tensor([5])).item() == 5
+    _rewrite(path, tensors={"d2t": torch.zeros(99, dtype=torch.long)})
+    with pytest.raises(HeadContractError, match="pruned vocabulary"):
+        validate_head(path)
+
+
 def test_bfloat16_export_keeps_index_dtypes(tmp_path):
-    d = make_drafter()
+    d = make_drafter(draft_vocab_size=50)
     path = export_head(d, tmp_path / "h", dtype="bfloat16")
     t = load_file(str(path / "model.safetensors"))
     assert t["fc.weight"].dtype == torch.bfloat16 and t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
