@@ -277,6 +277,7 @@ def ensure_target(
         log.warning("%s is incomplete or corrupt; rebuilding it", final)
 
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(root, final.name)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
@@ -300,6 +301,17 @@ def ensure_target(
         raise
     log.info("materialized %s in %.1f s", final, time.perf_counter() - t0)
     return TargetAsset(final, manifest["sha256"], dtype, spec.name, manifest)
+
+
+def _remove_stale_tmp(root: Path, name: str, max_age_s: float = 3600.0) -> None:
+    """Remove temp dirs of conversions that were killed (older than ``max_age_s``)."""
+    now = time.time()
+    for p in root.glob(f".{name}.*"):
+        try:
+            if p.is_dir() and now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _local_target(path: Path, dtype: str) -> TargetAsset:
@@ -455,4 +467,4 @@ def verify_target_dir(path: Path, spec: EmbeddedTarget | None = None, max_new_to
             f"target check failed for {path}: greedy generation gave {len(new)} new tokens "
             f"(need >= {VERIFY_MIN_NEW_TOKENS}) and text {text!r}"
         )
-    return {"num_new_tokens": int(len(new)), "text": text, "seconds": round(time.perf_counter() - t0, 2)}
+    return {"num_new_tokens": len(new), "text": text, "seconds": round(time.perf_counter() - t0, 2)}

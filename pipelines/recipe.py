@@ -356,9 +356,8 @@ class Recipe(_Section):
         n = t.known("num_hidden_layers")
         if t.aux_layer_ids is not None and n is not None:
             _check_aux_ids(t.aux_layer_ids, n)
-        elif t.aux_layer_ids is not None:
-            if any(i < 0 for i in t.aux_layer_ids):
-                raise ValueError(f"target.aux_layer_ids={list(t.aux_layer_ids)}: ids must be >= 0")
+        elif t.aux_layer_ids is not None and any(i < 0 for i in t.aux_layer_ids):
+            raise ValueError(f"target.aux_layer_ids={list(t.aux_layer_ids)}: ids must be >= 0")
         if d.mask_token_id is None:
             reserved = t.reserved_mask_token_id()
             if reserved is None:
@@ -366,7 +365,8 @@ class Recipe(_Section):
                     f"drafter.mask_token_id is required for target.model={t.model!r}: set it to a reserved, "
                     "unused special token id of the target tokenizer (e.g. 128002 for Llama-3, 151669 for Qwen3)"
                 )
-            object.__setattr__(d, "mask_token_id", reserved)  # no re-validation loop
+            d = d.model_copy(update={"mask_token_id": reserved})  # never mutate the caller's object
+            object.__setattr__(self, "drafter", d)  # bypass validate_assignment (no re-validation loop)
         t.check_token_id(d.mask_token_id, "drafter.mask_token_id")
         if t.embedded is not None and d.mask_token_id in t.embedded.template_token_ids:
             raise ValueError(
@@ -402,7 +402,7 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
+            raise ValueError(f"override {dotted!r}: {k!r} is not a section")  # noqa: TRY004 (config mistake)
     node[keys[-1]] = value
 
 
@@ -424,7 +424,7 @@ def recipe_from_dict(data: dict[str, Any], overrides: list[str] | None = None, s
         ValueError: with every offending field path and the fix.
     """
     if not isinstance(data, dict):
-        raise ValueError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")
+        raise ValueError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")  # noqa: TRY004
     data = dict(data)
     for key, value in parse_overrides(overrides):
         _set_dotted(data, key, value)
@@ -473,7 +473,7 @@ def chat_template_token_ids(tokenizer) -> set[int]:
     for messages in (convo, convo[1:]):
         try:
             rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # some templates reject a system turn
+        except Exception as e:  # noqa: BLE001 - templates raise anything (jinja errors, ValueError) on a system turn
             log.debug("chat template rejected %s: %s", [m["role"] for m in messages], e)
             continue
         ids.update(tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -543,9 +543,9 @@ def provenance(recipe: Recipe | None = None, repo_dir: Path | None = None) -> di
     repo_dir = repo_dir or Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True, text=True,
-                             timeout=10).stdout.strip() or None
+                             timeout=10, check=False).stdout.strip() or None
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo_dir,
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
+                                    capture_output=True, text=True, timeout=10, check=False).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         sha, dirty = None, None
     versions = {}

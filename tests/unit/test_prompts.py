@@ -154,7 +154,7 @@ def test_sampling_and_split_are_deterministic(tmp_path, tmp_peagle_home):
     assert a["id"] == b["id"] and len(a) == 10 and a["id"] != c["id"]
     assert len(sample(a, 99, 0)) == 10  # more than available: all, with a warning
     tr, ev = train_eval_split(a, 0.2, seed=1)
-    tr2, ev2 = train_eval_split(a, 0.2, seed=1)
+    _tr2, ev2 = train_eval_split(a, 0.2, seed=1)
     assert (len(tr), len(ev)) == (8, 2) and ev["id"] == ev2["id"] and not set(tr["id"]) & set(ev["id"])
     tr0, ev0 = train_eval_split(a, 0.0, seed=1)
     assert len(tr0) == 10 and len(ev0) == 0
