@@ -1,1 +1,209 @@
-"""EAGLE-3 training-time test (placeholder until the TTT objective lands)."""
+"""EAGLE-3 baseline: training-time test (TTT), registered as objective ``"eagle3"``.
+
+Source: EAGLE-3 (arXiv 2503.01840, Sec. 3.2 "training-time test"; SafeAILab/EAGLE
+``eagle/traineagle3/cnets.py``), with vLLM's sequential drafting as the inference it simulates
+(``vllm/v1/spec_decode/llm_base_proposer.py``; ``Eagle3Drafter.draft_sequential`` here).
+
+T steps (default 7). Step i processes one slot per anchor ``a`` of the packed sequence; slot
+``(a, i)``:
+
+* token ``x[a+1+i]`` (ground truth, shifted i to the left, as EAGLE-3 trains);
+* hidden state: step 0 ``combine_hidden_states(aux[a])``; step i > 0 the drafter's own
+  ``prenorm`` output of slot ``(a, i-1)`` (what vLLM feeds back when drafting sequentially);
+* RoPE position ``position_ids[a] + i`` (the position vLLM gives the i-th sequential draft);
+* it predicts ``x[a+i+2]`` against ``softmax(target_lm_head(final_hidden[a+i+1]))`` restricted
+  to the draft vocabulary, and is a loss element iff that label is an assistant token in a's
+  document (same rule as P-EAGLE, ``objective.label_valid``).
+
+Attention: keys of all earlier steps stay in a KV cache (gradients flow through them); query
+``(a, i)`` sees ``(a', 0)`` for ``a' <= a`` and ``(a, j)`` for ``j <= i`` in the same document —
+the same rule as P-EAGLE's mask, so EAGLE-3's "diagonal" attention over earlier steps is
+``peagle_core.objective``'s element mask with depth = step.
+
+Loss: ``sum_i 0.8^i * (sum of step-i element losses) / n`` with ``n`` = the number of step-0 loss
+elements (or ``loss_scale_denominator``). EAGLE-3 divides each step by its own count instead;
+the two differ only by the few slots per document whose label runs past the document end.
+
+Shape legend: N tokens, T steps, H drafter hidden, Ht target hidden, Vd draft vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from peagle_core.drafter import DrafterCache, Eagle3Drafter
+from peagle_core.objective import (
+    DepthStats,
+    Elements,
+    Objective,
+    ObjectiveConfig,
+    PackedBatch,
+    create_block_mask,
+    label_valid,
+    register_objective,
+    resolve_attention,
+    unwrap,
+    _allowed,
+    _pad_meta,
+    FLEX_BLOCK,
+)
+
+
+def build_ttt_elements(batch: PackedBatch, num_steps: int) -> Elements:
+    """Slots of all T steps, step-major (``[T * N]`` fields; step i = rows ``i*N:(i+1)*N``).
+
+    ``valid`` is False where the token ``x[a+1+i]`` lies outside a's document (filler slots).
+
+    Raises:
+        ValueError: ``num_steps < 1``.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps={num_steps} must be >= 1")
+    N, dev = batch.num_tokens, batch.device
+    loss = label_valid(batch, num_steps).T.reshape(-1)  # [T*N], step-major
+    a = torch.arange(N, device=dev).repeat(num_steps)
+    i = torch.arange(num_steps, device=dev).repeat_interleave(N)
+    tok = a + 1 + i
+    tok_c = tok.clamp(max=N - 1)
+    valid = (tok < N) & (batch.doc_ids[tok_c] == batch.doc_ids[a])
+    return Elements(
+        anchor=a, depth=i, doc=batch.doc_ids[a], position=batch.position_ids[a] + i,
+        input_ids=batch.input_ids[tok_c], target_index=(a + i + 1).clamp(max=N - 1), loss=loss & valid,
+        valid=valid, seg_key=a,
+    )
+
+
+def ttt_step_mask(q: Elements, k: Elements, *, attention: str = "dense"):
+    """Mask of step-i queries ``q`` ([N] slots) over the keys of steps 0..i ``k`` ([(i+1) N]).
+
+    Dense: bool ``[1, 1, N, (i+1) N]``; flex: ``BlockMask``. Each query also sees its own key
+    (the last block's diagonal), so filler slots never get an empty softmax row.
+    """
+    Tq, Tk = q.num_elements, k.num_elements
+    offset = Tk - Tq  # own keys are the last Tq keys
+    if attention == "dense":
+        m = _allowed(q.anchor[:, None], q.depth[:, None], q.doc[:, None], q.valid[:, None],
+                     k.anchor[None], k.depth[None], k.doc[None], k.valid[None])
+        m[:, offset:] |= torch.eye(Tq, dtype=torch.bool, device=m.device)
+        return m[None, None]
+    dev = q.anchor.device
+    Lq, Lk = -(-Tq // FLEX_BLOCK) * FLEX_BLOCK, -(-Tk // FLEX_BLOCK) * FLEX_BLOCK
+    qa, qd, qdoc = (_pad_meta(t, Lq, -1) for t in (q.anchor, q.depth, q.doc))
+    qv = _pad_meta(q.valid, Lq, False)
+    ka, kd, kdoc = (_pad_meta(t, Lk, -2) for t in (k.anchor, k.depth, k.doc))
+    kv = _pad_meta(k.valid, Lk, False)
+
+    def mask_mod(b, h, qi, ki):
+        return _allowed(qa[qi], qd[qi], qdoc[qi], qv[qi], ka[ki], kd[ki], kdoc[ki], kv[ki]) | (ki == qi + offset)
+
+    return create_block_mask(mask_mod, None, None, Tq, Tk, device=dev, _compile=dev.type == "cuda")
+
+
+def ttt_forward(
+    drafter: nn.Module, batch: PackedBatch, el: Elements, num_steps: int, *, attention: str = "auto",
+) -> Iterator[tuple[int, Elements, torch.Tensor]]:
+    """Run the T steps; yields ``(step i, its slots [N], normed drafter outputs [N, H])``.
+
+    Keys of earlier steps stay in a ``DrafterCache`` with gradients; step i > 0 takes the
+    ``prenorm`` output of step i-1 as its hidden state.
+    """
+    d = unwrap(drafter)
+    N = batch.num_tokens
+    impl = resolve_attention(attention, batch.device)
+    cache = DrafterCache(d.config.num_hidden_layers)
+    hidden = d.combine_hidden_states(batch.aux)  # [N, H] step-0 hidden states
+    for i in range(num_steps):
+        q = el.index(slice(i * N, (i + 1) * N))
+        mask = ttt_step_mask(q, el.index(slice(0, (i + 1) * N)), attention=impl)
+        normed, prenorm = drafter(q.input_ids[None], hidden[None], q.position[None], attn_mask=mask,
+                                  cache=cache, query_valid=q.valid[None])
+        yield i, q, normed[0]
+        hidden = prenorm[0]  # fed to step i+1 at the same anchor
+
+
+@dataclass(kw_only=True)
+class Eagle3TTTConfig(ObjectiveConfig):
+    """EAGLE-3 TTT options.
+
+    Args:
+        num_steps: T, training-time-test steps (EAGLE-3 default 7).
+        step_weight: step i is weighted ``step_weight ** i`` (EAGLE-3: 0.8).
+    """
+
+    num_steps: int = 7
+    step_weight: float = 0.8
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps={self.num_steps} must be >= 1")
+        if not self.step_weight > 0:
+            raise ValueError(f"step_weight={self.step_weight} must be > 0")
+
+
+@register_objective("eagle3")
+class Eagle3TTTObjective(Objective):
+    """EAGLE-3 training-time test; trains a head without ``mask_hidden`` (``mask_token_id=None``),
+    exported by ``peagle_core.contract`` in the same vLLM format as P-EAGLE heads."""
+
+    config_cls = Eagle3TTTConfig
+    cfg: Eagle3TTTConfig
+
+    @property
+    def num_depths(self) -> int:
+        return self.cfg.num_steps
+
+    @property
+    def step_weights(self) -> list[float]:
+        return [self.cfg.step_weight**i for i in range(self.cfg.num_steps)]
+
+    def check_drafter(self, drafter: Eagle3Drafter) -> None:
+        if drafter.parallel_drafting:
+            raise ValueError("the eagle3 objective trains an EAGLE-3 head: build it with mask_token_id=None "
+                             "(mask_hidden would get no gradient and break DDP)")
+
+    def build_elements(self, batch: PackedBatch, drafter: nn.Module) -> Elements:
+        d = unwrap(drafter)
+        self.check_drafter(d)
+        batch.validate(aux_width=d.config.fc_input_size, target_hidden_size=d.config.target_hidden_size)
+        return build_ttt_elements(batch, self.cfg.num_steps)
+
+    def _loss(self, drafter, batch, target_lm_head, loss_scale_denominator, elements):
+        d = unwrap(drafter)
+        el = self.build_elements(batch, drafter) if elements is None else elements
+        W_t = self._target_head(target_lm_head, d)
+        N, T = batch.num_tokens, self.cfg.num_steps
+        if el.num_elements != N * T:
+            raise ValueError(f"elements has {el.num_elements} slots; expected num_steps*N = {T}*{N}")
+        n0 = int(el.loss[:N].sum())
+        denom = float(loss_scale_denominator) if loss_scale_denominator is not None else float(max(n0, 1))
+        if denom <= 0:
+            raise ValueError(f"loss_scale_denominator={loss_scale_denominator} must be > 0")
+        stats = DepthStats(T, batch.device)
+        total = d.lm_head.weight.sum() * 0.0  # reaches lm_head even without loss elements
+        for i, q, normed in ttt_forward(drafter, batch, el, T, attention=self.cfg.attention):
+            stats.num_forward_slots += N
+            rows = torch.nonzero(q.loss).flatten()
+            if rows.numel():
+                scale = torch.full((rows.numel(),), self.step_weights[i] / denom, device=normed.device,
+                                   dtype=torch.float32)
+                total = total + self._loss_rows(d, batch, normed[rows], q.index(rows), W_t, scale, stats)
+        return total, stats
+
+    def forward_backward(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, no_sync=None,
+                         elements=None) -> dict[str, float]:
+        """One backward through all T steps (a single DDP all-reduce; ``no_sync`` is not needed)."""
+        loss, stats = self._loss(drafter, batch, target_lm_head, loss_scale_denominator, elements)
+        loss.backward()
+        return stats.metrics(float(loss.detach()))
+
+    def compute_loss(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, elements=None):
+        loss, stats = self._loss(drafter, batch, target_lm_head, loss_scale_denominator, elements)
+        return loss, stats.metrics(float(loss.detach()))
+
+
+__all__ = ["Eagle3TTTConfig", "Eagle3TTTObjective", "build_ttt_elements", "ttt_step_mask"]
