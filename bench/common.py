@@ -1,0 +1,76 @@
+"""Shared helpers of the GPU benchmarks: timing, environment record, result files.
+
+Benchmarks are scripts, not tests: each writes ``bench/results/<name>.json`` with the device,
+versions and date, and ``bench/report.py`` turns the files into ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Drafter shapes of the targets the benchmarks model (public HF configs; 4-layer P-EAGLE heads).
+TARGET_SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         intermediate_size=1536, vocab_size=49152, num_hidden_layers=30, rope_theta=100000.0),
+    "gpt-oss-20b": dict(hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        intermediate_size=2880, vocab_size=201088, num_hidden_layers=24, rope_theta=150000.0),
+    "llama-3.1-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         intermediate_size=14336, vocab_size=128256, num_hidden_layers=32, rope_theta=500000.0),
+}
+
+
+def environment() -> dict:
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of ``fn`` in milliseconds (CUDA-synchronized)."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+    out = (out_dir or RESULTS) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
+    return out
