@@ -26,6 +26,7 @@ Shape legend: M rows (loss elements), H drafter hidden, Ht target hidden, Vd dra
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -199,8 +200,9 @@ def linear_distill_loss(
     which = resolve_loss_impl(impl, h.device)
     if which == "plain":
         return plain_distill_loss(h, Wd, ht, Wt, row_scale, kind)
-    if which == "triton" and h.device.type != "cuda":
-        raise ValueError(f"loss_impl='triton' needs CUDA tensors, got device {h.device}; use 'torch'")
+    if which == "triton" and h.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"loss_impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {h.device}; "
+                         "use 'torch'")
     need_grad = torch.is_grad_enabled() and (h.requires_grad or Wd.requires_grad)
     loss, row, arg, tgt = _ChunkedDistill.apply(h, Wd, ht, Wt, row_scale.detach(), kind, int(chunk_rows),
                                                 which == "triton", need_grad)
