@@ -39,6 +39,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUMS_FILE = "peagle_checksums.json"
 VOCAB_MAP_TENSORS = ("d2t", "t2d")
+EMBED = "embed_tokens.weight"  # optional: vLLM shares the target's when absent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # config.json keys vLLM (or peagle's import) needs; "dtype" is checked separately.
@@ -143,6 +144,7 @@ def export_head(
     extra_config: dict | None = None,
     extra_files: dict[str, str] | None = None,
     overwrite: bool = False,
+    include_embed_tokens: bool = True,
 ) -> Path:
     """Write ``drafter`` as a vLLM-loadable head directory (atomically: temp dir, then rename).
 
@@ -154,6 +156,9 @@ def export_head(
         extra_config: merged into ``config.json["peagle"]`` (method, K trained, target name...).
         extra_files: ``{name: text}`` written beside (e.g. ``recipe.yaml``).
         overwrite: replace an existing directory; without it an existing one raises.
+        include_embed_tokens: False for a head trained with frozen target embeddings: vLLM then
+            shares the target's ``embed_tokens`` (``llm_base_proposer.py::_maybe_share_embeddings``),
+            saving ``V * H`` weights.
 
     Returns:
         The directory path.
@@ -175,6 +180,8 @@ def export_head(
         for name, t in drafter.state_dict().items():
             if name in VOCAB_MAP_TENSORS and not pruned:
                 continue  # vLLM has no draft_id_to_target_id parameter for a full draft vocab
+            if name == EMBED and not include_embed_tokens:
+                continue
 
             t = t.detach().cpu()
             if t.is_floating_point():
@@ -315,7 +322,7 @@ def validate_head(
     with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
         names = set(f.keys())
         expected = expected_weight_shapes(cfg, parallel_drafting=parallel_drafting)
-        missing = sorted(set(expected) - names)
+        missing = sorted(set(expected) - names - {EMBED})
         if missing:
             hint = (" (mask_hidden is required with parallel_drafting=True)" if "mask_hidden" in missing else "")
             raise HeadContractError(f"{WEIGHTS_FILE} lacks tensors {missing[:6]}{hint}")
@@ -325,6 +332,8 @@ def validate_head(
                     "to load them otherwise)" if set(unknown) & set(VOCAB_MAP_TENSORS) else "")
             raise HeadContractError(f"{WEIGHTS_FILE} has tensors vLLM does not expect: {unknown[:6]}{hint}")
         for name, shape in expected.items():
+            if name not in names:
+                continue
             got = tuple(f.get_slice(name).get_shape())
             if got != shape:
                 raise HeadContractError(f"{WEIGHTS_FILE}: {name} has shape {got}, config implies {shape}")
@@ -367,11 +376,16 @@ def _check_fits_target(config: dict, cfg: DrafterConfig, target_config: Any) -> 
 
 
 def load_head(head_dir: str | os.PathLike, *, device: str | torch.device = "cpu",
-              dtype: torch.dtype | None = None) -> Eagle3Drafter:
+              dtype: torch.dtype | None = None, target_embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
     """Rebuild an ``Eagle3Drafter`` from a head directory (safetensors only, strict names).
 
+    Args:
+        target_embed_tokens: ``[V, H]`` the target's embeddings, required when the head was
+            exported without ``embed_tokens`` (as vLLM shares them).
+
     Raises:
-        HeadContractError: as ``validate_head`` (parallel drafting is inferred from the files).
+        HeadContractError: as ``validate_head`` (parallel drafting is inferred from the files), or
+            the head has no ``embed_tokens`` and ``target_embed_tokens`` is not given.
     """
     d = Path(head_dir)
     config = json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
@@ -383,6 +397,11 @@ def load_head(head_dir: str | os.PathLike, *, device: str | torch.device = "cpu"
     model.to(dtype)  # floating params only; d2t/t2d keep their integer/bool dtypes
     for name in VOCAB_MAP_TENSORS:  # absent for a full draft vocab: identity mapping
         state.setdefault(name, getattr(model, name))
+    if EMBED not in state:
+        if target_embed_tokens is None:
+            raise HeadContractError(f"{d} has no embed_tokens (shared from the target in vLLM): "
+                                    "pass target_embed_tokens=<the target's input embeddings>")
+        state[EMBED] = target_embed_tokens.detach().to("cpu", dtype)
     model.load_state_dict(state, strict=True)
     return model.to(device)
 

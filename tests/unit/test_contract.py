@@ -159,3 +159,14 @@ def test_rule_checksum_catches_corruption(head):
 def test_rule_not_a_head(tmp_path):
     with pytest.raises(HeadContractError, match="config.json is missing"):
         validate_head(tmp_path)
+
+
+def test_head_without_embed_tokens_shares_the_target_embeddings(tmp_path):
+    d = make_drafter()
+    path = export_head(d, tmp_path / "h", dtype="float32", include_embed_tokens=False)
+    assert "embed_tokens.weight" not in load_file(str(path / "model.safetensors"))
+    validate_head(path, target_config=TARGET)
+    with pytest.raises(HeadContractError, match="target_embed_tokens"):
+        load_head(path)
+    back = load_head(path, target_embed_tokens=d.embed_tokens.weight)
+    assert torch.equal(back.embed_tokens.weight, d.embed_tokens.weight)
