@@ -529,22 +529,25 @@ def rollback(model_name: str, *, tracking_uri: str | None = None):
 
 
 def parse_model_ref(ref: str) -> tuple[str, str]:
-    """``NAME@ALIAS`` or ``models:/NAME@ALIAS`` -> ``(NAME, ALIAS)``.
+    """``NAME@ALIAS`` | ``NAME/VERSION`` (optionally prefixed ``models:/``) -> ``(NAME, "@ALIAS" | "/VERSION")``.
 
     Raises:
-        ValueError: no ``@ALIAS`` part.
+        ValueError: neither an ``@ALIAS`` nor a ``/VERSION`` part.
     """
-    ref = ref.removeprefix("models:/")
-    name, sep, alias = ref.rpartition("@")
-    if not sep or not name or not alias:
-        raise ValueError(f"model reference {ref!r} must look like NAME@ALIAS (e.g. peagle-smollm2-135m-instruct"
-                         "@champion)")
-    return name, alias
+    body = ref.removeprefix("models:/")
+    name, sep, alias = body.rpartition("@")
+    if sep and name and alias:
+        return name, "@" + alias
+    name, sep, version = body.rpartition("/")
+    if sep and name and version.isdigit():
+        return name, "/" + version
+    raise ValueError(f"model reference {ref!r} must look like NAME@ALIAS (e.g. peagle-smollm2-135m-instruct"
+                     "@champion) or NAME/VERSION")
 
 
 def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, parallel_drafting: bool | None = None,
              tracking_uri: str | None = None) -> Path:
-    """Download ``models:/NAME@ALIAS`` into ``dst`` and verify it.
+    """Download ``models:/NAME@ALIAS`` (or ``NAME/VERSION``) into ``dst`` and verify it.
 
     The files are fetched into a temporary sibling directory, their sha256 checked against
     ``peagle_checksums.json`` and the head validated (``validate_head``) before ``dst`` is replaced,
@@ -562,13 +565,13 @@ def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, par
 
     from peagle_core.contract import CONFIG_FILE, validate_head, verify_checksums
 
-    name, alias = parse_model_ref(ref)
+    name, selector = parse_model_ref(ref)
     get_client(tracking_uri)
     out = Path(dst)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}@{alias}", dst_path=str(tmp)))
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}{selector}", dst_path=str(tmp)))
         verify_checksums(local)
         if parallel_drafting is None:
             parallel_drafting = json.loads((local / CONFIG_FILE).read_text()).get("mask_token_id") is not None
