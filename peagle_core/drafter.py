@@ -33,6 +33,19 @@ except ImportError:  # pragma: no cover - torch without flex attention
 
 NUM_AUX_HIDDEN_STATES = 3
 
+_compiled_flex_attention = None
+
+
+def _flex_attention(q, k, v, *, block_mask, enable_gqa):
+    """``flex_attention``, through ``torch.compile`` on CUDA (eager flex materializes the full
+    score matrix; the compiled kernel does not). Same maths either way."""
+    global _compiled_flex_attention
+    if q.device.type != "cuda":
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
     """vLLM's default EAGLE-3 aux layer ids, ``(2, N//2, N-3)``.
@@ -357,7 +370,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)  # [B, nKV, S, D]
         if BlockMask is not None and isinstance(attn_mask, BlockMask):
-            out = flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads)
+            out = _flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads)
         else:
             groups = self.num_heads // self.num_kv_heads
             if groups > 1:
