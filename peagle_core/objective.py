@@ -341,6 +341,17 @@ def build_peagle_elements(
     )
 
 
+def pad_elements(el: Elements, length: int) -> Elements:
+    """Append filler slots (``valid=False``, no loss, depth 0 of anchor 0) up to ``length``."""
+    n = length - el.num_elements
+    if n <= 0:
+        return el
+    z = el.anchor.new_zeros(n)
+    fill = Elements(anchor=z, depth=z, doc=z - 1, position=z, input_ids=z, target_index=z,
+                    loss=z.bool(), valid=z.bool(), seg_key=z + int(el.seg_key.max()) if el.num_elements else z)
+    return Elements(**{f.name: torch.cat([getattr(el, f.name), getattr(fill, f.name)]) for f in fields(el)})
+
+
 # --------------------------------------------------------------------------------------------
 # Attention masks
 # --------------------------------------------------------------------------------------------
@@ -722,6 +733,9 @@ class PEagleObjective(Objective):
         segment's own slots; returns the scaled loss sum of the own loss elements (a zero that
         still reaches every parameter when there is none)."""
         d = unwrap(drafter)
+        attention = resolve_attention(self.cfg.attention, el.anchor.device)
+        if attention == "flex":  # whole blocks: fewer distinct shapes for the compiled kernel
+            el = pad_elements(el, -(-el.num_elements // FLEX_BLOCK) * FLEX_BLOCK)
         T = el.num_elements
         is0 = el.depth == 0
         H = d.config.hidden_size
@@ -731,7 +745,7 @@ class PEagleObjective(Objective):
         else:
             mask_h = d.mask_slot_hidden().to(h0.dtype).expand(T, H)
             hidden = mask_h.index_put((torch.nonzero(is0).flatten(),), h0)  # [T, H]
-        mask = element_mask(el, attention=self.cfg.attention)
+        mask = element_mask(el, attention=attention)
         normed, _ = drafter(el.input_ids[None], hidden[None], el.position[None], attn_mask=mask)
         stats.num_forward_slots += T
         own_loss = el.loss.clone()
@@ -798,6 +812,7 @@ __all__ = [
     "flex_element_mask",
     "label_valid",
     "pack_samples",
+    "pad_elements",
     "register_objective",
     "unwrap",
 ]
