@@ -108,7 +108,7 @@ def run_config(method: str, obj_cfg: dict, shape: dict, args, device, dtype) -> 
     except torch.OutOfMemoryError:
         row["oom"] = True
     finally:
-        del drafter, opt, batch
+        drafter = opt = batch = None  # free before the next configuration
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

@@ -107,7 +107,7 @@ def _chunk_torch(zd: torch.Tensor, zt: torch.Tensor, scale: torch.Tensor, kind: 
 class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, Wd, ht, Wt, row_scale, kind, chunk_rows, use_triton, need_grad):
-        M, Vd = h.shape[0], Wd.shape[0]
+        M = h.shape[0]
         Wd_c = Wd.to(h.dtype)
         Wt_c = Wt.to(ht.dtype)
         scale = row_scale.float()

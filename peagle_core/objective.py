@@ -35,7 +35,7 @@ import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -237,13 +237,13 @@ def cod_sample(
         raise ValueError(f"cod_min_ratio={min_ratio} must be in [0, 1]")
     if valid.dim() != 2:
         raise ValueError(f"valid must be [N, K], got shape {tuple(valid.shape)}")
-    N, K = valid.shape
+    K = valid.shape[1]
     kept = torch.zeros_like(valid, dtype=torch.bool)
     kept[:, 0] = valid[:, 0]
     n0 = int(valid[:, 0].sum())
     for d in range(1, K):
         cand = torch.nonzero(kept[:, d - 1] & valid[:, d]).flatten()
-        n = min(int(math.floor(max(ratio**d, min_ratio) * n0 + 1e-9)), cand.numel())
+        n = min(math.floor(max(ratio**d, min_ratio) * n0 + 1e-9), cand.numel())
         if n == cand.numel():
             chosen = cand
         else:
@@ -770,7 +770,7 @@ class PEagleObjective(Objective):
                          elements=None) -> dict[str, float]:
         from peagle_core.partition import partition_elements
 
-        d, el, W_t, denom = self._prepare(drafter, batch, target_lm_head, loss_scale_denominator, elements)
+        _, el, W_t, denom = self._prepare(drafter, batch, target_lm_head, loss_scale_denominator, elements)
         segments = partition_elements(el, self.cfg.num_partitions, num_anchors=batch.num_tokens)
         # Segments without loss elements contribute no gradient: skip them. The last one that runs
         # does its backward outside no_sync (DDP all-reduce); if none has a loss, run the first
@@ -789,7 +789,7 @@ class PEagleObjective(Objective):
         return stats.metrics(total)
 
     def compute_loss(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, elements=None):
-        d, el, W_t, denom = self._prepare(drafter, batch, target_lm_head, loss_scale_denominator, elements)
+        _, el, W_t, denom = self._prepare(drafter, batch, target_lm_head, loss_scale_denominator, elements)
         stats = DepthStats(self.num_depths, el.anchor.device)
         loss = self._segment(drafter, batch, el, W_t, denom, stats)
         return loss, stats.metrics(float(loss.detach()))

@@ -37,19 +37,19 @@ from torch import nn
 
 from peagle_core.drafter import DrafterCache, Eagle3Drafter
 from peagle_core.objective import (
+    FLEX_BLOCK,
     DepthStats,
     Elements,
     Objective,
     ObjectiveConfig,
     PackedBatch,
+    _allowed,
+    _pad_meta,
     create_block_mask,
     label_valid,
     register_objective,
     resolve_attention,
     unwrap,
-    _allowed,
-    _pad_meta,
-    FLEX_BLOCK,
 )
 
 
