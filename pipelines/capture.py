@@ -402,7 +402,8 @@ class CaptureShardActor(CaptureActor):
 @dataclass
 class CaptureResult:
     """Outcome of :func:`run_capture`. ``bytes_per_token`` is on-disk size / tokens;
-    ``tokens_per_s`` counts tokens captured in this run (reused shards excluded)."""
+    ``tokens_per_s`` = tokens captured in this run (reused shards excluded) / wall time of the actor
+    pool including actor start-up (``meta["forward_tokens_per_s"]`` excludes it)."""
 
     out_dir: Path
     num_samples: int
@@ -591,6 +592,7 @@ def run_capture(
     for s in shard_stats.values():
         totals.update({k: v for k, v in s.items() if isinstance(v, int)})
     new_tokens = sum(shard_stats[k].get("num_tokens", 0) for k in pending)
+    forward_s = sum(shard_stats[k].get("forward_ms", 0) for k in pending) / 1000
     num_tokens = sum(r["length"] for r in manifest_rows)
     disk = sum((out_dir / shards.shard_name(k)).stat().st_size for k in range(len(tasks)))
     counts = count_tokens(out_dir, vocab_size, manifest_rows=manifest_rows)
@@ -620,6 +622,8 @@ def run_capture(
         "dropped": dropped,
         "fingerprint": fp,
         "capture_tokens_per_s_this_run": new_tokens / run_s if pending and run_s > 0 else None,
+        # tokens / time inside capture_batch (tokenize + forward + validate), summed over actors
+        "forward_tokens_per_s": new_tokens / forward_s if forward_s > 0 else None,
     }
     shards.write_capture_meta(out_dir, meta)
     shards.write_manifest(out_dir, manifest_rows)  # last: marks the capture finished
