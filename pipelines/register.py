@@ -351,7 +351,7 @@ def register_head(
             client.get_registered_model(model_name)
 
     meta = head_cfg.get("peagle", {}) or {}
-    checksums = (head / CHECKSUMS_FILE).read_text()
+    checksums = (head / CHECKSUMS_FILE).read_bytes()
     vtags: dict[str, str] = {
         "target": str(target or meta.get("target") or meta.get("target_name") or ""),
         "method": "peagle" if parallel_drafting else "eagle3",
@@ -359,7 +359,7 @@ def register_head(
         "eval_set": eval_set,
         "K": str(int(K)),
         "acceptance_length": f"{float(eval_al):.4f}",
-        "head_sha256": hashlib.sha256(checksums.encode()).hexdigest(),
+        "head_sha256": hashlib.sha256(checksums).hexdigest(),
         f"al.K{int(K)}": f"{float(eval_al):.4f}",
     }
     for k, al in (al_by_K or {}).items():

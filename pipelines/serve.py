@@ -23,8 +23,8 @@ The head. Ray Serve LLM downloads the target on each node but never a draft head
    ``HeadContractError``.
 2. :class:`HeadDownloadCallback` (Ray Serve LLM ``callback_config``; its ``on_before_node_init``
    hook runs in every ``LLMServer`` replica before the vLLM engine config is built) downloads the
-   pinned version into the replica node's cache (``$PEAGLE_HOME/serve/heads/NAME/vN``, reused when
-   its checksums verify), validates it again and rewrites ``speculative_config["model"]`` to that
+   pinned version into the replica node's cache (``$PEAGLE_HOME/serve/heads/NAME/vN-<sha>``, reused
+   when its checksums verify), validates it again and rewrites ``speculative_config["model"]`` to that
    local directory with ``LLMConfig.update_engine_kwargs``.
 
 Autoscaling: Ray's builder defaults ``max_ongoing_requests`` and ``target_ongoing_requests`` to 1e9
@@ -223,25 +223,46 @@ def fetch_head(
         local = Path(head).expanduser()
         validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting)
         return local
+    from pipelines.register import get_client
+
     pinned = pin_head_ref(head, tracking_uri)
     name, _, version = pinned.removeprefix("models:/").rpartition("/")
+    # The cache key carries the registered content hash (tag head_sha256 = sha256 of the checksums
+    # file), so version numbers of different registries never alias one cached directory.
+    want = (get_client(tracking_uri).get_model_version(name, version).tags or {}).get("head_sha256")
     root = Path(cache_dir) if cache_dir else peagle_home() / "serve" / "heads"
-    dst = root / name / f"v{version}"
+    dst = root / name / (f"v{version}-{want[:12]}" if want else f"v{version}")
     lock = _lock(root / f".{name}.lock")
     try:
         if dst.exists():
             try:
                 verify_checksums(dst)
+                _check_registered_hash(dst, want)
             except HeadContractError as e:
                 log.warning("cached head %s is stale (%s); downloading again", dst, e)
                 shutil.rmtree(dst)
         if not dst.exists():
             download(f"{name}/{version}", dst, target_config=target_config, parallel_drafting=parallel_drafting,
                      tracking_uri=tracking_uri)
+        _check_registered_hash(dst, want)
     finally:
         lock.close()
     validate_head(dst, target_config=target_config, parallel_drafting=parallel_drafting)
     return dst
+
+
+def _check_registered_hash(head_dir: Path, want: str | None) -> None:
+    """The head's checksums file must hash to the version's ``head_sha256`` tag (when tagged)."""
+    import hashlib
+
+    from peagle_core.contract import CHECKSUMS_FILE, HeadContractError
+
+    if want is None:
+        return
+    got = hashlib.sha256((head_dir / CHECKSUMS_FILE).read_bytes()).hexdigest()
+    if got != want:
+        raise HeadContractError(f"{head_dir}: {CHECKSUMS_FILE} hashes to {got[:12]}…, the registered version "
+                                f"says head_sha256={want[:12]}…")
 
 
 class HeadDownloadCallback(CallbackBase):

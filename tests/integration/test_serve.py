@@ -99,7 +99,7 @@ def endpoint(registry, target):
         serve.run(app, name="peagle", route_prefix="/", blocking=False)
         # serve.run returns once every replica is healthy (engine started).
         print(f"\nserve startup: {time.time() - t0:.1f}s")
-        assert (cache / REGISTERED / "v1" / "peagle_checksums.json").is_file(), "replica did not fetch the head"
+        assert list((cache / REGISTERED).glob("v1-*/peagle_checksums.json")), "replica did not fetch the head"
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
