@@ -1007,12 +1007,35 @@ def _scan_dataset(dataset: Any, vocab_size: int, want_counts: bool) -> tuple[lis
     return lengths, counts
 
 
+def _check_capture(capture_dir: Path, dcfg: DrafterConfig, target_sha256: str | None) -> list[int]:
+    """Check a capture's meta against the drafter before any worker starts; return sample lengths.
+
+    Raises:
+        ValueError: aux layer ids, hidden size or vocab differ, or the capture was made from another
+            target (sha256), naming both values.
+    """
+    from peagle_core.shards import load_capture_meta, load_manifest
+
+    meta = load_capture_meta(capture_dir)
+    checks = [("aux_layer_ids", list(meta.get("aux_layer_ids") or []), list(dcfg.aux_layer_ids)),
+              ("hidden_size", meta.get("hidden_size"), dcfg.target_hidden_size),
+              ("vocab_size", meta.get("vocab_size"), dcfg.vocab_size)]
+    if target_sha256 and meta.get("target_sha256"):
+        checks.append(("target_sha256", meta["target_sha256"], target_sha256))
+    for name, got, want in checks:
+        if got not in (None, []) and got != want:
+            raise ValueError(f"capture {capture_dir} has {name}={got} but training expects {want}: re-capture "
+                             "with this target/aux layer ids, or train with the capture's target settings")
+    return [int(n) for n in load_manifest(capture_dir).column("length").to_pylist()]
+
+
 def run_train(
     recipe_or_configs: Any,
     dataset: Any,
     out_dir: str | os.PathLike,
     *,
     target_dir: str | os.PathLike | None = None,
+    capture_dir: str | os.PathLike | None = None,
     target_name: str | None = None,
     target_sha256: str | None = None,
     run_name: str = "peagle-train",
@@ -1042,7 +1065,11 @@ def run_train(
             streaming ``capture_stream``); split over workers by Ray Train (``get_dataset_shard``).
         out_dir: the exported head goes to ``<out_dir>/head`` (replaced if present).
         target_dir: the target's HF safetensors directory (``pipelines.assets.ensure_target``); it must
-            be readable from every worker node (shared storage on a multi-node cluster).
+            be readable from every worker node (shared storage on a multi-node cluster). Default: from
+            ``recipe.target``.
+        capture_dir: the materialized capture behind ``dataset``, if any: its ``capture_meta.json`` is
+            checked against the drafter (aux layer ids, widths, target sha256), its
+            ``token_counts.safetensors`` gives the draft vocabulary and its manifest the epoch length.
         run_name, storage_path: ``RunConfig(name, storage_path)``; re-running with the same pair resumes
             from the latest checkpoint (default storage ``$PEAGLE_HOME/ray_results``).
         max_failures: ``FailureConfig(max_failures)``: worker failures recovered from the latest
@@ -1085,14 +1112,24 @@ def run_train(
     hf_config = json.loads((target_dir / "config.json").read_text())
     method = _get(training, "method", "peagle")
     mask_token_id = _get(spec, "mask_token_id") if method == "peagle" else None
-    if method == "peagle" and mask_token_id is None:
-        raise ValueError("drafter.mask_token_id is required for method='peagle' (a reserved, unused token id)")
-    aux_ids = _get(target, "aux_layer_ids") if target is not None else None
+    if target is not None and hasattr(target, "resolve_aux_layer_ids"):
+        aux_ids = target.resolve_aux_layer_ids(int(hf_config["num_hidden_layers"]))
+    else:
+        aux_ids = _get(target, "aux_layer_ids") if target is not None else None
+    if mask_token_id is None and method == "peagle" and hasattr(target, "reserved_mask_token_id"):
+        mask_token_id = target.reserved_mask_token_id()
     dcfg = DrafterConfig.from_target(hf_config, num_hidden_layers=int(_get(spec, "num_layers", 4)),
                                      mask_token_id=mask_token_id,
                                      draft_vocab_size=_get(spec, "draft_vocab_size"),
                                      aux_layer_ids=tuple(aux_ids) if aux_ids else None)
+    if method == "peagle" and mask_token_id is None:
+        raise ValueError("drafter.mask_token_id is required for method='peagle' (a reserved, unused token id)")
     num_workers = int(_get(training, "num_workers", 1) or 1)
+    lengths: list[int] = []
+    if capture_dir is not None:
+        lengths = _check_capture(Path(capture_dir), dcfg, target_sha256)
+        if token_counts is None and (Path(capture_dir) / "token_counts.safetensors").is_file():
+            token_counts = Path(capture_dir)
     if parallel_strategy not in ("ddp", "fsdp"):
         raise ValueError(f"parallel_strategy={parallel_strategy!r}: use 'ddp' or 'fsdp'")
 
@@ -1103,9 +1140,8 @@ def run_train(
         counts = token_counts
     elif token_counts is not None:
         counts = load_token_counts(token_counts)
-    need_scan = scan_dataset and (steps_per_epoch is None and not _get(training, "max_steps")
+    need_scan = scan_dataset and ((steps_per_epoch is None and not _get(training, "max_steps") and not lengths)
                                   or (pruned and counts is None))
-    lengths: list[int] = []
     if need_scan:
         lengths, scanned = _scan_dataset(dataset, dcfg.vocab_size, want_counts=pruned and counts is None)
         counts = counts if counts is not None else scanned
