@@ -106,36 +106,37 @@ def _chunk_torch(zd: torch.Tensor, zt: torch.Tensor, scale: torch.Tensor, kind: 
 
 class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, Wd, ht, Wt, row_scale, kind, chunk_rows, use_triton, need_grad):
-        M = h.shape[0]
-        Wd_c = Wd.to(h.dtype)
-        Wt_c = Wt.to(ht.dtype)
-        scale = row_scale.float()
-        row = torch.empty(M, dtype=torch.float32, device=h.device)
-        arg = torch.empty(M, dtype=torch.long, device=h.device)
-        tgt = torch.empty(M, dtype=torch.long, device=h.device)
-        gh = torch.empty_like(h) if need_grad else None
-        gW = torch.zeros(Wd.shape, dtype=torch.float32, device=h.device) if need_grad else None
-        for s in range(0, M, chunk_rows):
-            e = min(s + chunk_rows, M)
-            zd = h[s:e] @ Wd_c.T  # [C, Vd]
-            zt = ht[s:e] @ Wt_c.T  # [C, Vd]
-            if use_triton:
-                from peagle_core.kernels.distill import chunk_distill_triton
+    def forward(ctx, h, Wd, ht, Wt, row_scale, kind, chunk_rows, use_triton, need_grad, compute_dtype):
+        # Explicit dtypes instead of autocast: matmuls in compute_dtype (bf16 under autocast),
+        # softmaxes and the running dWd sum in float32, gradients returned in the inputs' dtypes.
+        with torch.autocast(h.device.type, enabled=False):
+            M, cd = h.shape[0], compute_dtype
+            hc, Wd_c, htc, Wt_c = h.to(cd), Wd.to(cd), ht.to(cd), Wt.to(cd)
+            scale = row_scale.float()
+            row = torch.empty(M, dtype=torch.float32, device=h.device)
+            arg = torch.empty(M, dtype=torch.long, device=h.device)
+            tgt = torch.empty(M, dtype=torch.long, device=h.device)
+            gh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_grad else None
+            gW = torch.zeros(Wd.shape, dtype=torch.float32, device=h.device) if need_grad else None
+            for s in range(0, M, chunk_rows):
+                e = min(s + chunk_rows, M)
+                zd = hc[s:e] @ Wd_c.T  # [C, Vd]
+                zt = htc[s:e] @ Wt_c.T  # [C, Vd]
+                if use_triton:
+                    from peagle_core.kernels.distill import chunk_distill_triton
 
-                r, g, a, t = chunk_distill_triton(zd, zt, scale[s:e], kind, need_grad)
-            else:
-                r, g, a, t = _chunk_torch(zd, zt, scale[s:e], kind, need_grad)
-            row[s:e], arg[s:e], tgt[s:e] = r, a, t
-            if need_grad:
-                if h.dtype == torch.float32:
+                    r, g, a, t = chunk_distill_triton(zd, zt, scale[s:e], kind, need_grad)
+                else:
+                    r, g, a, t = _chunk_torch(zd, zt, scale[s:e], kind, need_grad)
+                row[s:e], arg[s:e], tgt[s:e] = r, a, t
+                if need_grad:
+                    g = g.to(cd)
                     gh[s:e] = g @ Wd_c
-                    gW.addmm_(g.T, h[s:e])
-                else:  # low-precision matmuls (fp32 accumulate inside), fp32 running sum of dWd
-                    g = g.to(h.dtype)
-                    gh[s:e] = g @ Wd_c
-                    gW.add_(g.T @ h[s:e])
-        loss = (row * scale).sum()
+                    if cd == torch.float32:
+                        gW.addmm_(g.T, hc[s:e])
+                    else:  # low-precision matmul (fp32 accumulate inside), fp32 running sum
+                        gW.add_(g.T @ hc[s:e])
+            loss = (row * scale).sum()
         if need_grad:
             ctx.save_for_backward(gh, gW.to(Wd.dtype))
         ctx.mark_non_differentiable(row, arg, tgt)
@@ -144,7 +145,7 @@ class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         gh, gW = ctx.saved_tensors
-        return gh * grad_loss.to(gh.dtype), gW * grad_loss.to(gW.dtype), None, None, None, None, None, None, None
+        return gh * grad_loss.to(gh.dtype), gW * grad_loss.to(gW.dtype), None, None, None, None, None, None, None, None
 
 
 def triton_available() -> bool:
@@ -204,8 +205,10 @@ def linear_distill_loss(
         raise ValueError(f"loss_impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {h.device}; "
                          "use 'torch'")
     need_grad = torch.is_grad_enabled() and (h.requires_grad or Wd.requires_grad)
+    dev = h.device.type
+    compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
     loss, row, arg, tgt = _ChunkedDistill.apply(h, Wd, ht, Wt, row_scale.detach(), kind, int(chunk_rows),
-                                                which == "triton", need_grad)
+                                                which == "triton", need_grad, compute_dtype)
     return DistillOutput(loss, row, arg, tgt)
 
 

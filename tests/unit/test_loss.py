@@ -160,3 +160,13 @@ def test_triton_bf16_large_vocab_close_to_fp32():
     out.loss.backward()
     torch.testing.assert_close(out.loss.float(), ref.loss, rtol=2e-2, atol=1e-2)
     assert torch.isfinite(hb.grad).all() and torch.isfinite(Wdb.grad).all()
+
+
+def test_bf16_autocast_on_cpu_runs_and_returns_input_dtypes():
+    h, Wd, ht, Wt, scale = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_distill_loss(h, Wd, ht, Wt, row_scale=scale, impl="torch", chunk_rows=8)
+    out.loss.backward()
+    assert h.grad.dtype == torch.float32 and Wd.grad.dtype == torch.float32
+    ref = plain_distill_loss(h.detach(), Wd.detach(), ht, Wt, scale)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=5e-2, atol=5e-2)
