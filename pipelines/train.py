@@ -471,7 +471,7 @@ class Trainer:
             # DDP averages gradients over W ranks: scale by global_loss_elements / W so the step is
             # the exact mean over all ranks' loss elements (not a mean of per-rank means).
             elements = self.objective.build_elements(batch, self.model)
-            total = self._all_sum([float(elements.num_loss_elements)])[0]
+            total = self._all_sum([float(_loss_count(self.objective, elements, batch))])[0]
             kw = {"elements": elements, "loss_scale_denominator": max(total, 1.0) / self.world_size}
         with self.autocast:
             metrics = dict(self.objective.forward_backward(
@@ -633,6 +633,14 @@ class Trainer:
             epoch = int(torch.load(other[0], weights_only=True)["position"]["epoch"]) if other else 0
             st.position = DataPosition(epoch=epoch)
         return meta
+
+
+def _loss_count(objective: Any, elements: Any, batch: Any) -> int:
+    """The count an objective divides its summed loss by by default (``peagle_core.objective``:
+    all loss elements; ``peagle_core.ttt``: the loss elements of TTT step 0, weights 1, 0.8, ...)."""
+    if getattr(objective, "method", "") == "eagle3":
+        return int(elements.loss[: _num_tokens(batch)].sum())
+    return int(elements.num_loss_elements)
 
 
 def _num_tokens(batch: Any) -> int:
@@ -962,9 +970,11 @@ def objective_kwargs(training: Any, drafter_spec: Any) -> dict:
 
     method = _get(training, "method", "peagle")
     known = {f.name for f in fields(type(build_objective(method)).config_cls)}
-    candidates = {k: _get(training, k) for k in ("cod_ratio", "cod_min_ratio", "num_partitions", "ttt_steps",
-                                                 "ttt_decay", "loss", "attention", "seed")}
-    candidates["num_depths"] = int(_get(drafter_spec, "num_speculative_tokens"))
+    candidates = {k: _get(training, k) for k in ("cod_ratio", "cod_min_ratio", "num_partitions", "loss",
+                                                 "attention", "seed")}
+    candidates["num_depths"] = int(_get(drafter_spec, "num_speculative_tokens"))  # P-EAGLE: K depths
+    candidates["num_steps"] = _get(training, "ttt_steps")  # EAGLE-3 TTT steps
+    candidates["step_weight"] = _get(training, "ttt_decay")  # EAGLE-3: step i weighs decay^i
     return {k: v for k, v in candidates.items() if k in known and v is not None}
 
 

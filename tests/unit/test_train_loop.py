@@ -235,3 +235,24 @@ def test_plain_path_does_not_import_ray():
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_real_objective_loss_decreases(tmp_path, method):
+    """The plain loop with peagle_core's objectives (P-EAGLE K=3, S=2 partitions; EAGLE-3 TTT 3 steps)."""
+    from peagle_core.objective import build_objective
+
+    training = config(method=method, num_epochs=4, lr=1e-2, cod_ratio=0.8, cod_min_ratio=0.3, num_partitions=2,
+                      ttt_steps=3, ttt_decay=0.8, loss="kl", attention="dense")
+    spec = {"num_speculative_tokens": 3}
+    objective = build_objective(method, **T.objective_kwargs(training, spec))
+    torch.manual_seed(1)
+    cfg = DrafterConfig.from_target(tiny_target_config(), num_hidden_layers=1,
+                                    mask_token_id=MASK_ID if method == "peagle" else None)
+    res = T.run_training(lambda e: iter(make_samples(16)), Eagle3Drafter(cfg), LM_HEAD, objective, training,
+                         checkpoint_dir=tmp_path, device="cpu", log_every_steps=4, pack_fn=pack_samples)
+    losses = [h["loss"] for h in res.history]
+    assert losses[-1] < 0.8 * losses[0], losses
+    last = res.history[-1]
+    assert {"acc_d0", "acc_d1", "acc_d2", "sim_acceptance_length"} <= set(last)
+    assert last["positions_per_s"] > 0
