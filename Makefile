@@ -34,13 +34,26 @@ unit: setup
 integration: setup
 	$(VPY) -m pytest tests/integration -m integration
 
-# The main job on the embedded default (SmolLM2 on CPU). For now: materialize the target and prompts.
-demo: setup
-	$(VENV)/bin/peagle assets --recipe $(RECIPE)
+# The main job on the embedded default (SmolLM2 on CPU): a private local Ray head (token auth on, its own
+# temp dir and ports; reused if already up), then `ray job submit` of the pipeline with the working dir
+# uploaded (minus the venv and caches). The job's `python` is the head's, i.e. the venv's. Logs are
+# followed; the Serve endpoint stays up afterwards (`make demo-stop` ends it).
+RAY_TMP ?= /tmp/peagle-ray
+RAY_PORT ?= 6390
+RAY_DASHBOARD_PORT ?= 8265
+RUNTIME_ENV := {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "mlruns", "*.db", "outputs", ".whl", ".carry"]}
+JOB_ARGS ?=
 
-# Stop what `make demo` started (nothing long-running yet).
+demo: setup
+	$(VPY) -m pipelines.local_ray start --temp-dir $(RAY_TMP) --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
+	eval "$$($(VPY) -m pipelines.local_ray env --temp-dir $(RAY_TMP))"; \
+	$(VENV)/bin/ray job submit --address "$$RAY_ADDRESS" --working-dir . --runtime-env-json '$(RUNTIME_ENV)' \
+	  -- python -m ray_jobs.pipeline --config $(RECIPE) $(JOB_ARGS)
+	@echo "Endpoint left up (curl line above). Ray dashboard: http://127.0.0.1:$(RAY_DASHBOARD_PORT). Stop: make demo-stop"
+
+# Stop what `make demo` started: only the processes of its own Ray head (never other clusters).
 demo-stop:
-	@echo "demo-stop: nothing running"
+	@test -x $(VPY) && $(VPY) -m pipelines.local_ray stop --temp-dir $(RAY_TMP) || echo "demo-stop: nothing to stop"
 
 lint: setup
 	$(VENV)/bin/ruff check peagle_core pipelines ray_jobs tests bench

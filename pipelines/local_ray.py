@@ -1,0 +1,224 @@
+"""A private local Ray head for ``make demo`` and the CI pipeline test: start, wait, stop.
+
+Why not plain ``ray start --head`` / ``ray stop``:
+
+* ``ray stop`` kills every Ray process of the machine (other users' clusters, ``ray.init`` test
+  sessions); :func:`stop` ends only the processes of *this* head, found by its own ``--temp-dir``
+  (every Ray process of a head carries its session directory on its command line) plus their
+  children (vLLM engine cores), by PID.
+* a head killed without ``ray stop`` leaves ``ray_current_cluster`` in its temp dir, and a bare
+  ``ray.init()`` later tries to join that dead cluster. A private ``--temp-dir`` keeps that file out
+  of ``/tmp/ray``; jobs reach the head through ``RAY_ADDRESS`` (set by the job supervisor), never
+  through the file.
+* token auth: Ray 2.60 enables it for new ``ray start`` clusters unless ``RAY_AUTH_MODE`` is set,
+  writing a token to ``~/.ray/auth_token`` that the ``ray`` CLI and ``ray.init`` then read. We keep
+  it on and make it explicit: :func:`start` writes a token file (``<temp_dir>/auth_token``) and sets
+  ``RAY_AUTH_MODE=token`` + ``RAY_AUTH_TOKEN_PATH`` for the head; :func:`client_env` gives the same
+  variables to ``ray job submit`` (which otherwise fails with an authentication error when the token
+  is not the default one).
+* the job's ``python`` is the head's: the head is started with the venv's ``bin`` first on ``PATH``,
+  so ``ray job submit -- python -m ray_jobs.pipeline`` runs in the venv.
+
+CLI (used by the Makefile)::
+
+    python -m pipelines.local_ray start --temp-dir /tmp/peagle-ray --port 6390 --dashboard-port 8266
+    python -m pipelines.local_ray env   --temp-dir /tmp/peagle-ray    # export lines for the ray CLI
+    python -m pipelines.local_ray stop  --temp-dir /tmp/peagle-ray
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import typer
+
+STATE_FILE = "peagle_head.json"
+TOKEN_FILE = "auth_token"
+
+
+@dataclass
+class HeadInfo:
+    """A running private head: addresses and the token file its clients need."""
+
+    temp_dir: str
+    gcs_address: str  # host:port of the GCS (ray.init / RAY_ADDRESS inside the cluster)
+    dashboard_url: str  # http://host:port (ray job submit --address)
+    token_path: str
+    num_cpus: int
+
+    def client_env(self) -> dict[str, str]:
+        """Env vars for ``ray`` CLI calls (job submit/logs/stop) against this head."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path, "RAY_ADDRESS": self.dashboard_url}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def read_head(temp_dir: str | os.PathLike) -> HeadInfo | None:
+    """The head recorded in ``temp_dir`` if its dashboard answers, else None."""
+    f = Path(temp_dir) / STATE_FILE
+    if not f.is_file():
+        return None
+    info = HeadInfo(**json.loads(f.read_text()))
+    host, port = info.dashboard_url.removeprefix("http://").split(":")
+    return info if _port_open(host, int(port)) else None
+
+
+def start(
+    temp_dir: str | os.PathLike,
+    *,
+    port: int = 6390,
+    dashboard_port: int = 8266,
+    num_cpus: int | None = None,
+    timeout_s: float = 180.0,
+    quiet: bool = False,
+) -> HeadInfo:
+    """Start a private Ray head (token auth on) unless one already runs from ``temp_dir``.
+
+    ``num_cpus``: logical CPUs (default ``2 * os.cpu_count()``: Ray Data read tasks, the train
+    controller and a stage's actors must not starve each other on a 2-core box). Every other port of
+    the head is picked free, so it coexists with other Ray clusters of the machine.
+
+    Raises:
+        ValueError: ``port`` / ``dashboard_port`` taken by something that is not this head.
+        RuntimeError: the head did not come up within ``timeout_s`` (its log dir is named).
+    """
+    temp = Path(temp_dir).resolve()
+    running = read_head(temp)
+    if running is not None:
+        return running
+    for name, p in (("port", port), ("dashboard_port", dashboard_port)):
+        if _port_open("127.0.0.1", p):
+            raise ValueError(f"{name}={p} is in use by another process; pick a free one (e.g. {free_port()})")
+    temp.mkdir(parents=True, exist_ok=True)
+    token_path = temp / TOKEN_FILE
+    if not token_path.is_file():
+        token_path.write_text(secrets.token_hex(32))
+        token_path.chmod(0o600)
+    num_cpus = num_cpus or 2 * (os.cpu_count() or 1)
+    venv_bin = str(Path(sys.executable).parent)
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
+               PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [str(Path(venv_bin) / "ray"), "start", "--head", f"--temp-dir={temp}", f"--port={port}",
+           "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+           f"--num-cpus={num_cpus}", "--include-dashboard=true", "--disable-usage-stats",
+           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+           f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+           f"--runtime-env-agent-port={free_port()}"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    info = HeadInfo(temp_dir=str(temp), gcs_address=f"127.0.0.1:{port}",
+                    dashboard_url=f"http://127.0.0.1:{dashboard_port}", token_path=str(token_path), num_cpus=num_cpus)
+    deadline = time.time() + timeout_s
+    while not _port_open("127.0.0.1", dashboard_port):
+        if time.time() > deadline:
+            raise RuntimeError(f"Ray head dashboard did not open port {dashboard_port} in {timeout_s:.0f}s; "
+                               f"see {temp}/session_latest/logs")
+        time.sleep(1)
+    (temp / STATE_FILE).write_text(json.dumps(asdict(info), indent=2))
+    if not quiet:
+        print(f"Ray head up: {info.dashboard_url} (GCS {info.gcs_address}, temp dir {temp}, token auth on)")
+    return info
+
+
+def _head_processes(temp: Path) -> list:
+    import psutil
+
+    key = str(temp)
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(key in part for part in (p.info["cmdline"] or [])) and p.pid != os.getpid():
+                found[p.pid] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for p in list(found.values()):
+        try:
+            for c in p.children(recursive=True):
+                found.setdefault(c.pid, c)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return list(found.values())
+
+
+def stop(temp_dir: str | os.PathLike, *, grace_s: float = 10.0, quiet: bool = False) -> int:
+    """End the head started from ``temp_dir`` and everything it spawned (by PID); other Ray
+    clusters of the machine are untouched. Returns the number of processes ended."""
+    import psutil
+
+    temp = Path(temp_dir).resolve()
+    procs = _head_processes(temp)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    (temp / STATE_FILE).unlink(missing_ok=True)
+    if not quiet:
+        print(f"stopped {len(procs)} process(es) of the Ray head in {temp}")
+    return len(procs)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
+TempOpt = typer.Option("/tmp/peagle-ray", "--temp-dir", help="The head's private Ray temp dir (short path).")
+
+
+@cli.command("start")
+def start_cmd(temp_dir: str = TempOpt, port: int = typer.Option(6390, help="GCS port."),
+              dashboard_port: int = typer.Option(8266, help="Dashboard / Jobs API port."),
+              num_cpus: int = typer.Option(0, help="Logical CPUs (0 = 2x the cores).")) -> None:
+    """Start the head unless it already runs."""
+    try:
+        start(temp_dir, port=port, dashboard_port=dashboard_port, num_cpus=num_cpus or None)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@cli.command("env")
+def env_cmd(temp_dir: str = TempOpt) -> None:
+    """Print `export` lines for the ray CLI (address + token); exit 1 when no head runs."""
+    info = read_head(temp_dir)
+    if info is None:
+        raise typer.Exit(1)
+    for k, v in info.client_env().items():
+        print(f"export {k}={v}")
+
+
+@cli.command("stop")
+def stop_cmd(temp_dir: str = TempOpt) -> None:
+    """Stop the head (only its own processes)."""
+    stop(temp_dir)
+
+
+if __name__ == "__main__":
+    cli()

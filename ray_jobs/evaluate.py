@@ -1,0 +1,12 @@
+"""`python -m ray_jobs.evaluate --config FILE [--force] [--set section.field=value]`: the evaluate stage alone.
+
+Reads the upstream stage's outputs from the run directory (`$PEAGLE_HOME/runs/<recipe name>`);
+skips when its own outputs are current unless --force. See pipelines/pipeline.py.
+"""
+
+import sys
+
+from pipelines.pipeline import main
+
+if __name__ == "__main__":
+    sys.exit(main(stages=["evaluate"], prog="ray_jobs.evaluate"))
