@@ -208,6 +208,9 @@ def _default(field) -> str:
 
 # ---------------------------------------------------------------------------------------------- sub-apps
 # One line per stage app, e.g.:  app.add_typer(registry_app, name="registry")
+from pipelines.register import registry_app  # light: typer only, mlflow is imported inside commands
+
+app.add_typer(registry_app, name="registry")
 
 
 def main() -> None:  # pragma: no cover - console entry point alternative
