@@ -1,0 +1,70 @@
+"""Pure helpers of the registry and the Serve args (no MLflow store, no Ray)."""
+
+from pathlib import Path
+
+import pytest
+
+from pipelines import register as reg
+
+pytestmark = pytest.mark.unit
+
+
+def test_tracking_uri_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path))
+    assert reg.resolve_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert reg.resolve_tracking_uri() == "http://mlflow:5000"
+    assert reg.resolve_tracking_uri("sqlite:////x.db") == "sqlite:////x.db"
+
+
+@pytest.mark.parametrize(("ref", "want"), [
+    ("peagle-x@champion", ("peagle-x", "@champion")),
+    ("models:/peagle-x@challenger", ("peagle-x", "@challenger")),
+    ("models:/peagle-x/12", ("peagle-x", "/12")),
+])
+def test_parse_model_ref(ref, want):
+    assert reg.parse_model_ref(ref) == want
+
+
+@pytest.mark.parametrize("ref", ["peagle-x", "models:/peagle-x/latest", "@champion", "peagle-x@"])
+def test_parse_model_ref_rejects(ref):
+    with pytest.raises(ValueError, match="NAME@ALIAS"):
+        reg.parse_model_ref(ref)
+
+
+def test_names_and_hashes(tmp_path):
+    assert reg.model_name_for_target("smollm2-135m-instruct") == "peagle-smollm2-135m-instruct"
+    assert reg.model_name_for_target("/models/Qwen3-8B/") == "peagle-Qwen3-8B"
+    assert reg.manifest_hash({"b": 1, "a": 2}) == reg.manifest_hash({"a": 2, "b": 1})
+    f = tmp_path / "m.json"
+    f.write_bytes(b"abc")
+    assert reg.manifest_hash(f) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert reg.eval_metric_name({"method": "none", "K": 0, "concurrency": 4}, "tokens_per_s") == \
+        "eval.none.K0.c4.tokens_per_s"
+
+
+def test_serve_args_checks():
+    from pipelines.serve import ServeAppArgs
+
+    assert ServeAppArgs().resolved_model_id() == "smollm2-135m-instruct"
+    with pytest.raises(ValueError, match="autoscaling would never trigger"):
+        ServeAppArgs(target_ongoing_requests=64, max_ongoing_requests=16)
+    with pytest.raises(ValueError, match="speculative_config"):
+        ServeAppArgs(engine_kwargs={"speculative_config": {}})
+    with pytest.raises(ValueError, match="<= 0.5"):
+        ServeAppArgs(engine_kwargs={"gpu_memory_utilization": 0.9})
+    with pytest.raises(ValueError, match="accelerator='gpu'"):
+        ServeAppArgs(accelerator_type="B200")
+    with pytest.raises(ValueError):
+        ServeAppArgs(num_speculative_tokens=0)
+
+
+def test_serve_args_from_recipe():
+    from pipelines.recipe import load_recipe
+    from pipelines.serve import ServeAppArgs
+
+    r = load_recipe(Path(__file__).resolve().parents[2] / "configs" / "gpt-oss-20b-b200.yaml")
+    args = ServeAppArgs.from_recipe(r, accelerator="gpu", accelerator_type="B200")
+    assert args.head == "models:/peagle-gpt-oss-20b@champion" and args.num_speculative_tokens == 7
+    assert args.target == "openai/gpt-oss-20b" and args.parallel_drafting
