@@ -10,7 +10,7 @@ Two layers, as in Ray Train's ``train_func_per_worker`` idiom:
   GPU box without Ray (``import ray`` happens only inside the Ray functions below);
 * the Ray Train V2 wrapper — :func:`train_loop_per_worker` and :func:`run_train` — which feeds
   the core from ``ray.train.get_dataset_shard("train")``, wraps the drafter with
-  ``ray.train.torch.prepare_model`` (DDP; gloo on CPU, NCCL on GPU; FSDP as an option), turns
+  ``ray.train.torch.prepare_model`` (DDP; gloo on CPU, NCCL on GPU; see "FSDP" below), turns
   checkpoints into ``ray.train.report(..., checkpoint=Checkpoint.from_directory(d))`` and resumes
   from ``ray.train.get_checkpoint()`` when re-run with the same ``RunConfig(name, storage_path)``.
   Metrics go to MLflow from rank 0 (Train V2 has no ``MLflowLoggerCallback``). The driver exports
@@ -26,6 +26,16 @@ step, so before each step the workers agree (one tiny all-reduce, MIN) whether *
 have a batch; the epoch ends for everyone when any shard runs out (the tail of the longest shards
 is dropped, at most one batch per worker per epoch on balanced shards). ``steps_per_epoch`` can
 also be fixed up front.
+
+FSDP: ``parallel_strategy="fsdp"`` is rejected (ValueError) for now. The objectives
+(``peagle_core.objective``/``ttt``) call drafter submodules outside the wrapped forward
+(``combine_hidden_states`` -> ``fc`` and ``mask_hidden`` before it, ``lm_head.weight`` in the chunked
+loss after it), which FSDP's sharded parameters do not allow; and a drafter is small enough to
+replicate: even for Llama-3.1-8B (V=128k, H=4096) a 1-layer head is ~0.8 B parameters, ~13 GB with
+float32 AdamW state, while the activation memory that matters is cut by sequence partitioning
+(``num_partitions``). The way to add it: ``fully_shard`` the decoder layers only, keep the root
+(embeddings, fc, lm_head) replicated with a manual gradient all-reduce, and save full state dicts
+with ``torch.distributed.checkpoint.state_dict``.
 
 Shape legend: N tokens of a packed batch, V target vocab, Vd draft vocab, Ht target hidden,
 H drafter hidden, K parallel depths.
@@ -379,7 +389,7 @@ class Trainer:
         config: the recipe's ``TrainingConfig`` (or a dict/object with its fields): ``lr``, ``betas``,
             ``weight_decay``, ``warmup_steps``, ``batch_tokens``, ``grad_clip``, ``num_epochs``,
             ``max_steps``, ``checkpoint_every_steps``, ``seed``.
-        model: the drafter, possibly wrapped (DDP/FSDP); ``model.module`` is the ``Eagle3Drafter``.
+        model: the drafter, possibly DDP-wrapped; ``model.module`` is the ``Eagle3Drafter``.
         objective: ``peagle_core.objective.build_objective(...)`` result; its
             ``forward_backward(drafter, batch, target_lm_head=..., no_sync=...)`` runs forward and
             backward and returns float metrics.
@@ -477,10 +487,7 @@ class Trainer:
             metrics = dict(self.objective.forward_backward(
                 self.model, batch, target_lm_head=self.target_lm_head, no_sync=self._no_sync, **kw))
         if self.grad_clip > 0:
-            if hasattr(self.model, "clip_grad_norm_"):  # FSDP shards need its own norm
-                grad_norm = self.model.clip_grad_norm_(self.grad_clip)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             metrics["grad_norm"] = float(grad_norm)
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -843,7 +850,7 @@ def train_loop_per_worker(config: dict) -> dict:
     ``config`` keys (built by :func:`run_train`): ``training`` (``TrainingConfig`` dict),
     ``drafter`` (``DrafterConfig`` dict), ``target_dir`` (HF safetensors dir readable by every
     worker), ``d2t``/``t2d`` (or None), ``objective`` (kwargs of ``build_objective``),
-    ``total_steps``, ``steps_per_epoch``, ``parallel_strategy`` (``"ddp"`` | ``"fsdp"``),
+    ``total_steps``, ``steps_per_epoch``, ``parallel_strategy`` (``"ddp"``),
     ``log_every_steps``, ``mlflow`` (``{tracking_uri, experiment, run_name}`` or None), ``debug``
     (``{"fail_after_step": int}``, tests only).
 
@@ -1090,9 +1097,8 @@ def run_train(
         steps_per_epoch: fixed steps per worker per epoch; ``None`` = estimated from one scan of the
             ``input_ids`` column (skip the scan with ``scan_dataset=False``, e.g. for a streaming
             capture dataset, and set ``max_steps``).
-        parallel_strategy: ``"ddp"`` (default; gloo on CPU) or ``"fsdp"`` (``prepare_model``'s
-            FullyShardedDataParallel, for GPU clusters; rank 0 then needs full state dicts — not
-            exercised by the CPU tests).
+        parallel_strategy: ``"ddp"`` (gloo on CPU, NCCL on GPU); ``"fsdp"`` raises (see the module
+            docstring for why and how it would be added).
         resources_per_worker: ``ScalingConfig(resources_per_worker)``, e.g. ``{"CPU": 1}``.
         mlflow_tracking_uri: default :func:`default_tracking_uri`; ``""`` disables MLflow.
         export_dtype: dtype of the exported weights.
@@ -1140,8 +1146,12 @@ def run_train(
         lengths = _check_capture(Path(capture_dir), dcfg, target_sha256)
         if token_counts is None and (Path(capture_dir) / "token_counts.safetensors").is_file():
             token_counts = Path(capture_dir)
-    if parallel_strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"parallel_strategy={parallel_strategy!r}: use 'ddp' or 'fsdp'")
+    if parallel_strategy == "fsdp":
+        raise ValueError("parallel_strategy='fsdp' is not supported: the objectives use drafter submodules "
+                         "outside the wrapped forward (fc, mask_hidden, lm_head), which FSDP shards; use 'ddp' "
+                         "(the head fits replicated) and num_partitions to cut activation memory")
+    if parallel_strategy != "ddp":
+        raise ValueError(f"parallel_strategy={parallel_strategy!r}: use 'ddp'")
 
     # draft vocabulary + epoch length, from one cheap scan (input_ids/loss_mask columns only)
     pruned = dcfg.draft_vocab_size < dcfg.vocab_size

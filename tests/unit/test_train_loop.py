@@ -256,3 +256,25 @@ def test_real_objective_loss_decreases(tmp_path, method):
     last = res.history[-1]
     assert {"acc_d0", "acc_d1", "acc_d2", "sim_acceptance_length"} <= set(last)
     assert last["positions_per_s"] > 0
+
+
+def test_run_train_rejects_bad_input_before_any_worker(tmp_path):
+    """Config mistakes raise ValueError naming the field before Ray starts (no ray.init here)."""
+    from transformers import LlamaForCausalLM
+
+    from peagle_core import shards
+
+    target = tmp_path / "target"
+    LlamaForCausalLM(tiny_target_config()).save_pretrained(target)
+    spec = {"num_layers": 1, "num_speculative_tokens": 3, "mask_token_id": MASK_ID, "draft_vocab_size": None}
+    with pytest.raises(ValueError, match="fsdp"):
+        T.run_train((config(), spec), None, tmp_path / "out", target_dir=target, parallel_strategy="fsdp")
+    with pytest.raises(ValueError, match="mask_token_id"):
+        T.run_train((config(), {**spec, "mask_token_id": None}), None, tmp_path / "out", target_dir=target)
+    cap = tmp_path / "capture"
+    cap.mkdir()
+    shards.write_capture_meta(cap, {"aux_layer_ids": [1, 2, 3], "hidden_size": HIDDEN, "vocab_size": VOCAB})
+    shards.write_manifest(cap, [{"sample_id": "a", "shard": "s", "offset": 0, "length": 7, "checksum": "x"}])
+    with pytest.raises(ValueError, match=r"aux_layer_ids=\[1, 2, 3\]"):  # the default is (2, 2, 2) for 5 layers
+        T.run_train((config(), spec), None, tmp_path / "out", target_dir=target, capture_dir=cap)
+    assert not (tmp_path / "out").exists()
