@@ -536,8 +536,10 @@ class Trainer:
                     self._log(window, time.perf_counter() - t_window)
                     window, t_window = defaultdict(list), time.perf_counter()
                 if (self.checkpoint_every and st.step % self.checkpoint_every == 0) or done:
+                    t_ckpt = time.perf_counter()
                     self._checkpoint()
                     last_ckpt_step = st.step
+                    t_window += time.perf_counter() - t_ckpt  # throughput excludes checkpoint I/O
                 if self.fail_after_step is not None and st.step >= self.fail_after_step:
                     raise RuntimeError(f"fail_after_step={self.fail_after_step}: simulated failure at step {st.step}")
                 if done:
@@ -565,7 +567,7 @@ class Trainer:
         m.update({"tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
                   "epoch": float(self.state.position.epoch), "step": float(self.state.step),
                   "tokens_seen": float(self.state.tokens_seen)})
-        self.state.history.append(m)
+        self.state.history.append(m)  # tokens_seen counts this worker's tokens
         if self.on_log is not None:
             self.on_log(self.state.step, m)
 
