@@ -229,7 +229,9 @@ def offline_acceptance(
 
     model = target_model or AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     eos = AutoConfig.from_pretrained(str(target)).eos_token_id
-    drafter = load_head(head, dtype=torch.float32).eval()
+    # A head may ship without embed_tokens (vLLM shares the target's): pass the target's.
+    drafter = load_head(head, dtype=torch.float32,
+                        target_embed_tokens=model.get_input_embeddings().weight.detach()).eval()
     drafts = accepted = 0
     per_pos = [0] * K
     t = time.perf_counter()
