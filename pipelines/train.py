@@ -227,7 +227,8 @@ def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
 
 def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
     """AdamW with the recipe's ``lr``, ``betas``, ``weight_decay``; no decay on norms, biases,
-    ``mask_hidden`` and embeddings (1-D tensors and ``embed_tokens``)."""
+    ``mask_hidden`` and embeddings (1-D tensors and ``embed_tokens``). Build it after the model is
+    on its device (the fused implementation is picked when the device has one)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -235,7 +236,11 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.AdamW:
         (no_decay if p.ndim < 2 or "embed_tokens" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": float(_get(cfg, "weight_decay", 0.0))},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=float(_get(cfg, "lr")), betas=tuple(_get(cfg, "betas", (0.9, 0.95))))
+    kw = {"lr": float(_get(cfg, "lr")), "betas": tuple(_get(cfg, "betas", (0.9, 0.95)))}
+    try:  # fused kernels (CPU and CUDA): ~4x faster than foreach on a 2-core CPU for a SmolLM2 head
+        return torch.optim.AdamW(groups, fused=True, **kw)
+    except (RuntimeError, TypeError, ValueError):  # a device/dtype without a fused AdamW
+        return torch.optim.AdamW(groups, **kw)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
