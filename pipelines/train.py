@@ -410,7 +410,8 @@ class Trainer:
             on every rank; it calls :meth:`save_checkpoint` into a directory of its choice.
         log_every_steps: metric window.
         pack_fn: ``pack_samples(samples, max_tokens) -> list[PackedBatch]``.
-        fail_after_step: test hook: raise ``RuntimeError`` right after the checkpoint of that step.
+        fail_after_step: test hook: raise ``RuntimeError`` on every rank right after the checkpoint of
+            that step has been reported by all ranks.
     """
 
     def __init__(
@@ -546,6 +547,11 @@ class Trainer:
                     last_ckpt_step = st.step
                     t_window += time.perf_counter() - t_ckpt  # throughput excludes checkpoint I/O
                 if self.fail_after_step is not None and st.step >= self.fail_after_step:
+                    # A collective first: under Ray every rank has then returned from its report
+                    # (its upload done and result queued), so the checkpoint is complete and
+                    # registered; a rank raising while another still uploads leaves a partial,
+                    # unregistered checkpoint directory (Ray then resumes from the previous one).
+                    self._all_true(True)
                     raise RuntimeError(f"fail_after_step={self.fail_after_step}: simulated failure at step {st.step}")
                 if done:
                     break
