@@ -145,17 +145,20 @@ def _head_processes(temp: Path) -> list:
     import psutil
 
     key = str(temp)
+    me = psutil.Process()
+    spare = {me.pid} | {p.pid for p in me.parents()}  # this command and its callers (make, a shell)
     found = {}
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if any(key in part for part in (p.info["cmdline"] or [])) and p.pid != os.getpid():
+            if any(key in part for part in (p.info["cmdline"] or [])) and p.pid not in spare:
                 found[p.pid] = p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     for p in list(found.values()):
         try:
             for c in p.children(recursive=True):
-                found.setdefault(c.pid, c)
+                if c.pid not in spare:
+                    found.setdefault(c.pid, c)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return list(found.values())
