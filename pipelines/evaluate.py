@@ -356,8 +356,8 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *, title: s
                 ax.plot(*zip(*pts, strict=True), marker="o", label=f"{method} c={c}")
     for r in rows:
         if r["method"] == "none":
-            ax.axhline(r["tokens_per_s"], linestyle="--", linewidth=1, color="gray")
-            ax.annotate(f"none c={r['concurrency']}", (0, r["tokens_per_s"]), fontsize=7, color="gray")
+            ax.axhline(r["tokens_per_s"], linestyle="--", linewidth=1, color="gray",
+                       label=f"none c={r['concurrency']}")
     ax.set_xlabel("K (num_speculative_tokens)")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"throughput vs K {title}".strip())
