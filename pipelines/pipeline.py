@@ -145,7 +145,8 @@ class PipelineRun:
     def key(self, stage: str) -> str:
         r = self.recipe
         sections = {
-            "regenerate": (r.target, r.data, r.regenerate),
+            # aux layer ids do not change the regenerated text: they key the capture only
+            "regenerate": (r.target.model_dump(mode="json", exclude={"aux_layer_ids"}), r.data, r.regenerate),
             "capture": (r.capture, r.resolved_aux_layer_ids()),
             "train": (r.drafter, r.training),
             "evaluate": (r.evaluation,),
