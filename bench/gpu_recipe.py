@@ -229,7 +229,7 @@ def train(args) -> None:
                  tcfg.model_copy(update={"max_steps": calib_steps, "warmup_steps": 0}),
                  steps_per_epoch=steps_per_epoch, device=device, log_every_steps=max(1, calib_steps))
     s_per_step = (time.perf_counter() - t0) / calib_steps
-    max_steps = max(1, int((args.budget_s - (time.perf_counter() - t_prep)) / s_per_step))
+    max_steps = args.max_steps or max(1, int((args.budget_s - (time.perf_counter() - t_prep)) / s_per_step))
     history = []
 
     def on_log(step: int, m: dict) -> None:
@@ -306,6 +306,7 @@ def main() -> None:
     p.add_argument("--capture-batch", type=int, default=32)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--calib-steps", type=int, default=8)
+    p.add_argument("--max-steps", type=int, default=0, help="fixed steps (calibration includes compile warm-up)")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--limit", type=int, default=0)
     p = sub.add_parser("split-head")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 set -u
 . bench/device/env.sh
-timeout 560 python3 -m bench.gpu_recipe train --method peagle --budget-s 450 > "$OUT/train_peagle.log" 2>&1
+timeout 560 python3 -m bench.gpu_recipe train --method peagle --budget-s 450 --max-steps 1000 --calib-steps 2 > "$OUT/train_peagle.log" 2>&1
 echo "rc=$?"; grep -v Loading "$OUT/train_peagle.log" | tail -4 | cut -c1-1500
 save
