@@ -295,6 +295,16 @@ def last_valid_index(valid: torch.Tensor) -> torch.Tensor:
     return T - 1 - valid.flip(1).to(torch.int8).argmax(1)
 
 
+def _anchors(input_ids, position_ids, query_valid, cache):
+    """Shared set-up of the drafting helpers: ``(query_valid [B, T], rows [B], anchor_idx [B],
+    anchor_pos [B], committed)`` where ``committed`` is the cache length to crop back to."""
+    if query_valid is None:
+        query_valid = torch.ones_like(input_ids, dtype=torch.bool)
+    anchor_idx = last_valid_index(query_valid)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return query_valid, rows, anchor_idx, position_ids[rows, anchor_idx], cache.length + input_ids.shape[1]
+
+
 class DrafterCache:
     """Per-layer key/value cache with per-slot validity and positions.
 
@@ -591,13 +601,8 @@ class Eagle3Drafter(nn.Module):
         """
         K = num_speculative_tokens
         B, T = input_ids.shape
-        if query_valid is None:
-            query_valid = torch.ones_like(input_ids, dtype=torch.bool)
-        anchor_idx = last_valid_index(query_valid)  # [B]
-        rows = torch.arange(B, device=input_ids.device)
-        anchor_pos = position_ids[rows, anchor_idx]  # [B]
+        query_valid, rows, anchor_idx, anchor_pos, committed = _anchors(input_ids, position_ids, query_valid, cache)
         hidden = self.combine_hidden_states(aux_hidden)  # [B, T, H]
-        committed = cache.length + T
         if K > 1:
             depth = torch.arange(1, K, device=input_ids.device)
             mask_ids = torch.full((B, K - 1), self.config.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
@@ -626,13 +631,7 @@ class Eagle3Drafter(nn.Module):
 
         Arguments and return as ``draft_parallel``.
         """
-        B, T = input_ids.shape
-        if query_valid is None:
-            query_valid = torch.ones_like(input_ids, dtype=torch.bool)
-        anchor_idx = last_valid_index(query_valid)
-        rows = torch.arange(B, device=input_ids.device)
-        pos = position_ids[rows, anchor_idx]  # [B]
-        committed = cache.length + T
+        query_valid, rows, anchor_idx, pos, committed = _anchors(input_ids, position_ids, query_valid, cache)
         normed, prenorm = self.forward(input_ids, self.combine_hidden_states(aux_hidden), position_ids,
                                        cache=cache, query_valid=query_valid)
         normed, prenorm = normed[rows, anchor_idx][:, None], prenorm[rows, anchor_idx][:, None]  # [B, 1, H]

@@ -1,0 +1,149 @@
+"""Generate ``docs/benchmarks.md`` from ``bench/results/*.json`` (goal beside each measured number).
+
+    python -m bench.report
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.common import RESULTS
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def _load(name: str) -> dict | None:
+    p = RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _env(r: dict) -> str:
+    e = r["environment"]
+    return f"{e['device']}, torch {e['torch']}, CUDA {e.get('cuda')}, triton {e.get('triton', '-')}, {e['date'][:10]}"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def _f(x, nd=2):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def drafting(lines: list[str]) -> None:
+    r = _load("drafting_cost")
+    lines += ["## 1. Drafting cost vs K (parallel vs sequential)", ""]
+    if r is None:
+        lines += ["not run", ""]
+        return
+    lines += [f"`python -m bench.drafting_cost` — {_env(r)}; {r['dtype']}, {r['mode']} (no CUDA graphs for either "
+              "method), random weights, 4-layer heads, 512 committed slots in the drafter KV cache; time per drafting "
+              "step, median of 20.", ""]
+    lines += _table(["target", "batch", "parallel t(K=11)/t(K=1) (goal <= 1.15)", "sequential/parallel at K=7, same "
+                     "4-layer head (goal >= 5)", "1-layer EAGLE-3 head / parallel at K=7"],
+                    [[s["target"], s["batch"], _f(s["parallel_t11_over_t1"]), _f(s["sequential_over_parallel_K7"]),
+                      _f(s["sequential1layer_over_parallel_K7"])] for s in r["summary"]])
+    lines += ["", "Raw milliseconds per (target, batch, K) are in `bench/results/drafting_cost.json`.", ""]
+
+
+def training(lines: list[str]) -> None:
+    r = _load("train_step")
+    lines += ["## 2. Training step: P-EAGLE vs EAGLE-3 TTT-7", ""]
+    if r is None:
+        lines += ["not run", ""]
+        return
+    lines += [f"`python -m bench.train_step` — {_env(r)}; SmolLM2-sized drafter (H=576, 4 layers, vocab 49152), "
+              "random weights, 4 packed documents, forward+backward+AdamW, bf16 autocast.", ""]
+    rows = []
+    for x in r["rows"]:
+        rows.append([x["method"], x["num_tokens"], x.get("num_partitions", "-"), x["loss_impl"], _f(x["step_ms"], 1),
+                     _f(x["peak_mem_gib"]), f"{x['slots_per_s']:.0f}", f"{x['tokens_per_s']:.0f}"])
+    lines += _table(["method", "N", "S", "loss", "step ms", "peak GiB", "slots/s", "tokens/s"], rows)
+    by = {(x["method"], x["num_tokens"], x.get("num_partitions"), x["loss_impl"]): x for x in r["rows"]}
+    lines += [""]
+    for n in sorted({x["num_tokens"] for x in r["rows"]}):
+        p, e = by.get(("peagle", n, 1, "triton")), by.get(("eagle3", n, None, "triton"))
+        if p and e:
+            lines.append(f"- N={n}: P-EAGLE S=1 / EAGLE-3 TTT-7 step time = {p['step_ms'] / e['step_ms']:.2f} "
+                         f"(goal <= 1.00: {'met' if p['step_ms'] <= e['step_ms'] else 'not met'})")
+        mems = [by[("peagle", n, s, "triton")]["peak_mem_gib"] for s in (1, 2, 4, 8) if ("peagle", n, s, "triton") in by]
+        if mems:
+            lines.append(f"- N={n}: peak memory for S = 1, 2, 4, 8: {', '.join(_f(m) for m in mems)} GiB")
+        t, c = by.get(("peagle", n, 1, "triton")), by.get(("peagle", n, 1, "torch"))
+        if t and c:
+            lines.append(f"- N={n}: fused Triton loss vs chunked torch loss: {c['step_ms'] / t['step_ms']:.2f}x faster, "
+                         f"{c['peak_mem_gib'] - t['peak_mem_gib']:.2f} GiB less")
+    lines += [""]
+
+
+def capture(lines: list[str]) -> None:
+    r = _load("capture_throughput")
+    lines += ["## 3. Capture throughput", ""]
+    if r is None:
+        lines += ["not run", ""]
+        return
+    lines += [f"`python -m bench.capture_throughput` — {_env(r)}; SmolLM2-135M {r['dtype']}, {r['conversations']} "
+              "regenerated ShareGPT conversations (<= 1024 tokens).", ""]
+    lines += _table(["batch", "capture tok/s", "plain forward tok/s", "plain base-model tok/s",
+                     "capture / plain (goal >= 0.85)"],
+                    [[x["batch"], f"{x['capture_tok_s']:.0f}", f"{x['plain_tok_s']:.0f}", f"{x['plain_base_tok_s']:.0f}",
+                      _f(x["capture_over_plain"])] for x in r["rows"]])
+    lines += [""]
+
+
+def decode(lines: list[str]) -> None:
+    r = _load("decode_speedup")
+    lines += ["## 4. Decoding speed-up (reference decoder, GPU recipe heads)", ""]
+    if r is None:
+        lines += ["not run", ""]
+        return
+    lines += [f"`python -m bench.decode_speedup` — {_env(r)}; SmolLM2-135M target, {r['dtype']}, HumanEval prompts, "
+              f"greedy, {r['max_new_tokens']} new tokens, HF eager target + peagle drafter (no CUDA graphs)."
+              + (f" **Partial:** {r['note']}." if r.get("partial") else ""), ""]
+    lines += _table(["concurrency", "method", "K", "AL", "tokens/s", "speed-up vs none", "identical to greedy"],
+                    [[x["concurrency"], x["method"], x["K"], _f(x.get("acceptance_length")), f"{x['tokens_per_s']:.1f}",
+                      _f(x["speedup"]), f"{x['identical']}/{x['prompts']}"] for x in r["rows"]])
+    lines += [""]
+
+
+def gpu_recipe(lines: list[str]) -> None:
+    reg, p, e = _load("gpu_recipe_regenerate"), _load("gpu_recipe_train_peagle"), _load("gpu_recipe_train_eagle3")
+    ev = _load("gpu_recipe_vllm_cpu_eval")
+    lines += ["## GPU recipe (issue 7): SmolLM2 heads trained on one H200, evaluated with vLLM on CPU", ""]
+    if reg:
+        lines += [f"- Regeneration (transformers backend, bf16, first assistant turn, <= {reg['max_new_tokens']} tokens): "
+                  f"{reg['regenerated']} of {reg['conversations']} ShareGPT conversations in {reg['regenerate_s']:.0f} s, "
+                  f"{reg['tokens_per_s']:.0f} tokens/s; the rest keep their ShareGPT answers."]
+    for t in (p, e):
+        if t:
+            fin = t["final"] or {}
+            accs = [fin.get(f"acc_d{d}") for d in range(t["K"]) if fin.get(f"acc_d{d}") is not None]
+            lines.append(f"- {t['method']}: {t['layers']} layer(s), K={t['K']}, draft vocab {t['draft_vocab_size']}, "
+                         f"{t['steps']} steps x {t['batch_tokens']} tokens ({t['epochs']:.2f} epochs of "
+                         f"{t['tokens_per_epoch']} tokens) in {t['train_s']:.0f} s ({t['s_per_step']:.2f} s/step, "
+                         f"online capture), peak {t['peak_mem_gib']:.1f} GiB; final accuracy per depth "
+                         f"{', '.join(_f(a) for a in accs)}.")
+    if ev:
+        lines += ["", f"vLLM (vllm-cpu 0.32, float32, 2 cores), {ev['prompts']} HumanEval prompts, {ev['max_tokens']} "
+                  "new tokens, concurrency 1:", ""]
+        lines += _table(["method", "K", "AL", "tokens/s", "speed-up"],
+                        [[x["method"], x.get("K", "-"), _f(x.get("acceptance_length")), _f(x.get("tokens_per_s"), 1),
+                          _f(x.get("speedup"))] for x in ev["rows"]])
+    lines += [""]
+
+
+def main() -> None:
+    lines = ["# Benchmarks", "", "Generated by `python -m bench.report` from `bench/results/*.json`; the scripts are in "
+             "`bench/`, the device calls that produced them in `bench/device/`. These are measurements, not tests.", ""]
+    for fn in (drafting, training, capture, decode, gpu_recipe):
+        fn(lines)
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text("\n".join(lines) + "\n")
+    print("wrote", DOC)
+
+
+if __name__ == "__main__":
+    main()
