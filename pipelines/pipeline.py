@@ -11,7 +11,7 @@ Each stage is the plain function of its module (``pipelines.<stage>``); this mod
 them, records what each produced and skips work already done. Everything lives under one run
 directory (default ``$PEAGLE_HOME/runs/<recipe.name>``)::
 
-    regenerate/conversations.jsonl   capture/ (shards + manifest.parquet)   train/head/
+    regenerate/conversations.jsonl   capture/<key>/ (shards + manifest.parquet)   train/head/
     ray_results/ (Ray Train checkpoints)   evaluate/table.json   <stage>/stage.json   summary.json
 
 Skipping: every stage has a *key* = sha256 of the recipe sections it reads plus its upstream
@@ -282,7 +282,12 @@ class PipelineRun:
             return {"streaming": True, "num_conversations": len(rows)}
         from pipelines.capture import run_capture
 
-        out_dir = self.stage_dir("capture")
+        # One directory per capture key: a capture made with other settings is kept, never overwritten.
+        out_dir = self.stage_dir("capture") / self.key("capture")[:12]
+        older = [d for d in self.stage_dir("capture").glob("*") if d.is_dir() and d != out_dir]
+        if older:
+            self.print(f"[capture] keeping {len(older)} older capture(s) made with other settings "
+                       f"({_fmt_bytes(sum(_tree_bytes(d) for d in older))}): {', '.join(d.name for d in older)}")
         res = run_capture(rows, self.recipe.target, cap, self.recipe.data, out_dir,
                           num_cpus_per_worker=_cpus_per_worker(cap.num_workers))
         self.print(f"[capture] {res.num_samples} samples, {res.num_tokens} tokens ({res.num_loss_tokens} assistant), "
@@ -536,6 +541,12 @@ class PipelineRun:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def _fmt_bytes(n: int) -> str:
+    from peagle_core.shards import format_bytes
+
+    return format_bytes(n)
 
 
 def _cpus_per_worker(num_workers: int) -> float:
