@@ -132,6 +132,14 @@ def gpu_recipe(lines: list[str]) -> None:
         lines += _table(["method", "K", "AL", "tokens/s", "speed-up"],
                         [[x["method"], x.get("K", "-"), _f(x.get("acceptance_length")), _f(x.get("tokens_per_s"), 1),
                           _f(x.get("speedup"))] for x in ev["rows"]])
+        lines += ["", "Plots: `docs/img/gpu_recipe_al_per_position.png`, `docs/img/gpu_recipe_tokens_per_s_vs_K.png`."]
+    ll = _load("lossless_fp32_cpu")
+    if ll:
+        lines += ["", f"Losslessness of the reference decoder with these heads (`python -m bench.lossless_check`, float32, "
+                  f"CPU, K={ll['K']}, {ll['max_new_tokens']} new tokens):", ""]
+        lines += _table(["method, batch", "identical to target greedy", "offline AL"],
+                        [[k, f"{v['identical']}/{v['prompts']}", _f(v["acceptance_length"])]
+                         for k, v in ll["results"].items() if k != "none"])
     lines += [""]
 
 
