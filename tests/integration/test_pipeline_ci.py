@@ -78,7 +78,7 @@ def test_pipeline_job_end_to_end(head, tmp_path):
 
     client = get_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
     champ = client.get_model_version_by_alias("peagle-smollm2-135m-instruct", "champion")
-    assert champ.version == summary["mlflow"]["version"] and champ.run_id == summary["mlflow"]["run_id"]
+    assert str(champ.version) == summary["mlflow"]["version"] and champ.run_id == summary["mlflow"]["run_id"]
     assert "eval.peagle.K3.c1.acceptance_length" in client.get_run(champ.run_id).data.metrics
 
     url = f"http://127.0.0.1:{port}"
