@@ -734,8 +734,18 @@ class PEagleObjective(Objective):
         still reaches every parameter when there is none)."""
         d = unwrap(drafter)
         attention = resolve_attention(self.cfg.attention, el.anchor.device)
+        own = torch.arange(el.num_elements, device=el.anchor.device) >= num_context  # [T]
+        # Forward order (doc, depth, anchor): the depth-0 keys of a document are one contiguous
+        # causal run, and a depth-d query block needs only the depth-0 blocks left of it plus the
+        # few blocks of its own anchors at depths < d. In the (seg_key, depth, anchor) order of
+        # Algorithm 1 depth-0 keys are interleaved with deeper slots, and ~3/4 of every
+        # block-mask tile is masked-out work. Attention results do not depend on slot order.
+        span = int(el.anchor.max()) + 2 if el.num_elements else 1
+        order = torch.argsort((el.doc * (self.num_depths + 1) + el.depth) * span + el.anchor)
+        el, own = el.index(order), own[order]
         if attention == "flex":  # whole blocks: fewer distinct shapes for the compiled kernel
             el = pad_elements(el, -(-el.num_elements // FLEX_BLOCK) * FLEX_BLOCK)
+            own = torch.cat([own, own.new_zeros(el.num_elements - own.numel())])
         T = el.num_elements
         is0 = el.depth == 0
         H = d.config.hidden_size
@@ -748,9 +758,7 @@ class PEagleObjective(Objective):
         mask = element_mask(el, attention=attention)
         normed, _ = drafter(el.input_ids[None], hidden[None], el.position[None], attn_mask=mask)
         stats.num_forward_slots += T
-        own_loss = el.loss.clone()
-        own_loss[:num_context] = False
-        rows = torch.nonzero(own_loss).flatten()
+        rows = torch.nonzero(el.loss & own).flatten()
         if rows.numel() == 0:
             return (normed.sum() + d.lm_head.weight.sum()) * 0.0
         sub = el.index(rows)
