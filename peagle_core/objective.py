@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from peagle_core.drafter import Eagle3Drafter
+from peagle_core.fsdp import run_in_forward
 from peagle_core.loss import LossImpl, linear_distill_loss
 
 try:
@@ -633,15 +634,17 @@ class Objective(ABC):
         """Forward AND backward (gradients accumulate into ``.grad``); returns metrics.
 
         Args:
-            drafter: the head (``Eagle3Drafter``, optionally DDP-wrapped).
+            drafter: the head (``Eagle3Drafter``, optionally DDP-wrapped, or FSDP2-sharded as a
+                ``peagle_core.fsdp.ShardedDrafter``).
             batch: one packed sequence on the drafter's device.
             target_lm_head: ``[V, Ht]`` frozen target ``lm_head`` weight (or ``[Vd, Ht]`` already
                 restricted to the draft vocabulary).
             loss_scale_denominator: divisor of the summed element losses; default = this batch's
                 number of loss elements. Under DDP (which averages gradients over W ranks) pass
                 ``global_loss_elements / W`` for an exact global mean.
-            no_sync: callable returning a context manager (``ddp.no_sync``) entered for every
-                backward but the last, so DDP all-reduces once per batch.
+            no_sync: callable returning a context manager (``ddp.no_sync``,
+                ``ShardedDrafter.no_sync``) entered for every backward but the last, so DDP
+                all-reduces (FSDP reduce-scatters) once per batch.
             elements: slots from ``build_elements`` (to count loss elements across ranks first).
         """
 
@@ -790,8 +793,8 @@ class PEagleObjective(Objective):
             last = i == len(todo) - 1
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with ctx:
-                loss = self._segment(drafter, batch, el.index(seg.indices), W_t, denom, stats,
-                                     num_context=int(seg.context.numel()))
+                loss = run_in_forward(drafter, self._segment, batch, el.index(seg.indices), W_t, denom,
+                                      stats, num_context=int(seg.context.numel()))
                 loss.backward()
             total += float(loss.detach())
         return stats.metrics(total)
@@ -799,7 +802,7 @@ class PEagleObjective(Objective):
     def compute_loss(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, elements=None):
         _, el, W_t, denom = self._prepare(drafter, batch, target_lm_head, loss_scale_denominator, elements)
         stats = DepthStats(self.num_depths, el.anchor.device)
-        loss = self._segment(drafter, batch, el, W_t, denom, stats)
+        loss = run_in_forward(drafter, self._segment, batch, el, W_t, denom, stats)
         return loss, stats.metrics(float(loss.detach()))
 
 

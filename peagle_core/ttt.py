@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from peagle_core.drafter import DrafterCache, Eagle3Drafter
+from peagle_core.fsdp import run_in_forward
 from peagle_core.objective import (
     FLEX_BLOCK,
     DepthStats,
@@ -184,6 +185,13 @@ class Eagle3TTTObjective(Objective):
         if denom <= 0:
             raise ValueError(f"loss_scale_denominator={loss_scale_denominator} must be > 0")
         stats = DepthStats(T, batch.device)
+        # inside the FSDP root's forward when sharded (peagle_core.fsdp): fc, lm_head are gathered
+        return run_in_forward(drafter, self._forward_loss, batch, el, W_t, denom, stats), stats
+
+    def _forward_loss(self, drafter, batch, el, W_t, denom, stats) -> torch.Tensor:
+        """The T steps and the weighted loss sum (scalar); ``drafter`` is plain or DDP-wrapped."""
+        d = unwrap(drafter)
+        N, T = batch.num_tokens, self.cfg.num_steps
         total = d.lm_head.weight.sum() * 0.0  # reaches lm_head even without loss elements
         for i, q, normed in ttt_forward(drafter, batch, el, T, attention=self.cfg.attention):
             stats.num_forward_slots += N
@@ -192,7 +200,7 @@ class Eagle3TTTObjective(Objective):
                 scale = torch.full((rows.numel(),), self.step_weights[i] / denom, device=normed.device,
                                    dtype=torch.float32)
                 total = total + self._loss_rows(d, batch, normed[rows], q.index(rows), W_t, scale, stats)
-        return total, stats
+        return total
 
     def forward_backward(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, no_sync=None,
                          elements=None) -> dict[str, float]:

@@ -1,0 +1,172 @@
+"""FSDP2 (``peagle_core.fsdp``): 2 CPU ranks over gloo give the single-process gradients, optimizer
+step and full state dicts (P-EAGLE with S=2 sequence partitions, EAGLE-3 TTT)."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+from peagle_core.objective import PackedBatch, build_objective, pack_samples
+from tests.unit.test_objective import MASK_ID, random_sample, target_head, tiny_head
+
+pytestmark = pytest.mark.unit
+
+WORLD = 2
+METHODS = ("peagle", "eagle3")
+LR = 1e-2
+EPS = 1e-3  # AdamW step 1 is lr*g/(|g|+eps): ~lr*sign(g) with a tiny eps, which float noise flips where g ~ 0
+
+
+def _batches() -> list[PackedBatch]:
+    """One packed batch per rank (odd lengths, several documents)."""
+    return [pack_samples([random_sample(n, seed=10 * r + i) for i, n in enumerate(lengths)], 64)[0]
+            for r, lengths in enumerate([(9, 7, 11), (8, 13)])]
+
+
+def _objective(method: str, num_partitions: int):
+    if method == "peagle":
+        return build_objective("peagle", num_depths=4, cod_ratio=0.7, cod_min_ratio=0.2,
+                               num_partitions=num_partitions, attention="dense", loss_impl="torch",
+                               loss_chunk_rows=7, seed=0)
+    return build_objective("eagle3", num_steps=3, attention="dense", loss_impl="torch", loss_chunk_rows=5)
+
+
+def _head(method: str):
+    # vocab 99 (lm_head rows split 50/49 over 2 ranks), hidden 36, fc input 60, 2 layers
+    return tiny_head(mask_token_id=MASK_ID if method == "peagle" else None)
+
+
+def _elements_and_count(method, obj, head, batches):
+    """Elements of every rank's batch (same COD draw everywhere) and the global loss count."""
+    els = [obj.build_elements(b, head) for b in batches]
+    if method == "peagle":
+        return els, sum(e.num_loss_elements for e in els)
+    return els, sum(int(e.loss[: b.num_tokens].sum()) for e, b in zip(els, batches))  # TTT step 0
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from peagle_core import fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        result = {}
+        for method in METHODS:
+            batches = _batches()
+            obj = _objective(method, num_partitions=2)
+            head = _head(method)
+            els, count = _elements_and_count(method, obj, head, batches)
+            model = fsdp.shard_drafter(head)
+            entered = []
+
+            def no_sync(model=model, entered=entered):
+                entered.append(True)
+                return model.no_sync()
+
+            # DDP/FSDP average over ranks: denominator global_count / W gives the global mean
+            obj.forward_backward(model, batches[rank], target_lm_head=target_head(), elements=els[rank],
+                                 loss_scale_denominator=count / WORLD, no_sync=no_sync)
+            grads = {n.removeprefix(fsdp.PREFIX): p.grad.full_tensor() for n, p in model.named_parameters()}
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+            opt.step()
+            state = fsdp.full_model_state_dict(model)
+            opt_state = fsdp.full_optimizer_state_dict(model, opt)
+            # restore into a differently initialized sharded head: must give the same full states
+            other = _head(method)
+            other.reset_parameters(std=0.5)
+            model2 = fsdp.shard_drafter(other)
+            opt2 = torch.optim.AdamW(model2.parameters(), lr=LR, eps=EPS)
+            fsdp.load_full_model_state_dict(model2, state if rank == 0 else {})
+            fsdp.load_full_optimizer_state_dict(model2, opt2, opt_state if rank == 0 else {})
+            state2 = fsdp.full_model_state_dict(model2)
+            opt_state2 = fsdp.full_optimizer_state_dict(model2, opt2)
+            result[method] = {"grads": grads, "state": state, "opt_state": opt_state, "state2": state2,
+                              "opt_state2": opt_state2, "num_no_sync": len(entered),
+                              "param_types": sorted({type(p).__name__ for p in model.parameters()})}
+        if rank == 0:
+            torch.save(result, os.path.join(out_dir, "result.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Rank 0's results of both methods from one 2-process gloo run."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return torch.load(out / "result.pt", weights_only=True)
+
+
+def _reference(method: str):
+    """Single process, unsharded, unpartitioned: both ranks' batches accumulated over the global count;
+    returns (grads, state dict after one AdamW step, head)."""
+    batches = _batches()
+    obj = _objective(method, num_partitions=1)
+    head = _head(method)
+    els, count = _elements_and_count(method, obj, head, batches)
+    for b, e in zip(batches, els):
+        obj.forward_backward(head, b, target_lm_head=target_head(), elements=e, loss_scale_denominator=count)
+    grads = {n: p.grad.clone() for n, p in head.named_parameters()}
+    torch.optim.AdamW(head.parameters(), lr=LR, eps=EPS).step()
+    return grads, head.state_dict(), head
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sharded_gradients_equal_single_process(sharded, method):
+    res = sharded[method]
+    assert res["param_types"] == ["DTensor"]  # every parameter really was sharded
+    ref, _, _ = _reference(method)
+    assert sorted(res["grads"]) == sorted(ref)
+    if method == "peagle":
+        assert "mask_hidden" in ref
+        assert res["num_no_sync"] == 1  # S=2 segments with loss elements: the first backward defers sync
+    for name, g in ref.items():
+        assert g.norm() > 0, name
+        rel = float((res["grads"][name] - g).norm() / g.norm())
+        assert rel < 1e-5, f"{method} {name}: relative gradient error {rel:.2e}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_full_state_dicts_step_and_restore(sharded, method):
+    res = sharded[method]
+    _, ref_state, head = _reference(method)
+    # the full state dict is the drafter's own (export format: peagle_core.contract.export_head)
+    assert sorted(res["state"]) == sorted(head.state_dict())
+    for k, v in ref_state.items():
+        assert torch.allclose(res["state"][k], v, rtol=1e-5, atol=1e-7), k
+    # restore into a differently initialized sharded head gives back the same full states
+    for k, v in res["state"].items():
+        assert torch.equal(res["state2"][k], v), k
+    st, st2 = res["opt_state"]["state"], res["opt_state2"]["state"]
+    assert sorted(st) == sorted(st2) and len(st) == len(ref_state) - 2  # all params; d2t, t2d are buffers
+    for k in st:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(st[k][key], st2[k][key]), (k, key)
+
+
+def test_shard_drafter_checks_input():
+    from peagle_core.fsdp import ShardedDrafter, run_in_forward, shard_drafter
+
+    with pytest.raises(TypeError, match="Eagle3Drafter"):
+        shard_drafter(torch.nn.Linear(3, 3))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        shard_drafter(tiny_head())
+    # unsharded wrapper: fn runs inside forward on the drafter; no_sync is a no-op
+    head = tiny_head()
+    wrapped = ShardedDrafter(head)
+    assert run_in_forward(wrapped, lambda d, x: (d is head) + x, 1) == 2
+    assert run_in_forward(head, lambda d: d is head)
+    with wrapped.no_sync():
+        pass
