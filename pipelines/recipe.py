@@ -251,6 +251,10 @@ class TrainingConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0.0, description="Max gradient norm (None = no clipping).")
     num_workers: int = Field(1, ge=1, description="Ray Train workers.")
     use_gpu: bool = Field(False, description="One GPU per worker (NCCL) or CPU (gloo).")
+    parallel_strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: replicated head (default, a drafter is small); fsdp: FSDP2-sharded head "
+        "(parameters, gradients, AdamW state / num_workers; for 8B+ targets with large vocabularies)."
+    )
     checkpoint_every_steps: int = Field(500, ge=1, description="Checkpoint period in optimizer steps.")
     seed: int = Field(0, description="Init / data-order / COD sampling seed.")
     attention: Literal["auto", "flex", "dense"] = Field(

@@ -10,7 +10,8 @@ Two layers, as in Ray Train's ``train_func_per_worker`` idiom:
   GPU box without Ray (``import ray`` happens only inside the Ray functions below);
 * the Ray Train V2 wrapper — :func:`train_loop_per_worker` and :func:`run_train` — which feeds
   the core from ``ray.train.get_dataset_shard("train")``, wraps the drafter with
-  ``ray.train.torch.prepare_model`` (DDP; gloo on CPU, NCCL on GPU; see "FSDP" below), turns
+  ``ray.train.torch.prepare_model`` (DDP; gloo on CPU, NCCL on GPU) or shards it with FSDP2
+  (``peagle_core.fsdp``; see "FSDP" below), turns
   checkpoints into ``ray.train.report(..., checkpoint=Checkpoint.from_directory(d))`` and resumes
   from ``ray.train.get_checkpoint()`` when re-run with the same ``RunConfig(name, storage_path)``.
   Metrics go to MLflow from rank 0 (Train V2 has no ``MLflowLoggerCallback``). The driver exports
@@ -27,15 +28,21 @@ have a batch; the epoch ends for everyone when any shard runs out (the tail of t
 is dropped, at most one batch per worker per epoch on balanced shards). ``steps_per_epoch`` can
 also be fixed up front.
 
-FSDP: ``parallel_strategy="fsdp"`` is rejected (ValueError) for now. The objectives
-(``peagle_core.objective``/``ttt``) call drafter submodules outside the wrapped forward
-(``combine_hidden_states`` -> ``fc`` and ``mask_hidden`` before it, ``lm_head.weight`` in the chunked
-loss after it), which FSDP's sharded parameters do not allow; and a drafter is small enough to
-replicate: even for Llama-3.1-8B (V=128k, H=4096) a 1-layer head is ~0.8 B parameters, ~13 GB with
-float32 AdamW state, while the activation memory that matters is cut by sequence partitioning
-(``num_partitions``). The way to add it: ``fully_shard`` the decoder layers only, keep the root
-(embeddings, fc, lm_head) replicated with a manual gradient all-reduce, and save full state dicts
-with ``torch.distributed.checkpoint.state_dict``.
+FSDP: ``training.parallel_strategy: fsdp`` shards the drafter with FSDP2 (``fully_shard``, one unit
+per decoder layer plus the root; ``peagle_core.fsdp.shard_drafter``) instead of replicating it with
+DDP; gloo on CPU, NCCL on GPU. Ray's ``prepare_model(parallel_strategy="fsdp")`` is FSDP1 and
+GPU-only, so the worker moves the drafter with ``prepare_model(parallel_strategy=None)`` and shards
+it itself. The objectives run their whole forward-to-loss inside the sharded root's forward
+(``peagle_core.fsdp.run_in_forward``: ``fc``, ``mask_hidden`` and ``lm_head`` are used outside
+``Eagle3Drafter.forward``), and the sequence partition defers the gradient reduce-scatter to the last
+segment (``ShardedDrafter.no_sync``); gradients equal DDP's. Checkpoints hold the full model
+(same ``model.safetensors`` as DDP, so the export is unchanged) and the full optimizer state keyed by
+parameter name (``torch.distributed.checkpoint.state_dict``); a checkpoint resumes only under the
+strategy that wrote it. When to use it: DDP is the default, a drafter is small (one layer plus
+embeddings and a draft-vocabulary ``lm_head``); FSDP divides parameter, gradient and AdamW memory by
+the number of workers, for 8B+ targets with large vocabularies (Llama-3.1-8B, V=128k, H=4096: a
+1-layer head is ~0.8 B parameters, ~13 GB with float32 AdamW state per DDP worker). Activation memory
+is cut by sequence partitioning (``num_partitions``) under either strategy.
 
 Shape legend: N tokens of a packed batch, V target vocab, Vd draft vocab, Ht target hidden,
 H drafter hidden, K parallel depths.
@@ -62,6 +69,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from peagle_core import fsdp
 from peagle_core.drafter import DrafterConfig, Eagle3Drafter
 from peagle_core.vocab import vocab_mapping_from_counts
 
@@ -394,7 +402,8 @@ class Trainer:
         config: the recipe's ``TrainingConfig`` (or a dict/object with its fields): ``lr``, ``betas``,
             ``weight_decay``, ``warmup_steps``, ``batch_tokens``, ``grad_clip``, ``num_epochs``,
             ``max_steps``, ``checkpoint_every_steps``, ``seed``.
-        model: the drafter, possibly DDP-wrapped; ``model.module`` is the ``Eagle3Drafter``.
+        model: the drafter, possibly DDP-wrapped or FSDP2-sharded (``peagle_core.fsdp.shard_drafter``);
+            ``model.module`` is the ``Eagle3Drafter``.
         objective: ``peagle_core.objective.build_objective(...)`` result; its
             ``forward_backward(drafter, batch, target_lm_head=..., no_sync=...)`` runs forward and
             backward and returns float metrics.
@@ -465,7 +474,8 @@ class Trainer:
         self.state = TrainState()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
-        self._no_sync = getattr(model, "no_sync", None)
+        self._no_sync = getattr(model, "no_sync", None)  # DDP and ShardedDrafter (FSDP2) have one
+        self.sharded = fsdp.is_sharded(model)  # FSDP2: checkpoints gather and scatter (collectives)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -494,6 +504,8 @@ class Trainer:
                 self.model, batch, target_lm_head=self.target_lm_head, no_sync=self._no_sync, **kw))
         if self.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+                grad_norm = grad_norm.full_tensor()
             metrics["grad_norm"] = float(grad_norm)
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -591,19 +603,32 @@ class Trainer:
     def _model_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().contiguous() for k, v in self.drafter.state_dict().items()}
 
+    def full_optimizer_state(self) -> dict:
+        """The optimizer state dict: ``optimizer.state_dict()``, or under FSDP2 the full one keyed by
+        parameter name on rank 0 (``{}`` on other ranks; a collective, call it on every rank)."""
+        if self.sharded:
+            return fsdp.full_optimizer_state_dict(self.model, self.optimizer)
+        return self.optimizer.state_dict()
+
     def save_checkpoint(self, directory: str | os.PathLike, *, extra_state: dict | None = None) -> Path:
         """Write this rank's part of a checkpoint into ``directory``: rank 0 writes the model
         (safetensors), optimizer, scheduler and ``trainer_state.json``; every rank writes its data
-        position and RNG states to ``rank_XXXX.pt``."""
+        position and RNG states to ``rank_XXXX.pt``. Under FSDP2 every rank must call it (the full
+        model and optimizer states are gathered to rank 0)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         st = self.state
+        model_state = opt_state = None
+        if self.sharded:  # collectives on every rank
+            model_state = fsdp.full_model_state_dict(self.model)
+            opt_state = self.full_optimizer_state()
         if self.rank == 0:
-            save_file(self._model_state(), str(d / MODEL_FILE), metadata={"format": "pt"})
-            torch.save(self.optimizer.state_dict(), d / OPTIMIZER_FILE)
+            save_file(model_state if self.sharded else self._model_state(), str(d / MODEL_FILE),
+                      metadata={"format": "pt"})
+            torch.save(opt_state if self.sharded else self.optimizer.state_dict(), d / OPTIMIZER_FILE)
             torch.save(self.scheduler.state_dict(), d / SCHEDULER_FILE)
             meta = {"step": st.step, "tokens_seen": st.tokens_seen, "positions_seen": st.positions_seen,
-                    "world_size": self.world_size, "total_steps": self.total_steps,
+                    "world_size": self.world_size, "total_steps": self.total_steps, "sharded": self.sharded,
                     "training_config": _as_dict(self.config), **(extra_state or {})}
             (d / STATE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
         rank_state = {"position": vars(st.position).copy(), "rng": _rng_state(), "step": st.step}
@@ -623,16 +648,31 @@ class Trainer:
             The ``trainer_state.json`` dict.
 
         Raises:
-            ValueError: the directory is not a checkpoint of this stage (names the missing file).
+            ValueError: the directory is not a checkpoint of this stage (names the missing file), or
+                it was written under the other parallel strategy (FSDP2 optimizer state is keyed by
+                parameter name, DDP's by index).
         """
         d = Path(directory)
         for name in (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE):
             if not (d / name).is_file():
                 raise ValueError(f"{d} is not a training checkpoint: {name} is missing")
         meta = json.loads((d / STATE_FILE).read_text())
-        state = load_file(str(d / MODEL_FILE), device="cpu")
-        self.drafter.load_state_dict(state, strict=True)
-        self.optimizer.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location=self.device, weights_only=True))
+        if bool(meta.get("sharded", False)) != self.sharded:
+            written, now = ("fsdp", "ddp") if meta.get("sharded") else ("ddp", "fsdp")
+            raise ValueError(f"checkpoint {d} was written with parallel_strategy={written!r} "
+                             f"({meta.get('world_size')} workers); this run is {now!r} ({self.world_size} "
+                             f"workers): resume it with parallel_strategy={written!r} and > 1 workers for fsdp, "
+                             "or start a new run (another run_name)")
+        if self.sharded:  # rank 0 reads, the helpers broadcast and each rank keeps its shard
+            state = load_file(str(d / MODEL_FILE), device="cpu") if self.rank == 0 else {}
+            fsdp.load_full_model_state_dict(self.model, state)
+            opt_state = torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if self.rank == 0 else {}
+            fsdp.load_full_optimizer_state_dict(self.model, self.optimizer, opt_state)
+        else:
+            state = load_file(str(d / MODEL_FILE), device="cpu")
+            self.drafter.load_state_dict(state, strict=True)
+            self.optimizer.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location=self.device,
+                                                      weights_only=True))
         self.scheduler.load_state_dict(torch.load(d / SCHEDULER_FILE, weights_only=True))
         st = self.state
         st.step = st.resumed_from_step = int(meta["step"])
@@ -863,7 +903,7 @@ def train_loop_per_worker(config: dict) -> dict:
     ``config`` keys (built by :func:`run_train`): ``training`` (``TrainingConfig`` dict),
     ``drafter`` (``DrafterConfig`` dict), ``target_dir`` (HF safetensors dir readable by every
     worker), ``d2t``/``t2d`` (or None), ``objective`` (kwargs of ``build_objective``),
-    ``total_steps``, ``steps_per_epoch``, ``parallel_strategy`` (``"ddp"``),
+    ``total_steps``, ``steps_per_epoch``, ``parallel_strategy`` (``"ddp"`` or ``"fsdp"``),
     ``log_every_steps``, ``mlflow`` (``{tracking_uri, experiment, run_name}`` or None), ``debug``
     (``{"fail_after_step": int}``, tests only).
 
@@ -883,7 +923,7 @@ def train_loop_per_worker(config: dict) -> dict:
         torch.set_num_threads(int(config.get("cpu_threads_per_worker") or 1))
     tcfg = config["training"]
     seed = int(_get(tcfg, "seed", 0) or 0)
-    torch.manual_seed(seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
+    torch.manual_seed(seed)  # identical init on every rank (DDP also broadcasts rank 0's weights; FSDP2 does not)
 
     drafter = Eagle3Drafter(DrafterConfig(**config["drafter"]))
     if config.get("d2t") is not None:
@@ -896,7 +936,11 @@ def train_loop_per_worker(config: dict) -> dict:
     torch.manual_seed(seed + 1000 * (rank + 1))  # per-rank stream for COD sampling
 
     strategy = config.get("parallel_strategy", "ddp")
-    model = ray.train.torch.prepare_model(drafter, parallel_strategy=strategy if world > 1 else None)
+    if strategy == "fsdp" and world > 1:
+        # Ray's prepare_model("fsdp") wraps with FSDP1 and only on GPU: move with it, shard with FSDP2
+        model = fsdp.shard_drafter(ray.train.torch.prepare_model(drafter, parallel_strategy=None))
+    else:
+        model = ray.train.torch.prepare_model(drafter, parallel_strategy=strategy if world > 1 else None)
     optimizer = build_optimizer(model, tcfg)
     # per-rank COD stream: each rank samples different slots of its own batches
     obj_kw = dict(config.get("objective", {}))
@@ -950,7 +994,8 @@ def train_loop_per_worker(config: dict) -> dict:
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             meta = trainer.load_checkpoint(d)
-        resume_digest = optimizer_digest(trainer.optimizer.state_dict())
+        full_opt = trainer.full_optimizer_state()  # a collective under FSDP2 ({} off rank 0)
+        resume_digest = optimizer_digest(full_opt) if full_opt else None
         if rank == 0:
             log.info("resumed from step %d (epoch %d, %d samples into it)", trainer.state.step,
                      trainer.state.position.epoch, trainer.state.position.samples_consumed)
@@ -1075,7 +1120,7 @@ def run_train(
     token_counts: str | os.PathLike | torch.Tensor | None = None,
     steps_per_epoch: int | None = None,
     scan_dataset: bool = True,
-    parallel_strategy: str = "ddp",
+    parallel_strategy: str | None = None,
     resources_per_worker: dict | None = None,
     log_every_steps: int = 10,
     mlflow_tracking_uri: str | None = None,
@@ -1110,8 +1155,9 @@ def run_train(
         steps_per_epoch: fixed steps per worker per epoch; ``None`` = estimated from one scan of the
             ``input_ids`` column (skip the scan with ``scan_dataset=False``, e.g. for a streaming
             capture dataset, and set ``max_steps``).
-        parallel_strategy: ``"ddp"`` (gloo on CPU, NCCL on GPU); ``"fsdp"`` raises (see the module
-            docstring for why and how it would be added).
+        parallel_strategy: ``"ddp"`` (replicated) or ``"fsdp"`` (FSDP2-sharded; for 8B+ targets with
+            large vocabularies, see the module docstring); gloo on CPU, NCCL on GPU. Default: the
+            recipe's ``training.parallel_strategy`` (``"ddp"``).
         resources_per_worker: ``ScalingConfig(resources_per_worker)``, e.g. ``{"CPU": 1}``.
         mlflow_tracking_uri: default :func:`default_tracking_uri`; ``""`` disables MLflow.
         export_dtype: dtype of the exported weights.
@@ -1159,12 +1205,13 @@ def run_train(
         lengths = _check_capture(Path(capture_dir), dcfg, target_sha256)
         if token_counts is None and (Path(capture_dir) / "token_counts.safetensors").is_file():
             token_counts = Path(capture_dir)
-    if parallel_strategy == "fsdp":
-        raise ValueError("parallel_strategy='fsdp' is not supported: the objectives use drafter submodules "
-                         "outside the wrapped forward (fc, mask_hidden, lm_head), which FSDP shards; use 'ddp' "
-                         "(the head fits replicated) and num_partitions to cut activation memory")
-    if parallel_strategy != "ddp":
-        raise ValueError(f"parallel_strategy={parallel_strategy!r}: use 'ddp'")
+    if parallel_strategy is None:
+        parallel_strategy = _get(training, "parallel_strategy", None) or "ddp"
+    if parallel_strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel_strategy={parallel_strategy!r}: use 'ddp' (replicated head, the default) or "
+                         "'fsdp' (FSDP2-sharded head, for 8B+ targets with large vocabularies)")
+    if parallel_strategy == "fsdp" and num_workers == 1:
+        log.warning("parallel_strategy='fsdp' with training.num_workers=1: nothing to shard, training unsharded")
 
     # draft vocabulary + epoch length, from one cheap scan (input_ids/loss_mask columns only)
     pruned = dcfg.draft_vocab_size < dcfg.vocab_size

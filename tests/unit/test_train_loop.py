@@ -267,8 +267,8 @@ def test_run_train_rejects_bad_input_before_any_worker(tmp_path):
     target = tmp_path / "target"
     LlamaForCausalLM(tiny_target_config()).save_pretrained(target)
     spec = {"num_layers": 1, "num_speculative_tokens": 3, "mask_token_id": MASK_ID, "draft_vocab_size": None}
-    with pytest.raises(ValueError, match="fsdp"):
-        T.run_train((config(), spec), None, tmp_path / "out", target_dir=target, parallel_strategy="fsdp")
+    with pytest.raises(ValueError, match="parallel_strategy='zero3'"):
+        T.run_train((config(), spec), None, tmp_path / "out", target_dir=target, parallel_strategy="zero3")
     with pytest.raises(ValueError, match="mask_token_id"):
         T.run_train((config(), {**spec, "mask_token_id": None}), None, tmp_path / "out", target_dir=target)
     cap = tmp_path / "capture"
