@@ -1,4 +1,4 @@
-"""Ray Train stage on CPU with real Ray (2 workers, gloo DDP), real MLflow (sqlite in tmp_path) and
+"""Ray Train stage on CPU with real Ray (2 workers, gloo DDP; and FSDP2), real MLflow (sqlite in tmp_path) and
 captured SmolLM2-135M-Instruct hidden states: the loss decreases, checkpoints are written, the head
 exports through the contract; a run killed after its first checkpoint resumes at that step with
 the optimizer state restored."""
@@ -120,3 +120,25 @@ def test_train_kill_resume_loss_decreases_and_export(capture, ray_local, tmp_pat
     assert cfg["peagle"]["method"] == "peagle" and cfg["peagle"]["num_speculative_tokens"] == 3
     assert cfg["peagle"]["target"] == "smollm2-135m-instruct" and cfg["peagle"]["step"] == 8
     assert cfg["peagle"]["target_sha256"] == json.loads((capture / "capture_meta.json").read_text())["target_sha256"]
+
+
+def test_train_fsdp_two_workers_checkpoint_resume_export(capture, ray_local, tmp_path):
+    """training.parallel_strategy=fsdp: 2 CPU workers shard the head with FSDP2 (gloo); the rank-0 full
+    checkpoint exports through the contract; a re-run with a later max_steps resumes from it."""
+    kw = {"parallel_strategy": "fsdp", "max_steps": 3, "checkpoint_every_steps": 3}
+    out = run(capture, tmp_path, "fsdp", training_kw=kw)
+    assert out.step == 3 and out.resumed_from_step is None
+    ck3 = tmp_path / "ray_results" / "fsdp" / "checkpoint_00000003"
+    state = json.loads((ck3 / T.STATE_FILE).read_text())
+    assert state["sharded"] is True and state["world_size"] == 2
+    saved = torch.load(ck3 / T.OPTIMIZER_FILE, weights_only=True)
+    assert all(isinstance(k, str) for k in saved["state"])  # full FSDP optimizer state, keyed by name
+    assert {float(s["step"]) for s in saved["state"].values()} == {3.0}
+    hist = out.return_value["history"]
+    assert all(h["loss"] > 0 and h["grad_norm"] > 0 for h in hist)
+    cfg = validate_head(out.head_dir, parallel_drafting=True)
+    assert cfg["draft_vocab_size"] == 2048 and cfg["peagle"]["step"] == 3
+
+    again = run(capture, tmp_path, "fsdp", training_kw={**kw, "max_steps": 4})
+    assert again.resumed_from_step == 3 and again.step == 4
+    assert again.return_value["resume_optimizer_digest"] == pytest.approx(T.optimizer_digest(saved), rel=1e-12)
