@@ -10,12 +10,13 @@ gradient clipping, fused AdamW, the per-step "all ranks still have a batch" agre
 global tokens/s). The model is wrapped by ``ray.train.torch.prepare_model`` (DDP with NCCL on GPU,
 gloo on CPU; no wrapper with 1 worker), as in ``pipelines.train.train_loop_per_worker``.
 
-Why not ``pipelines.train.train_loop_per_worker`` itself: it reads ``ray.train.get_dataset_shard``
-(Ray Data over the capture's parquet) and a target safetensors directory, and the GPU box has no
-capture, and its Ray Data path would need more carried packages; the bench feeds the same
-``Trainer`` from an in-memory iterator of synthetic captured samples instead (random aux hidden
-states ``[n, 3*Ht]`` and final hidden ``[n, Ht]``, ``--num-docs`` documents per pack, the first 20%
-of each a prompt without loss, as ``bench.train_step.make_batch``). No checkpoints, no MLflow.
+Why not ``pipelines.train.train_loop_per_worker`` itself: it reads its samples from
+``ray.train.get_dataset_shard`` (Ray Data over a capture's parquet shards) and the target from a
+safetensors directory, and the GPU box has neither a capture nor the converted target. So the
+bench feeds the same ``Trainer`` from an in-memory iterator of synthetic captured samples
+(random aux hidden states ``[n, 3*Ht]`` and final hidden ``[n, Ht]``, ``--num-docs`` documents per
+pack, the first 20% of each a prompt without loss, as ``bench.train_step.make_batch``). No
+checkpoints, no MLflow.
 
 Drafter: SmolLM2-135M-sized P-EAGLE head with random weights (``bench.train_step.make_drafter``:
 4 layers, H=576, vocab 49152, mask token = V-1), K=8 depths, COD r=0.8, r_min=0.2, one partition,
