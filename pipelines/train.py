@@ -494,7 +494,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         kw: dict[str, Any] = {}
         if self.world_size > 1 and hasattr(self.objective, "build_elements"):
-            # DDP averages gradients over W ranks: scale by global_loss_elements / W so the step is
+            # DDP and FSDP2 average gradients over W ranks: scale by global_loss_elements / W so the step is
             # the exact mean over all ranks' loss elements (not a mean of per-rank means).
             elements = self.objective.build_elements(batch, self.model)
             total = self._all_sum([float(_loss_count(self.objective, elements, batch))])[0]
