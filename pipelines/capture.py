@@ -10,26 +10,35 @@ turns) are marked in ``loss_mask``, and one target forward records (see :mod:`pe
 so the trainer gets the target distribution as ``lm_head(final_hidden)`` at ~1/8-1/55 of the bytes
 of stored draft-vocab log-probs (reasoning in :mod:`peagle_core.shards`).
 
+Two Ray Data stages: tokenization (chat template, loss mask, truncation; pure CPU,
+:func:`tokenize_rows`) runs as ``map_batches`` tasks on CPU workers, and the model step
+(:func:`capture_tokenized`: padded batch, target forward, hidden states to host) runs on an actor pool
+holding the target on its GPU. :func:`capture_batch` chains both in one process (no Ray).
+
 Two outputs:
 
 * materialized (:func:`run_capture`): shard k holds conversations ``[k*S, (k+1)*S)`` of the input
   order (``S = capture.shard_size_samples``), so the assignment is deterministic. One Ray Data row
-  = one shard task; a ``CaptureShardActor`` pool captures it and writes the shard atomically (hidden
-  states never travel through the object store). A re-run keeps every shard whose file is complete,
-  verified and made for the same conversations and settings, rewrites the others, and writes
-  ``capture_meta.json`` then ``manifest.parquet`` last: the manifest exists only for a finished capture.
-* streaming (:func:`capture_stream`): ``map_batches(CaptureActor)`` yields rows of the same schema
-  for the trainer, nothing written to disk.
+  = one shard task; :func:`tokenize_shard_tasks` tokenizes it, a ``CaptureShardActor`` pool captures
+  it and writes the shard atomically (hidden states never travel through the object store). A
+  re-run keeps every shard whose file is complete, verified and made for the same conversations and
+  settings, rewrites the others, and writes ``capture_meta.json`` then ``manifest.parquet`` last:
+  the manifest exists only for a finished capture.
+* streaming (:func:`capture_stream`): ``map_batches(tokenize_conversations)`` then
+  ``map_batches(CaptureActor)`` yield rows of the same schema for the trainer, nothing written to disk.
 
-Backends: ``transformers`` (CPU and GPU; batches grouped by length, ``torch.inference_mode``).
+Backends: ``transformers`` (CPU and GPU; batches grouped by length, ``torch.inference_mode``, one
+pinned host buffer per batch copied on a side stream while the next batch runs).
 ``vllm`` (vLLM >= 0.18 speculative method ``extract_hidden_states`` + ``ExampleHiddenStatesConnector``)
 is the GPU-cluster path; it is CUDA-only, so here it raises before any compute.
 
-Shape legend: B batch, T padded tokens, N tokens of one sample, Ht target hidden, V target vocab.
+Shape legend: B batch, T padded tokens, N tokens of one sample, S real tokens of a batch, Ht target
+hidden, V target vocab.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -169,7 +178,128 @@ def prepare_samples(
     return out
 
 
-# ---------------------------------------------------------------------------------------------- forward
+def tokenize_rows(
+    tokenizer,
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    max_length_tokens: int | None,
+    on_too_long: str = "truncate",
+    stats: Counter | None = None,
+) -> list[dict[str, Any]]:
+    """The CPU half of capture: conversation rows (``id``/``sample_id``, ``messages``) -> tokenized rows
+    ``{sample_id str, input_ids int32 [N], loss_mask uint8 [N]}`` (numpy), the input of
+    :func:`capture_tokenized`. Same drops, truncation and ``stats`` as :func:`prepare_samples`.
+
+    Raises:
+        ValueError: ``on_too_long`` not truncate|drop, or no chat template (before any tokenization).
+    """
+    return [
+        {"sample_id": sid, "input_ids": np.asarray(ids, dtype=np.int32), "loss_mask": np.asarray(mask, dtype=np.uint8)}
+        for sid, ids, mask in prepare_samples(tokenizer, rows, max_length_tokens=max_length_tokens,
+                                              on_too_long=on_too_long, stats=stats)
+    ]
+
+
+def _ragged_to_arrow(arrays: Sequence[np.ndarray], dtype) -> Any:
+    """1-D arrays as one Arrow ``list<dtype>`` array (one flat buffer + offsets, no per-token Python)."""
+    import pyarrow as pa
+
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays).astype(dtype, copy=False) if len(arrays) else np.zeros(0, dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def _ragged_from_arrow(array) -> list[np.ndarray]:
+    """Inverse of :func:`_ragged_to_arrow`: an Arrow list array (or chunked) -> list of 1-D numpy views."""
+    if hasattr(array, "combine_chunks"):
+        array = array.combine_chunks()
+    if len(array) == 0:
+        return []
+    lengths = array.value_lengths().to_numpy(zero_copy_only=False)
+    values = array.flatten().to_numpy(zero_copy_only=False)
+    return np.split(values, np.cumsum(lengths)[:-1])
+
+
+def tokenized_to_arrow(tokenized: Sequence[Mapping[str, Any]]) -> Any:
+    """Tokenized rows as a ``pyarrow.Table`` (``sample_id`` string, ``input_ids`` list<int32>,
+    ``loss_mask`` list<uint8>): the block format between the tokenize and model-step stages."""
+    import pyarrow as pa
+
+    return pa.table({
+        "sample_id": pa.array([str(r["sample_id"]) for r in tokenized], pa.string()),
+        "input_ids": _ragged_to_arrow([np.asarray(r["input_ids"]) for r in tokenized], np.int32),
+        "loss_mask": _ragged_to_arrow([np.asarray(r["loss_mask"]) for r in tokenized], np.uint8),
+    })
+
+
+def tokenized_from_batch(batch) -> list[dict[str, Any]]:
+    """Tokenized rows from a Ray Data batch: a ``pyarrow.Table`` as made by :func:`tokenized_to_arrow`,
+    or a dict of columns (``batch_format="numpy"``: ragged columns as object arrays)."""
+    if hasattr(batch, "column"):
+        ids, mask = _ragged_from_arrow(batch.column("input_ids")), _ragged_from_arrow(batch.column("loss_mask"))
+        sids = batch.column("sample_id").to_pylist()
+    else:
+        sids, ids, mask = list(batch["sample_id"]), list(batch["input_ids"]), list(batch["loss_mask"])
+    return [{"sample_id": str(s), "input_ids": i, "loss_mask": m} for s, i, m in zip(sids, ids, mask)]
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(path: str):
+    """The target tokenizer, loaded once per Ray worker process (tokenize tasks reuse their worker)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"target tokenizer at {path} has no chat_template; capture needs the target's template")
+    return tokenizer
+
+
+def tokenize_conversations(batch, *, tokenizer_path: str, max_length_tokens: int | None,
+                           on_too_long: str = "truncate") -> Any:
+    """Ray Data ``map_batches`` function (a CPU task, no model): conversation rows (``id``/``sample_id``,
+    ``messages``) -> tokenized rows (:func:`tokenized_to_arrow`). Drops are logged, not returned.
+
+    Use: ``ds.map_batches(tokenize_conversations, fn_kwargs=dict(tokenizer_path=..., max_length_tokens=...),
+    batch_format="pyarrow")`` before the :class:`CaptureActor` stage.
+    """
+    tokenizer = _cached_tokenizer(tokenizer_path)
+    return tokenized_to_arrow(tokenize_rows(tokenizer, _rows_from_batch(batch), max_length_tokens=max_length_tokens,
+                                            on_too_long=on_too_long))
+
+
+def tokenize_shard_tasks(batch, *, tokenizer_path: str, max_length_tokens: int | None,
+                         on_too_long: str = "truncate") -> Any:
+    """Ray Data ``map_batches`` function (a CPU task) of the materialized capture: shard tasks
+    (``shard_index``, ``conversations`` JSON) -> one row per shard with ``shard_index``,
+    ``conversation_ids`` (JSON, every conversation of the shard, dropped ones too), ``tokenize_stats``
+    (JSON Counter: conversations, truncated, dropped_<reason>) and the kept samples as list columns
+    ``sample_id`` list<string>, ``input_ids`` list<list<int32>>, ``loss_mask`` list<list<uint8>>.
+    """
+    import pyarrow as pa
+
+    tokenizer = _cached_tokenizer(tokenizer_path)
+    out: dict[str, list] = {"shard_index": [], "conversation_ids": [], "tokenize_stats": [], "samples": []}
+    for task in _rows_from_batch(batch):
+        rows = json.loads(task["conversations"])
+        stats: Counter = Counter()
+        out["shard_index"].append(int(task["shard_index"]))
+        out["conversation_ids"].append(json.dumps([r["sample_id"] for r in rows]))
+        out["samples"].append(tokenized_to_arrow(tokenize_rows(tokenizer, rows, max_length_tokens=max_length_tokens,
+                                                               on_too_long=on_too_long, stats=stats)))
+        out["tokenize_stats"].append(json.dumps(dict(stats)))
+    cols = {k: out[k] for k in ("shard_index", "conversation_ids", "tokenize_stats")}
+    for key, typ in (("sample_id", pa.string()), ("input_ids", pa.int32()), ("loss_mask", pa.uint8())):
+        cols[key] = pa.ListArray.from_arrays(
+            pa.array(np.cumsum([0] + [t.num_rows for t in out["samples"]]).astype(np.int32)),
+            pa.concat_arrays([t.column(key).combine_chunks() for t in out["samples"]])
+            if out["samples"] else pa.array([], pa.list_(typ) if key != "sample_id" else typ),
+        )
+    return pa.table(cols)
+
+
+# ---------------------------------------------------------------------------------------------- model step
 
 
 def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -180,6 +310,170 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 def _storage_dtype(cfg) -> torch.dtype:
     return shards.HIDDEN_DTYPES[shards.dtype_name(cfg.dtype)]
+
+
+def _check_tokenized(rows: Sequence[Mapping[str, Any]], dtype: torch.dtype,
+                     max_length_tokens: int | None) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """``(sample_id, ids, mask)`` of tokenized rows that pass the token half of
+    :func:`peagle_core.shards.validate_sample`, checked with array ops over all rows before any compute.
+
+    Raises:
+        ValueError: from ``validate_sample`` (zero-width hidden states stand in), naming the first bad
+            sample: empty or non-integer ``input_ids``, ``loss_mask`` of another length or dtype, not
+            0/1 or all zero, more than ``max_length_tokens`` tokens.
+    """
+    sids = [r["sample_id"] for r in rows]
+    ids = [np.asarray(r["input_ids"]) for r in rows]
+    masks = [np.asarray(r["loss_mask"]) for r in rows]
+    ok = all(isinstance(s, str) and s and i.ndim == 1 and i.size and i.dtype.kind in "iu" and m.shape == i.shape
+             and m.dtype in (np.uint8, np.bool_) for s, i, m in zip(sids, ids, masks))
+    if ok and rows:
+        lengths = np.array([len(i) for i in ids])
+        flat = np.concatenate(masks).astype(np.uint8, copy=False)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        ok = (not (flat > 1).any() and bool((np.maximum.reduceat(flat, starts) > 0).all())
+              and (max_length_tokens is None or int(lengths.max()) <= max_length_tokens))
+    if not ok:
+        for s, i, m in zip(sids, ids, masks):
+            stand_in = torch.empty((len(i) if i.ndim == 1 else 0, 0), dtype=dtype)
+            shards.validate_sample({"sample_id": s, "input_ids": i, "loss_mask": m, "aux": stand_in,
+                                    "final_hidden": stand_in}, num_aux=0, dtype=dtype, max_length=max_length_tokens)
+    return list(zip(sids, ids, masks))
+
+
+@dataclass
+class _PendingBatch:
+    """One batch between its device->host copy being queued and the samples being cut from it."""
+
+    index: list[int]  # positions in the input of the batch's samples, batch order
+    lengths: np.ndarray  # [B] tokens per sample
+    input_ids: torch.Tensor  # [S] int32, S = sum(lengths), sample after sample
+    loss_mask: torch.Tensor  # [S] uint8
+    hidden: torch.Tensor  # [S*(A+Ht)] storage dtype on the host: [S, A] aux rows, then [S, Ht] final rows
+    aux_width: int  # A = len(layer_ids) * Ht
+    finite: torch.Tensor | None  # () bool on the host: all hidden states finite (None: not validated)
+    copied: Any = None  # torch.cuda.Event recorded after the copy (None on CPU: nothing to wait for)
+
+
+def capture_tokenized(
+    model,
+    tokenized: Sequence[Mapping[str, Any]],
+    cfg: CaptureConfig,
+    layer_ids: Sequence[int],
+    *,
+    pad_token_id: int = 0,
+    max_length_tokens: int | None = None,
+    stats: Counter | None = None,
+    validate: bool = True,
+) -> list[dict[str, Any]]:
+    """The model step of capture: tokenized rows (``sample_id``, ``input_ids [N]``, ``loss_mask [N]``,
+    e.g. from :func:`tokenize_rows`) -> one captured sample per row, in input order::
+
+        sample_id str, input_ids int32 [N], loss_mask uint8 [N], aux [N, 3*Ht], final_hidden [N, Ht]
+
+    Rows are grouped by length into right-padded ``[B, T]`` batches of ``cfg.batch_size`` (built with
+    array ops), run through :func:`peagle_core.target.target_forward` (``return_logits=False``, under
+    ``torch.inference_mode``), then the real tokens' hidden states are gathered and cast to
+    ``cfg.dtype`` on the device into one packed buffer per batch (aux rows, then final rows) and
+    copied to the host once: on CUDA into pinned memory with ``non_blocking=True`` on a side stream,
+    so the copy of batch i overlaps the forward of batch i+1, and one wait per batch. Each sample's
+    tensors are contiguous views of that batch's host buffers (no per-sample copy); on CPU the packed
+    buffer is the host buffer. Values equal the per-sample ``aux.to(dtype)[b, :n]`` slices bit for bit.
+
+    Rows are always checked with the token half of :func:`peagle_core.shards.validate_sample` before
+    any forward (array ops, microseconds per row). ``validate``: also check the hidden states for
+    NaN/Inf, by one reduction per batch on the device (a failing batch's samples then go through
+    ``validate_sample`` on the host, which names the sample). ``stats`` receives ``num_samples``,
+    ``num_tokens``, ``num_loss_tokens``.
+
+    Raises:
+        ValueError: a malformed tokenized row (before compute), or NaN/Inf in a sample's hidden states
+            (naming the sample and the field; the target forward overflowed).
+    """
+    stats = stats if stats is not None else Counter()
+    dtype = _storage_dtype(cfg)
+    layer_ids = tuple(int(i) for i in layer_ids)
+    rows = _check_tokenized(tokenized, dtype, max_length_tokens)
+    if not rows:
+        return []
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    copy_stream = torch.cuda.Stream(device) if cuda else None
+    lengths = np.array([len(r[1]) for r in rows], dtype=np.int64)
+    results: list[dict[str, Any] | None] = [None] * len(rows)
+    pending: _PendingBatch | None = None
+    for index in length_batches(lengths.tolist(), cfg.batch_size):
+        lens = lengths[index]  # [B]
+        t_max = int(lens.max())
+        real = np.arange(t_max)[None, :] < lens[:, None]  # [B, T] real (not padding) tokens
+        flat_ids = np.concatenate([rows[i][1] for i in index])  # [S] sample after sample
+        ids = np.full(real.shape, pad_token_id, dtype=np.int64)  # [B, T]
+        ids[real] = flat_ids  # row-major: sample b's tokens land in row b, right-padded
+        rows_real = np.flatnonzero(real)  # [S] rows of the flattened [B*T] batch holding real tokens
+        host_in = [torch.from_numpy(a) for a in (ids, real.astype(np.int64), rows_real)]
+        if cuda:
+            host_in = [t.pin_memory() for t in host_in]
+        ids_d, attn_d, rows_d = (t.to(device, non_blocking=True) for t in host_in)
+        out = target_forward(model, ids_d, layer_ids, attention_mask=attn_d, return_logits=False)
+        aux_width, hidden = out.aux.shape[-1], out.final_hidden.shape[-1]
+        num_real = len(rows_real)
+        packed = torch.empty(num_real * (aux_width + hidden), dtype=dtype, device=device)
+        packed[:num_real * aux_width].view(num_real, aux_width).copy_(
+            out.aux.reshape(-1, aux_width).index_select(0, rows_d))  # [S, 3*Ht]
+        packed[num_real * aux_width:].view(num_real, hidden).copy_(
+            out.final_hidden.reshape(-1, hidden).index_select(0, rows_d))  # [S, Ht]
+        del out
+        finite = torch.isfinite(packed).all() if validate else None
+        host, host_finite, copied = packed, finite, None
+        if cuda:
+            host = torch.empty(packed.shape, dtype=dtype, pin_memory=True)
+            host_finite = torch.empty((), dtype=torch.bool, pin_memory=True) if validate else None
+            copy_stream.wait_stream(torch.cuda.current_stream(device))  # the forward and the gather first
+            with torch.cuda.stream(copy_stream):
+                host.copy_(packed, non_blocking=True)
+                if validate:
+                    host_finite.copy_(finite, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(copy_stream)
+            packed.record_stream(copy_stream)  # not reused by the next batch before the copy is done
+            if validate:
+                finite.record_stream(copy_stream)
+        batch = _PendingBatch(
+            index=index, lengths=lens, hidden=host, aux_width=aux_width, finite=host_finite, copied=copied,
+            input_ids=torch.from_numpy(flat_ids.astype(np.int32, copy=False)),
+            loss_mask=torch.from_numpy(np.concatenate([rows[i][2] for i in index]).astype(np.uint8, copy=False)),
+        )
+        if pending is not None:  # the previous batch's copy ran while this batch's forward was queued
+            _cut_samples(pending, rows, results, stats, dtype, layer_ids, max_length_tokens)
+        pending = batch
+    _cut_samples(pending, rows, results, stats, dtype, layer_ids, max_length_tokens)
+    return [r for r in results if r is not None]
+
+
+def _cut_samples(batch: _PendingBatch, rows, results: list, stats: Counter, dtype: torch.dtype,
+                 layer_ids: tuple[int, ...], max_length_tokens: int | None) -> None:
+    """Wait for ``batch``'s host copy, then put one sample (views of the batch buffers) per row into ``results``."""
+    if batch.copied is not None:
+        batch.copied.synchronize()
+    num_real = int(batch.lengths.sum())
+    aux = batch.hidden[:num_real * batch.aux_width].view(num_real, batch.aux_width)  # [S, 3*Ht]
+    fin = batch.hidden[num_real * batch.aux_width:].view(num_real, -1)  # [S, Ht]
+    offsets = np.concatenate([[0], np.cumsum(batch.lengths)])
+    samples = []
+    for b, i in enumerate(batch.index):
+        lo, hi = int(offsets[b]), int(offsets[b + 1])
+        samples.append({"sample_id": rows[i][0], "input_ids": batch.input_ids[lo:hi], "loss_mask": batch.loss_mask[lo:hi],
+                        "aux": aux[lo:hi], "final_hidden": fin[lo:hi]})
+    if batch.finite is not None and not bool(batch.finite):
+        for s in samples:  # names the first bad sample and field
+            shards.validate_sample(s, hidden_size=fin.shape[-1], num_aux=len(layer_ids), dtype=dtype,
+                                   max_length=max_length_tokens)
+        raise AssertionError("isfinite reduction and validate_sample disagree")
+    for i, s in zip(batch.index, samples):
+        results[i] = s
+    stats["num_samples"] += len(samples)
+    stats["num_tokens"] += num_real
+    stats["num_loss_tokens"] += int(batch.loss_mask.sum())
 
 
 def capture_batch(
@@ -195,58 +489,29 @@ def capture_batch(
 ) -> list[dict[str, Any]]:
     """Capture the target's hidden states for conversation ``rows`` (``id``, ``messages``); no Ray.
 
-    Tokenizes with the chat template (:func:`prepare_samples`, ``cfg.on_too_long`` over
-    ``max_length_tokens``), runs :func:`peagle_core.target.target_forward` under
-    ``torch.inference_mode`` on right-padded batches of ``cfg.batch_size`` grouped by length, and
-    returns one dict per kept conversation, in input order::
+    :func:`tokenize_rows` (``cfg.on_too_long`` over ``max_length_tokens``) then
+    :func:`capture_tokenized` (padding with the tokenizer's pad id): one dict per kept conversation,
+    in input order::
 
         sample_id str, input_ids int32 [N], loss_mask uint8 [N], aux [N, 3*Ht], final_hidden [N, Ht]
 
     hidden states cast to ``cfg.dtype``. ``stats`` (a Counter) receives conversation/token/drop counts.
+    The Ray stages run the two halves as separate ``map_batches`` stages (CPU tokenize, model actor).
 
     Raises:
         ValueError: bad ``cfg``/chat template (before compute), or a sample failing
             :func:`peagle_core.shards.validate_sample` (e.g. NaN/Inf from the target).
     """
     stats = stats if stats is not None else Counter()
-    dtype = _storage_dtype(cfg)
-    layer_ids = tuple(int(i) for i in layer_ids)
-    prepared = prepare_samples(tokenizer, rows, max_length_tokens=max_length_tokens,
-                               on_too_long=cfg.on_too_long, stats=stats)
-    if not prepared:
-        return []
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    device = next(model.parameters()).device
-    results: list[dict[str, Any] | None] = [None] * len(prepared)
-    for batch in length_batches([len(p[1]) for p in prepared], cfg.batch_size):
-        t_max = len(prepared[batch[0]][1])
-        ids = torch.full((len(batch), t_max), pad_id, dtype=torch.long)  # [B, T]
-        attn = torch.zeros((len(batch), t_max), dtype=torch.long)  # [B, T]
-        for b, i in enumerate(batch):
-            n = len(prepared[i][1])
-            ids[b, :n] = torch.tensor(prepared[i][1])
-            attn[b, :n] = 1
-        with torch.inference_mode():
-            out = target_forward(model, ids.to(device), layer_ids, attention_mask=attn.to(device), return_logits=False)
-        aux, fin = out.aux.to(dtype).cpu(), out.final_hidden.to(dtype).cpu()  # [B, T, 3*Ht], [B, T, Ht]
-        for b, i in enumerate(batch):
-            sid, tok, mask = prepared[i]
-            n = len(tok)
-            sample = {
-                "sample_id": sid,
-                "input_ids": torch.tensor(tok, dtype=torch.int32),
-                "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                "aux": aux[b, :n].clone(),
-                "final_hidden": fin[b, :n].clone(),
-            }
-            if validate:
-                shards.validate_sample(sample, hidden_size=fin.shape[-1], num_aux=len(layer_ids), dtype=dtype,
-                                       max_length=max_length_tokens)
-            results[i] = sample
-            stats["num_samples"] += 1
-            stats["num_tokens"] += n
-            stats["num_loss_tokens"] += int(sum(mask))
-    return [r for r in results if r is not None]
+    _storage_dtype(cfg)  # a bad dtype fails before tokenization
+    tokenized = tokenize_rows(tokenizer, rows, max_length_tokens=max_length_tokens, on_too_long=cfg.on_too_long,
+                              stats=stats)
+    return capture_tokenized(model, tokenized, cfg, layer_ids, pad_token_id=_pad_id(tokenizer),
+                             max_length_tokens=max_length_tokens, stats=stats, validate=validate)
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
 # ---------------------------------------------------------------------------------------------- target loading
@@ -335,13 +600,41 @@ def samples_to_columns(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return cols
 
 
-class CaptureActor:
-    """Ray Data ``map_batches`` actor: conversation rows (``id``, ``messages``) -> captured sample rows.
+def _num_gpus_per_worker(requested: float | None) -> float:
+    """GPUs per capture actor: ``requested``, or 1 when the Ray cluster has GPUs, else 0 (CPU)."""
+    if requested is not None:
+        return float(requested)
+    import ray
 
-    Use: ``ds.map_batches(CaptureActor, fn_constructor_kwargs=dict(...), compute=
-    ray.data.ActorPoolStrategy(size=n), batch_size=capture.batch_size, batch_format="pyarrow")``.
-    Holds the target for the actor's life (loaded once), ``num_threads`` torch threads (set it to the
-    actor's CPUs). Dropped conversations produce no row.
+    return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+
+
+def _tokenize_num_cpus(num_gpus: float, num_cpus_per_worker: float, num_workers: int) -> float:
+    """CPUs per tokenize task. With GPU actors: 1, so Ray Data runs tokenize tasks on free CPUs in
+    parallel with the GPU stage. Without: the actor's CPUs, so Ray Data fuses tokenization into the
+    actor (same remote args): on CPU the forward is the bottleneck, and separate tokenize tasks
+    could wait forever for CPUs held by the actor pool."""
+    if not num_gpus:
+        return num_cpus_per_worker
+    import ray
+
+    if ray.is_initialized():
+        free = ray.cluster_resources().get("CPU", 0) - num_workers * num_cpus_per_worker
+        if free < 1:
+            log.warning("capture: %d GPU actors x %s CPUs leave %s CPUs for the tokenize stage; it needs >= 1 "
+                        "(lower num_cpus_per_worker or add CPUs, else the pipeline waits for CPUs)",
+                        num_workers, num_cpus_per_worker, free)
+    return 1.0
+
+
+class CaptureActor:
+    """Ray Data ``map_batches`` actor, the model stage: tokenized rows (``sample_id``, ``input_ids``,
+    ``loss_mask``, from the :func:`tokenize_conversations` stage) -> captured sample rows.
+
+    Use: ``ds.map_batches(tokenize_conversations, ...).map_batches(CaptureActor, fn_constructor_kwargs=
+    dict(...), compute=ray.data.ActorPoolStrategy(size=n), num_gpus=1, batch_size=capture.batch_size,
+    batch_format="pyarrow")``. Holds the target for the actor's life (loaded once), ``num_threads``
+    torch threads (set it to the actor's CPUs).
     """
 
     def __init__(self, target_path: str, target_dtype: str, capture_cfg: CaptureConfig, layer_ids: Sequence[int],
@@ -350,16 +643,17 @@ class CaptureActor:
         self.cfg, self.layer_ids, self.max_length_tokens = capture_cfg, tuple(layer_ids), max_length_tokens
         self.stats: Counter = Counter()
 
-    def capture(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return capture_batch(self.model, self.tokenizer, rows, self.cfg, self.layer_ids,
-                             max_length_tokens=self.max_length_tokens, stats=self.stats)
+    def capture(self, tokenized: Sequence[Mapping[str, Any]], stats: Counter | None = None) -> list[dict[str, Any]]:
+        return capture_tokenized(self.model, tokenized, self.cfg, self.layer_ids, pad_token_id=_pad_id(self.tokenizer),
+                                 max_length_tokens=self.max_length_tokens,
+                                 stats=self.stats if stats is None else stats)
 
     def __call__(self, batch) -> dict[str, Any]:
-        return samples_to_columns(self.capture(_rows_from_batch(batch)))
+        return samples_to_columns(self.capture(tokenized_from_batch(batch)))
 
 
 class CaptureShardActor(CaptureActor):
-    """Materialized capture: each input row is one shard task (``shard_index``, ``conversations`` JSON);
+    """Materialized capture: each input row is one tokenized shard (from :func:`tokenize_shard_tasks`);
     captures it, writes ``shard-XXXXX.safetensors`` atomically, returns its manifest rows and counts.
 
     ``crash_after_shards`` (tests only): after that many shards this actor leaves a partial temp file
@@ -374,19 +668,20 @@ class CaptureShardActor(CaptureActor):
 
     def __call__(self, batch) -> dict[str, Any]:
         out: dict[str, list] = {"shard_index": [], "rows": [], "stats": []}
-        for task in _rows_from_batch(batch):
-            k = int(task["shard_index"])
-            rows = json.loads(task["conversations"])
+        for r in range(batch.num_rows):
+            k = int(batch.column("shard_index")[r].as_py())
             path = self.out_dir / shards.shard_name(k)
             if self.crash_after_shards is not None and self.num_written >= self.crash_after_shards:
                 (self.out_dir / f".{path.name}.crash.tmp").write_bytes(b"partial shard")
                 raise RuntimeError(f"injected crash before writing {path.name}")
-            stats: Counter = Counter()
+            tokenized = [{"sample_id": s, "input_ids": i, "loss_mask": m} for s, i, m in zip(
+                batch.column("sample_id")[r].as_py(), _ragged_from_arrow(batch.column("input_ids")[r].values),
+                _ragged_from_arrow(batch.column("loss_mask")[r].values))]
+            stats: Counter = Counter(json.loads(batch.column("tokenize_stats")[r].as_py()))
             t0 = time.perf_counter()
-            samples = capture_batch(self.model, self.tokenizer, rows, self.cfg, self.layer_ids,
-                                    max_length_tokens=self.max_length_tokens, stats=stats)
+            samples = self.capture(tokenized, stats)
             stats["forward_ms"] = round(1000 * (time.perf_counter() - t0))
-            meta = {**self.shard_metadata, "conversation_ids": [r["sample_id"] for r in rows],
+            meta = {**self.shard_metadata, "conversation_ids": json.loads(batch.column("conversation_ids")[r].as_py()),
                     "stats": dict(stats)}
             manifest_rows = shards.write_shard(path, samples, metadata=meta, validate=False)  # validated above
             self.num_written += 1
@@ -490,15 +785,18 @@ def run_capture(
     out_dir: str | Path,
     *,
     num_cpus_per_worker: float = 1,
+    num_gpus_per_worker: float | None = None,
     use_ray: bool | None = None,
     crash_after_shards: int | None = None,
 ) -> CaptureResult:
     """Materialized capture of ``conversations`` (``datasets.Dataset``, Ray Dataset or list of rows
     ``{id, messages, ...}``) into ``out_dir``. Resumable: see the module docstring.
 
-    ``use_ray``: run shard tasks on a Ray Data actor pool (``capture.num_workers`` actors with
-    ``num_cpus_per_worker`` each; Ray starts locally if ``ray.init`` has not run) or, with False, one
-    in-process worker (a GPU box without Ray). None = Ray when importable.
+    ``use_ray``: two Ray Data stages over shard tasks: :func:`tokenize_shard_tasks` (CPU tasks), then a
+    :class:`CaptureShardActor` pool (``capture.num_workers`` actors with ``num_cpus_per_worker`` CPUs
+    and ``num_gpus_per_worker`` GPUs each; None = 1 if the Ray cluster has GPUs, else 0); Ray starts
+    locally if ``ray.init`` has not run. With False the same two stages run in-process (a GPU box
+    without Ray). None = Ray when importable.
 
     Writes ``shard-XXXXX.safetensors``, ``token_counts.safetensors`` ([V] counts of assistant tokens
     for d2t/t2d), ``capture_meta.json`` and, last, ``manifest.parquet``.
@@ -561,10 +859,15 @@ def run_capture(
         shard_stats[k] = json.loads(row["stats"])
         log.info("captured %s (%d samples)", shards.shard_name(k), len(done[k]))
 
-    if pending and not use_ray:
+    tokenize_kwargs = {"tokenizer_path": str(asset.path), "max_length_tokens": data_cfg.max_length_tokens,
+                       "on_too_long": capture_cfg.on_too_long}
+    if pending and not use_ray:  # the same two stages, in-process
+        import pyarrow as pa
+
         worker = CaptureShardActor(*actor_args, **actor_kwargs)
         for k in pending:
-            res = worker({"shard_index": [k], "conversations": [json.dumps(tasks[k])]})
+            task = pa.table({"shard_index": [k], "conversations": [json.dumps(tasks[k])]})
+            res = worker(tokenize_shard_tasks(task, **tokenize_kwargs))
             collect({key: v[0] for key, v in res.items()})
     elif pending:
         import ray
@@ -574,7 +877,11 @@ def run_capture(
             [{"shard_index": k, "conversations": json.dumps(tasks[k])} for k in pending],
             override_num_blocks=len(pending),
         )
-        out = ds.map_batches(
+        num_gpus = _num_gpus_per_worker(num_gpus_per_worker)
+        tokenized = ds.map_batches(tokenize_shard_tasks, fn_kwargs=tokenize_kwargs, batch_size=1,
+                                   batch_format="pyarrow",
+                                   num_cpus=_tokenize_num_cpus(num_gpus, num_cpus_per_worker, num_workers))
+        out = tokenized.map_batches(
             CaptureShardActor,
             fn_constructor_args=actor_args,
             fn_constructor_kwargs={**actor_kwargs, "num_threads": max(1, int(num_cpus_per_worker))},
@@ -582,6 +889,7 @@ def run_capture(
             batch_size=1,
             batch_format="pyarrow",
             num_cpus=num_cpus_per_worker,
+            num_gpus=num_gpus,
         )
         for row in out.iter_rows():
             collect(row)
@@ -622,7 +930,7 @@ def run_capture(
         "dropped": dropped,
         "fingerprint": fp,
         "capture_tokens_per_s_this_run": new_tokens / run_s if pending and run_s > 0 else None,
-        # tokens / time inside capture_batch (tokenize + forward + validate), summed over actors
+        # tokens / time in the model step (batching, forward, copy to host, validate), summed over actors
         "forward_tokens_per_s": new_tokens / forward_s if forward_s > 0 else None,
     }
     shards.write_capture_meta(out_dir, meta)
@@ -696,13 +1004,17 @@ def capture_stream(
     data_cfg: DataConfig,
     *,
     num_cpus_per_worker: float = 1,
+    num_gpus_per_worker: float | None = None,
 ) -> ray.data.Dataset:
     """Streaming capture: a lazy Ray Dataset of captured rows (``sample_id, input_ids, loss_mask, aux,
     final_hidden``; variable-shaped tensors, hidden states in ``capture.dtype``, bf16 carried as
     float32) that the trainer consumes directly; nothing is written to disk.
 
-    ``conversations_ds``: a Ray Dataset of ``{id, messages}`` rows (or anything :func:`run_capture`
-    accepts). Drop/truncate counts are logged by each actor, not returned.
+    Two stages: :func:`tokenize_conversations` (CPU tasks) then :class:`CaptureActor`
+    (``capture.num_workers`` actors, ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs
+    each; None = 1 if the Ray cluster has GPUs, else 0). ``conversations_ds``: a Ray Dataset of
+    ``{id, messages}`` rows (or anything :func:`run_capture` accepts). Drop/truncate counts are
+    logged by the tokenize tasks, not returned.
 
     Raises:
         ValueError: bad config (backend, dtype), or an unknown target (before any actor starts).
@@ -716,7 +1028,16 @@ def capture_stream(
     asset, config = resolve_target(target_cfg)
     layer_ids = target_cfg.resolve_aux_layer_ids(config["num_hidden_layers"])
     ds = _to_ray_dataset(conversations_ds)
-    return ds.map_batches(
+    num_gpus = _num_gpus_per_worker(num_gpus_per_worker)
+    tokenized = ds.map_batches(
+        tokenize_conversations,
+        fn_kwargs={"tokenizer_path": str(asset.path), "max_length_tokens": data_cfg.max_length_tokens,
+                   "on_too_long": capture_cfg.on_too_long},
+        batch_size=capture_cfg.batch_size,
+        batch_format="pyarrow",
+        num_cpus=_tokenize_num_cpus(num_gpus, num_cpus_per_worker, capture_cfg.num_workers),
+    )
+    return tokenized.map_batches(
         CaptureActor,
         fn_constructor_args=(str(asset.path), target_cfg.dtype, capture_cfg, layer_ids, data_cfg.max_length_tokens),
         fn_constructor_kwargs={"num_threads": max(1, int(num_cpus_per_worker))},
@@ -724,6 +1045,7 @@ def capture_stream(
         batch_size=capture_cfg.batch_size,
         batch_format="pyarrow",
         num_cpus=num_cpus_per_worker,
+        num_gpus=num_gpus,
     )
 
 

@@ -47,7 +47,7 @@ def reference(ray_local, convos, tmp_path_factory):
     res = capture.run_capture(convos, *cfgs(), out, num_cpus_per_worker=2)
     print(f"\ncapture (Ray, 1 actor x 2 CPUs): {res.num_tokens} tokens in {time.perf_counter() - t0:.1f} s wall, "
           f"{res.tokens_per_s:.0f} tokens/s incl. actor start, {res.meta['forward_tokens_per_s']:.0f} tokens/s in "
-          f"capture_batch, {res.bytes_per_token:.0f} B/token on disk, "
+          f"the model step, {res.bytes_per_token:.0f} B/token on disk, "
           f"dropped {res.dropped}, truncated {res.num_truncated}")
     return out, res
 

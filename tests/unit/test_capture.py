@@ -3,6 +3,7 @@
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -161,6 +162,117 @@ def test_capture_batch_dtype_and_nan(model, tok):
 
 def test_length_batches():
     assert capture.length_batches([3, 9, 1, 9, 4], 2) == [[1, 3], [4, 0], [2]]
+
+
+# ------------------------------------------------------------------------------ two stages: tokenize, model step
+
+
+def previous_capture_batch(model, tokenizer, rows, cfg, layer_ids, *, max_length_tokens=None, stats=None):
+    """capture_batch as it was before the tokenize / model-step split (per-sample padding loops,
+    synchronous ``.to(dtype).cpu()``, one clone per sample): the CPU reference."""
+    from peagle_core.target import target_forward
+
+    stats = stats if stats is not None else Counter()
+    dtype = shards.HIDDEN_DTYPES[shards.dtype_name(cfg.dtype)]
+    prepared = capture.prepare_samples(tokenizer, rows, max_length_tokens=max_length_tokens,
+                                       on_too_long=cfg.on_too_long, stats=stats)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    results = [None] * len(prepared)
+    for batch in capture.length_batches([len(p[1]) for p in prepared], cfg.batch_size):
+        t_max = len(prepared[batch[0]][1])
+        ids = torch.full((len(batch), t_max), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(batch), t_max), dtype=torch.long)
+        for b, i in enumerate(batch):
+            n = len(prepared[i][1])
+            ids[b, :n] = torch.tensor(prepared[i][1])
+            attn[b, :n] = 1
+        with torch.inference_mode():
+            out = target_forward(model, ids, tuple(layer_ids), attention_mask=attn, return_logits=False)
+        aux, fin = out.aux.to(dtype).cpu(), out.final_hidden.to(dtype).cpu()
+        for b, i in enumerate(batch):
+            sid, tok, mask = prepared[i]
+            n = len(tok)
+            results[i] = {"sample_id": sid, "input_ids": torch.tensor(tok, dtype=torch.int32),
+                          "loss_mask": torch.tensor(mask, dtype=torch.uint8), "aux": aux[b, :n].clone(),
+                          "final_hidden": fin[b, :n].clone()}
+            stats["num_samples"] += 1
+            stats["num_tokens"] += n
+            stats["num_loss_tokens"] += int(sum(mask))
+    return [r for r in results if r is not None]
+
+
+def assert_same_samples(got, want):
+    assert [s["sample_id"] for s in got] == [s["sample_id"] for s in want]
+    for g, w in zip(got, want):
+        for key in shards.SAMPLE_KEYS:
+            assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape, (g["sample_id"], key)
+            assert torch.equal(g[key], w[key]), (g["sample_id"], key)  # bit for bit
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("batch_size", [1, 3, 7])
+def test_capture_is_bit_identical_to_previous_path(model, tok, dtype, batch_size):
+    rows = many_convos(11) + [convo("long", "hi " * 9, "ok " * 12), convo("empty", "hi", " ")]
+    cfg = CaptureConfig(batch_size=batch_size, dtype=dtype)
+    want_stats, got_stats = Counter(), Counter()
+    want = previous_capture_batch(model, tok, rows, cfg, LAYER_IDS, max_length_tokens=17, stats=want_stats)
+    got = capture.capture_batch(model, tok, rows, cfg, LAYER_IDS, max_length_tokens=17, stats=got_stats)
+    assert_same_samples(got, want)
+    assert got_stats == want_stats and got_stats["truncated"] >= 1 and got_stats["dropped_empty_assistant_turn"] == 1
+    # the two halves on their own give the same, and the samples are plain (autograd-usable) contiguous tensors
+    tokenized = capture.tokenize_rows(tok, rows, max_length_tokens=17)
+    split = capture.capture_tokenized(model, tokenized, cfg, LAYER_IDS, pad_token_id=tok.pad_token_id,
+                                      max_length_tokens=17)
+    assert_same_samples(split, want)
+    for s in split:
+        assert not s["aux"].is_inference() and s["aux"].is_contiguous() and s["final_hidden"].is_contiguous()
+        shards.validate_sample(s, hidden_size=36, dtype=dtype, max_length=17)
+
+
+def test_tokenized_rows_are_checked_before_the_forward(model, tok, monkeypatch):
+    tokenized = capture.tokenize_rows(tok, CONVOS[:3], max_length_tokens=None)
+    monkeypatch.setattr(capture, "target_forward", lambda *a, **k: pytest.fail("forward ran on bad input"))
+    bad = [dict(r) for r in tokenized]
+    bad[1]["loss_mask"] = np.zeros_like(bad[1]["loss_mask"])
+    with pytest.raises(ValueError, match="sample 'c1': loss_mask is all zero"):
+        capture.capture_tokenized(model, bad, CaptureConfig(), LAYER_IDS)
+    with pytest.raises(ValueError, match=r"sample 'c0': \d+ tokens > max_length_tokens=5"):
+        capture.capture_tokenized(model, tokenized, CaptureConfig(), LAYER_IDS, max_length_tokens=5)
+    bad = [dict(r) for r in tokenized]
+    bad[2]["loss_mask"] = bad[2]["loss_mask"][:-1]
+    with pytest.raises(ValueError, match="sample 'c2': loss_mask shape"):
+        capture.capture_tokenized(model, bad, CaptureConfig(), LAYER_IDS)
+    assert capture.capture_tokenized(model, [], CaptureConfig(), LAYER_IDS) == []
+
+
+def test_tokenize_stages_round_trip_through_arrow(tok, target_dir):
+    import pyarrow as pa
+
+    capture._cached_tokenizer.cache_clear()
+    rows = many_convos(6) + [convo("noasst", "hi")]
+    kw = {"tokenizer_path": str(target_dir), "max_length_tokens": 17, "on_too_long": "truncate"}
+    want = capture.tokenize_rows(tok, rows, max_length_tokens=17)
+    table = capture.tokenize_conversations(pa.Table.from_pylist(rows), **kw)
+    assert table.schema.field("input_ids").type == pa.list_(pa.int32())
+    got = capture.tokenized_from_batch(table)
+    assert [r["sample_id"] for r in got] == [r["sample_id"] for r in want] == [r["id"] for r in rows[:6]]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g["input_ids"], w["input_ids"])
+        assert g["loss_mask"].dtype == np.uint8 and np.array_equal(g["loss_mask"], w["loss_mask"])
+    numpy_batch = {k: np.array(table.column(k).to_pylist(), dtype=object) for k in table.column_names}
+    assert [list(r["input_ids"]) for r in capture.tokenized_from_batch(numpy_batch)] == [
+        list(r["input_ids"]) for r in want]
+    assert capture.tokenized_from_batch(capture.tokenize_conversations(pa.Table.from_pylist(rows[-1:]), **kw)) == []
+
+    rows = capture._conversation_rows(rows)  # as run_capture makes shard tasks: with sample_id
+    tasks = pa.table({"shard_index": [3, 4], "conversations": [json.dumps(rows[:4]), json.dumps(rows[4:])]})
+    shard_rows = capture.tokenize_shard_tasks(tasks, **kw)
+    assert shard_rows.column("shard_index").to_pylist() == [3, 4]
+    assert json.loads(shard_rows.column("conversation_ids")[1].as_py()) == [r["id"] for r in rows[4:]]
+    assert json.loads(shard_rows.column("tokenize_stats")[1].as_py())["dropped_no_assistant_turn"] == 1
+    assert shard_rows.column("sample_id")[1].as_py() == [r["id"] for r in rows[4:6]]
+    second = capture._ragged_from_arrow(shard_rows.column("input_ids")[1].values)
+    assert [list(a) for a in second] == [list(w["input_ids"]) for w in want[4:]]
 
 
 # ------------------------------------------------------------------------------ materialized, in-process
