@@ -2,4 +2,5 @@
 export PYTHONUNBUFFERED=1 PEAGLE_HOME=~/keep/peagle PEAGLE_KEEP=~/keep
 if [ -d ~/keep/site ]; then export PYTHONPATH=~/keep/site${PYTHONPATH:+:$PYTHONPATH}; fi
 mkdir -p "$OUT/r"
-save() { cp bench/results/*.json "$OUT/r/" 2>/dev/null || true; cp ~/keep/*.json "$OUT/r/" 2>/dev/null || true; }
+# Only what this call wrote comes back (a call returns at most 8 files).
+save() { find bench/results ~/keep -maxdepth 1 -name '*.json' -newer "$OUT/r" -exec cp {} "$OUT/r/" \; 2>/dev/null || true; }
