@@ -60,6 +60,8 @@ VARIANTS = {
     "code_steps320_cod08": dict(freeze_embed=True, pool="code", steps=320, cod_ratio=0.8, cod_min_ratio=0.2),
     "code_steps640": dict(freeze_embed=True, pool="code", steps=640),
     "code_steps1280_500conv": dict(freeze_embed=True, pool="code", steps=1280, conversations=500),
+    # the recipe chosen from the rows above (configs/smollm2-135m-cpu.yaml), for CPU timing
+    "cpu_demo": dict(freeze_embed=True, pool="code", steps=640, batch_tokens=1024, draft_vocab=4096, aux=(2, 15, 27)),
 }
 
 

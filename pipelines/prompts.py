@@ -299,9 +299,27 @@ def load_conversations(
     good = ds.filter(lambda e: not e, input_columns="error").remove_columns(["error", "reason"])
     if len(good) == 0:
         raise ValueError(f"no usable conversations in {path} ({len(bad)} malformed rows)")
+    if source_cfg.filter_regex:
+        good = filter_first_user_turn(good, source_cfg.filter_regex, label)
     if source_cfg.num_samples is not None:
         good = sample(good, source_cfg.num_samples, seed)
     return good
+
+
+def filter_first_user_turn(ds: datasets.Dataset, pattern: str, label: str = "source") -> datasets.Dataset:
+    """Rows of ``ds`` whose first user turn matches ``pattern`` (``re.search``), in order.
+
+    Raises:
+        ValueError: no row matches (names the pattern and the source).
+    """
+    rx = re.compile(pattern)
+    keep = [i for i, msgs in enumerate(ds["messages"])
+            if rx.search(next((m["content"] for m in msgs if m["role"] == "user"), ""))]
+    if not keep:
+        raise ValueError(f"filter_regex {pattern!r} matches no conversation of {label} ({len(ds)} rows); "
+                         "loosen it or drop it")
+    log.info("filter_regex kept %d of %d conversations of %s", len(keep), len(ds), label)
+    return ds.select(keep)
 
 
 def sample(ds: datasets.Dataset, num_samples: int | None, seed: int) -> datasets.Dataset:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -134,6 +135,22 @@ class SourceConfig(_Section):
     num_samples: int | None = Field(
         None, ge=1, description="Conversations drawn from this source (deterministic, data.seed); None = all."
     )
+    filter_regex: str | None = Field(
+        None,
+        description="Keep only conversations whose first user turn matches this Python regular expression "
+        "(re.search; add (?i) for case-insensitive), e.g. to match the traffic a head will serve. Applied "
+        "before num_samples.",
+    )
+
+    @field_validator("filter_regex")
+    @classmethod
+    def _regex_compiles(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"filter_regex {v!r} is not a valid regular expression: {e}") from None
+        return v
 
     @model_validator(mode="after")
     def _path_matches_kind(self):
@@ -221,6 +238,12 @@ class DrafterSpec(_Section):
     )
     draft_vocab_size: int | None = Field(
         None, ge=1, description="Drafter lm_head rows (top-N frequent tokens, d2t offsets); None = full vocab."
+    )
+    train_embed_tokens: bool = Field(
+        True,
+        description="Train the drafter's copy of the target embeddings (exported as embed_tokens). False freezes "
+        "them (no [V, H] gradient/optimizer state: much cheaper on CPU) and the head omits embed_tokens, so "
+        "vLLM shares the target's; the mask token then keeps the target's embedding of mask_token_id.",
     )
 
     @field_validator("num_speculative_tokens")

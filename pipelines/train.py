@@ -920,7 +920,10 @@ def train_loop_per_worker(config: dict) -> dict:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     if device.type == "cpu":
-        torch.set_num_threads(int(config.get("cpu_threads_per_worker") or 1))
+        # Ray gives a CPU worker OMP_NUM_THREADS=1; a worker's share of the node's cores is what the
+        # matmuls can use (2x faster training on the 2-core demo box than 1 thread)
+        share = (os.cpu_count() or 1) // max(1, ctx.get_local_world_size())
+        torch.set_num_threads(int(config.get("cpu_threads_per_worker") or max(1, share)))
     tcfg = config["training"]
     seed = int(_get(tcfg, "seed", 0) or 0)
     torch.manual_seed(seed)  # identical init on every rank (DDP also broadcasts rank 0's weights; FSDP2 does not)
@@ -931,6 +934,10 @@ def train_loop_per_worker(config: dict) -> dict:
     lm_head = load_target_lm_head(config["target_dir"])
     if config.get("init_from_target", True):
         init_drafter_from_target(drafter, load_target_embed(config["target_dir"]), lm_head)
+    if not config.get("train_embed_tokens", True):
+        # frozen target embeddings: no [V, H] gradient and AdamW state (the largest tensors of a
+        # small head); the exported head then omits embed_tokens and vLLM shares the target's
+        drafter.embed_tokens.weight.requires_grad_(False)
     float_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm_head = lm_head.to(device=device, dtype=float_dtype)
     torch.manual_seed(seed + 1000 * (rank + 1))  # per-rank stream for COD sampling
@@ -1247,6 +1254,7 @@ def run_train(
         "drafter": dcfg.to_dict(),
         "target_dir": str(target_dir),
         "d2t": d2t, "t2d": t2d,
+        "train_embed_tokens": bool(_get(spec, "train_embed_tokens", True)),
         "objective": objective_kwargs(training, spec),
         "total_steps": total_steps,
         "steps_per_epoch": steps_per_epoch if not _get(training, "max_steps") else None,
@@ -1282,7 +1290,8 @@ def run_train(
              "run_name": run_name, "recipe": {"training": _as_dict(training), "drafter": _as_dict(spec)}}
     files = {"recipe.yaml": recipe_text} if recipe_text else None
     head = export_head(drafter, Path(out_dir) / "head", dtype=export_dtype, extra_config=extra,
-                       extra_files=files, overwrite=True)
+                       extra_files=files, overwrite=True,
+                       include_embed_tokens=bool(_get(spec, "train_embed_tokens", True)))
     rv = result.return_value or {}
     return TrainOutput(head_dir=head, checkpoint_path=result.checkpoint.path, step=int(state["step"]),
                        resumed_from_step=rv.get("resumed_from_step"), metrics=dict(result.metrics or {}),

@@ -71,6 +71,11 @@ def test_pipeline_job_end_to_end(head, tmp_path):
     assert manifest.num_rows == len(rows)
     head_dir = run / "train" / "head"
     validate_head(head_dir, parallel_drafting=True)
+    from safetensors import safe_open
+
+    with safe_open(str(head_dir / "model.safetensors"), "pt") as f:  # train_embed_tokens: false
+        names = set(f.keys())
+    assert "mask_hidden" in names and not any("embed_tokens" in n for n in names)
     table = json.loads((run / "evaluate" / "table.json").read_text())["rows"]
     peagle = [r for r in table if r["method"] == "peagle"]
     assert peagle and all(r["acceptance_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in peagle)

@@ -160,3 +160,21 @@ def test_sampling_and_split_are_deterministic(tmp_path, tmp_peagle_home):
     assert len(tr0) == 10 and len(ev0) == 0
     with pytest.raises(ValueError, match="eval_fraction"):
         train_eval_split(a, 1.0, seed=1)
+
+
+def test_filter_regex_keeps_matching_first_user_turns(tmp_path, tmp_peagle_home):
+    rows = [oa(("system", "def is here"), ("user", "write a python def"), id="code"),
+            oa(("user", "a poem"), ("assistant", "def"), ("user", "python please"), id="poem"),
+            oa(("user", "Python sorting?"), id="caps")]
+    f = _write_jsonl(tmp_path / "mix.jsonl", rows)
+    ds = load_conversations(SourceConfig(kind="openai_jsonl", path=str(f), filter_regex=r"(?i)\bpython\b"),
+                            "skip", tmp_peagle_home)
+    assert ds["id"] == ["code", "caps"]  # only the FIRST user turn counts, system turns never
+    with pytest.raises(ValueError, match="matches no conversation"):
+        load_conversations(SourceConfig(kind="openai_jsonl", path=str(f), filter_regex="rust"), "skip",
+                           tmp_peagle_home)
+
+
+def test_filter_regex_must_compile():
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        SourceConfig(kind="sharegpt", filter_regex="(unclosed")
