@@ -22,8 +22,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "configs/smollm2-135m-ci.yaml"
+# Like the Makefile's demo target: the commit travels as an env var (the upload has no .git).
 RUNTIME_ENV = {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info",
-                            "mlruns", "*.db", "outputs", ".whl", ".carry"]}
+                            "mlruns", "*.db", "outputs", ".whl", ".carry"],
+               "env_vars": {"PEAGLE_GIT_SHA": "0123abc-ci"}}
 STAGES = ["regenerate", "capture", "train", "evaluate", "register", "serve"]
 
 
@@ -84,7 +86,9 @@ def test_pipeline_job_end_to_end(head, tmp_path):
     client = get_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
     champ = client.get_model_version_by_alias("peagle-smollm2-135m-instruct", "champion")
     assert str(champ.version) == summary["mlflow"]["version"] and champ.run_id == summary["mlflow"]["run_id"]
-    assert "eval.peagle.K3.c1.acceptance_length" in client.get_run(champ.run_id).data.metrics
+    champ_run = client.get_run(champ.run_id)
+    assert "eval.peagle.K3.c1.acceptance_length" in champ_run.data.metrics
+    assert champ_run.data.params.get("git_sha") == "0123abc-ci"
 
     url = f"http://127.0.0.1:{port}"
     assert summary["endpoint"]["url"] == url

@@ -191,3 +191,14 @@ def test_validate_against_target_layers_and_declared_sizes(tiny_chat_tokenizer):
         validate_against_target(r, TINY_CONFIG, tiny_chat_tokenizer)
     msg = str(e.value)
     assert "target.hidden_size=40" in msg and "target.aux_layer_ids" in msg and "draft_vocab_size=20" in msg
+
+
+def test_provenance_git_sha_from_env_wins_over_git(monkeypatch, tmp_path):
+    from pipelines.recipe import provenance
+
+    monkeypatch.delenv("PEAGLE_GIT_SHA", raising=False)
+    assert provenance(repo_dir=tmp_path)["git_sha"] is None  # an uploaded working dir: no .git
+    monkeypatch.setenv("PEAGLE_GIT_SHA", "abc123")
+    monkeypatch.setenv("PEAGLE_GIT_DIRTY", "1")
+    p = provenance(repo_dir=tmp_path)
+    assert (p["git_sha"], p["git_dirty"]) == ("abc123", True)
