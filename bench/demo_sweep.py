@@ -38,30 +38,30 @@ from bench.common import write_result
 from bench.gpu_recipe import _read_jsonl_xz
 
 CODE = re.compile(r"```|\bdef |\bpython\b|\bfunction\b|\bcode\b|\bjavascript\b|\bsql\b|\bclass \b|#include"
-                  r"|\bscript\b|\bjava\b|c\+\+|\breact\b", re.I)
+                  r"|\bscript\b|\bjava\b|c\+\+|\breact\b", re.IGNORECASE)
 
 # The CPU demo recipe (configs/smollm2-135m-cpu.yaml at the start of the sweep) and its variants.
-BASE = dict(pool="random", conversations=254, layers=1, aux=(2, 15, 29), lr=1.5e-3, steps=160, batch_tokens=2048,
-            cod_ratio=0.6, cod_min_ratio=0.15, freeze_embed=False, loss="kl", draft_vocab=8192, K=5, warmup=10)
+BASE = {"pool": "random", "conversations": 254, "layers": 1, "aux": (2, 15, 29), "lr": 1.5e-3, "steps": 160,
+        "batch_tokens": 2048, "cod_ratio": 0.6, "cod_min_ratio": 0.15, "freeze_embed": False, "loss": "kl", "draft_vocab": 8192, "K": 5, "warmup": 10}
 VARIANTS = {
     "base": {},
-    "frozen_embed": dict(freeze_embed=True),
-    "code": dict(freeze_embed=True, pool="code"),
-    "mixed": dict(freeze_embed=True, pool="mixed"),
-    "steps320": dict(freeze_embed=True, steps=320),
-    "code_steps320": dict(freeze_embed=True, pool="code", steps=320),
-    "code_steps320_500conv": dict(freeze_embed=True, pool="code", steps=320, conversations=500),
-    "code_steps320_lr3e-3": dict(freeze_embed=True, pool="code", steps=320, lr=3e-3),
-    "code_steps320_aux27": dict(freeze_embed=True, pool="code", steps=320, aux=(2, 15, 27)),
-    "code_steps320_2layers": dict(freeze_embed=True, pool="code", steps=320, layers=2),
-    "code_steps320_ce": dict(freeze_embed=True, pool="code", steps=320, loss="ce"),
-    "code_steps640_bt1024": dict(freeze_embed=True, pool="code", steps=640, batch_tokens=1024),
-    "code_steps320_vocab4k": dict(freeze_embed=True, pool="code", steps=320, draft_vocab=4096),
-    "code_steps320_cod08": dict(freeze_embed=True, pool="code", steps=320, cod_ratio=0.8, cod_min_ratio=0.2),
-    "code_steps640": dict(freeze_embed=True, pool="code", steps=640),
-    "code_steps1280_500conv": dict(freeze_embed=True, pool="code", steps=1280, conversations=500),
-    # the recipe chosen from the rows above (configs/smollm2-135m-cpu.yaml), for CPU timing
-    "cpu_demo": dict(freeze_embed=True, pool="code", steps=640, batch_tokens=1024, draft_vocab=4096, aux=(2, 15, 27)),
+    "frozen_embed": {"freeze_embed": True},
+    "code": {"freeze_embed": True, "pool": "code"},
+    "mixed": {"freeze_embed": True, "pool": "mixed"},
+    "steps320": {"freeze_embed": True, "steps": 320},
+    "code_steps320": {"freeze_embed": True, "pool": "code", "steps": 320},
+    "code_steps320_500conv": {"freeze_embed": True, "pool": "code", "steps": 320, "conversations": 500},
+    "code_steps320_lr3e-3": {"freeze_embed": True, "pool": "code", "steps": 320, "lr": 3e-3},
+    "code_steps320_aux27": {"freeze_embed": True, "pool": "code", "steps": 320, "aux": (2, 15, 27)},
+    "code_steps320_2layers": {"freeze_embed": True, "pool": "code", "steps": 320, "layers": 2},
+    "code_steps320_ce": {"freeze_embed": True, "pool": "code", "steps": 320, "loss": "ce"},
+    "code_steps640_bt1024": {"freeze_embed": True, "pool": "code", "steps": 640, "batch_tokens": 1024},
+    "code_steps320_vocab4k": {"freeze_embed": True, "pool": "code", "steps": 320, "draft_vocab": 4096},
+    "code_steps320_cod08": {"freeze_embed": True, "pool": "code", "steps": 320, "cod_ratio": 0.8, "cod_min_ratio": 0.2},
+    "code_steps640": {"freeze_embed": True, "pool": "code", "steps": 640},
+    "code_steps1280_500conv": {"freeze_embed": True, "pool": "code", "steps": 1280, "conversations": 500},
+    # the recipe chosen from the rows above (configs/smollm2-135m-cpu.yaml runs 960 steps), for CPU timing
+    "cpu_demo": {"freeze_embed": True, "pool": "code", "steps": 640, "batch_tokens": 1024, "draft_vocab": 4096, "aux": (2, 15, 27)},
 }
 
 

@@ -18,7 +18,7 @@ import torch
 
 from bench.common import TARGET_SHAPES, time_ms, write_result
 from bench.train_step import make_batch, make_drafter
-from peagle_core.objective import build_objective, flex_element_mask, pad_elements, FLEX_BLOCK
+from peagle_core.objective import FLEX_BLOCK, build_objective, flex_element_mask, pad_elements
 
 
 def density(el) -> float:
@@ -48,11 +48,11 @@ def main() -> None:
         fwd_order = el.index(torch.argsort((el.doc * (args.num_depths + 1) + el.depth) * span + el.anchor))
         row = {"num_tokens": N, "elements": el.num_elements,
                "density_alg1_order": density(el), "density_forward_order": density(fwd_order),
-               "build_elements_ms": time_ms(lambda: obj.build_elements(batch, drafter)),
-               "block_mask_ms": time_ms(lambda: flex_element_mask(pad_elements(
-                   fwd_order, -(-fwd_order.num_elements // FLEX_BLOCK) * FLEX_BLOCK)))}
+               "build_elements_ms": time_ms(lambda obj=obj, batch=batch, drafter=drafter: obj.build_elements(batch, drafter)),
+               "block_mask_ms": time_ms(lambda el=fwd_order: flex_element_mask(pad_elements(
+                   el, -(-el.num_elements // FLEX_BLOCK) * FLEX_BLOCK)))}
 
-        def step():
+        def step(obj=obj, drafter=drafter, batch=batch, lm=lm, el=el):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 obj.forward_backward(drafter, batch, target_lm_head=lm, elements=el)
             drafter.zero_grad(set_to_none=True)
