@@ -83,6 +83,22 @@ def training(lines: list[str]) -> None:
     lines += ["- Attention memory: flex attention never materializes the [L, L] mask or scores, so S segments do "
               "not cut peak memory S-fold; peak memory falls with S because each forward holds the activations "
               "of 1/S of the slots (plus the recomputed depth-0 context)."]
+    d = _load("train_step_dense")
+    if d:
+        flex = {(x["num_tokens"], x.get("num_partitions")): x["peak_mem_gib"] for x in r["rows"]
+                if x["method"] == "peagle" and x["loss_impl"] == "triton"}
+        lines += ["", f"Dense-mask attention (`python -m bench.train_step --attention dense ...`, {_env(d)}): the "
+                  "[L, L] mask and the attention scores are materialized, so their memory shows directly. "
+                  "Attention memory = dense peak - flex peak at the same N and S:", ""]
+        rows = []
+        base = {}
+        for x in d["rows"]:
+            n, s_ = x["num_tokens"], x["num_partitions"]
+            att = x["peak_mem_gib"] - flex[(n, s_)] if (n, s_) in flex else None
+            base.setdefault(n, att)
+            rows.append([n, s_, _f(x["step_ms"], 1), _f(x["peak_mem_gib"]), _f(att),
+                         _f(base[n] / att, 1) if att and base[n] else "-"])
+        lines += _table(["N", "S", "step ms", "peak GiB", "attention GiB", "S=1 / this (goal ~S)"], rows)
     b = _load("step_breakdown")
     if b:
         lines += ["", f"`python -m bench.step_breakdown` — one P-EAGLE step (S=1) in phases, {_env(b)}; tile density "
