@@ -19,8 +19,9 @@ Shape legend: B batch, T tokens, K num_speculative_tokens, Ht target hidden.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 from torch import nn

@@ -201,23 +201,23 @@ class DrafterConfig:
         n_target = int(_cfg_get(target_config, "num_hidden_layers"))
         hidden = int(_cfg_get(target_config, "hidden_size"))
         heads = int(_cfg_get(target_config, "num_attention_heads"))
-        kw: dict[str, Any] = dict(
-            hidden_size=hidden,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(_cfg_get(target_config, "num_key_value_heads", heads) or heads),
-            head_dim=_cfg_get(target_config, "head_dim") or hidden // heads,
-            intermediate_size=int(_cfg_get(target_config, "intermediate_size")),
-            rms_norm_eps=float(_cfg_get(target_config, "rms_norm_eps", 1e-5)),
-            rope_parameters=rope_parameters_of(target_config),
-            max_position_embeddings=int(_cfg_get(target_config, "max_position_embeddings", 8192)),
-            vocab_size=int(_cfg_get(target_config, "vocab_size")),
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=hidden,
-            target_num_hidden_layers=n_target,
-            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n_target),
-            mask_token_id=mask_token_id,
-        )
+        kw: dict[str, Any] = {
+            "hidden_size": hidden,
+            "num_hidden_layers": num_hidden_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(_cfg_get(target_config, "num_key_value_heads", heads) or heads),
+            "head_dim": _cfg_get(target_config, "head_dim") or hidden // heads,
+            "intermediate_size": int(_cfg_get(target_config, "intermediate_size")),
+            "rms_norm_eps": float(_cfg_get(target_config, "rms_norm_eps", 1e-5)),
+            "rope_parameters": rope_parameters_of(target_config),
+            "max_position_embeddings": int(_cfg_get(target_config, "max_position_embeddings", 8192)),
+            "vocab_size": int(_cfg_get(target_config, "vocab_size")),
+            "draft_vocab_size": draft_vocab_size,
+            "target_hidden_size": hidden,
+            "target_num_hidden_layers": n_target,
+            "aux_layer_ids": tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n_target),
+            "mask_token_id": mask_token_id,
+        }
         kw.update(overrides)
         return cls(**kw)
 
@@ -660,7 +660,7 @@ __all__ = [
     "DrafterConfig",
     "Eagle3Drafter",
     "default_aux_layer_ids",
-    "rope_parameters_of",
     "num_parameters",
     "param_bytes",
+    "rope_parameters_of",
 ]

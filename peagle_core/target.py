@@ -9,9 +9,10 @@ Shape legend: B batch, T tokens, Ht target hidden, V target vocab.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn

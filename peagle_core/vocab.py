@@ -34,7 +34,7 @@ def vocab_mapping_from_counts(
     V = counts.numel()
     if not 1 <= draft_vocab_size <= V:
         raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, vocab_size={V}]")
-    keep = sorted(set(int(i) for i in always_keep))
+    keep = sorted({int(i) for i in always_keep})
     if any(not 0 <= i < V for i in keep):
         raise ValueError(f"always_keep={keep} has ids outside [0, {V})")
     if len(keep) > draft_vocab_size:

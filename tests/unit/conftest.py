@@ -10,9 +10,9 @@ VOCAB, HIDDEN, MASK_ID = 99, 36, 97
 
 
 def tiny_target_config(**kw) -> LlamaConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=50, num_hidden_layers=5,
-                num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                tie_word_embeddings=False)
+    base = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 50, "num_hidden_layers": 5,
+                "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                "tie_word_embeddings": False}
     base.update(kw)
     return LlamaConfig(**base)
 

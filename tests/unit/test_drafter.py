@@ -114,10 +114,10 @@ def test_last_valid_index_left_and_right_padding():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(aux_layer_ids=(2, 3, 5)), "aux_layer_ids"),
-        (dict(mask_token_id=99), "mask_token_id"),
-        (dict(draft_vocab_size=100), "draft_vocab_size"),
-        (dict(aux_layer_ids=(1, 2)), "exactly 3"),
+        ({"aux_layer_ids": (2, 3, 5)}, "aux_layer_ids"),
+        ({"mask_token_id": 99}, "mask_token_id"),
+        ({"draft_vocab_size": 100}, "draft_vocab_size"),
+        ({"aux_layer_ids": (1, 2)}, "exactly 3"),
     ],
 )
 def test_config_errors_name_the_field(kw, match):

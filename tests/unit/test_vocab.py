@@ -17,7 +17,7 @@ def test_top_n_with_offsets_hand_checked():
 
 
 def test_always_keep_and_ties():
-    d2t, t2d = vocab_mapping_from_counts(torch.tensor([1, 1, 1, 1]), 2, always_keep=[3])
+    _d2t, t2d = vocab_mapping_from_counts(torch.tensor([1, 1, 1, 1]), 2, always_keep=[3])
     assert t2d.tolist() == [True, False, False, True]  # tie broken by lowest id
 
 
