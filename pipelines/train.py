@@ -902,7 +902,9 @@ def train_loop_per_worker(config: dict) -> dict:
 
     ``config`` keys (built by :func:`run_train`): ``training`` (``TrainingConfig`` dict),
     ``drafter`` (``DrafterConfig`` dict), ``target_dir`` (HF safetensors dir readable by every
-    worker), ``d2t``/``t2d`` (or None), ``objective`` (kwargs of ``build_objective``),
+    worker), ``d2t``/``t2d`` (or None), ``train_embed_tokens`` (False: frozen target embeddings),
+    ``cpu_threads_per_worker`` (optional; default the node's cores / local workers),
+    ``objective`` (kwargs of ``build_objective``),
     ``total_steps``, ``steps_per_epoch``, ``parallel_strategy`` (``"ddp"`` or ``"fsdp"``),
     ``log_every_steps``, ``mlflow`` (``{tracking_uri, experiment, run_name}`` or None), ``debug``
     (``{"fail_after_step": int}``, tests only).
