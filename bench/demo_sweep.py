@@ -95,7 +95,7 @@ def capture(model, tok, rows, layer_ids, max_len: int) -> list[dict]:
 def joint_acceptance(drafter, samples: list[dict], K: int, device) -> list[float]:
     """Teacher-forced joint acceptance ``[K]`` over the assistant anchors of ``samples`` (see module
     doc): P(depths 0..d all equal the target's greedy tokens), anchors with all K labels inside."""
-    from peagle_core.objective import PackedBatch, build_peagle_elements, dense_element_mask
+    from peagle_core.objective import PackedBatch, build_peagle_elements, dense_element_mask, element_hidden
 
     hits, anchors = torch.zeros(K, dtype=torch.float64), 0
     for s in samples:
@@ -106,10 +106,7 @@ def joint_acceptance(drafter, samples: list[dict], K: int, device) -> list[float
                         position_ids=torch.arange(N, device=device), aux=s["aux"].to(device).float(),
                         final_hidden=s["final_hidden"].to(device).float())
         el = build_peagle_elements(b, K, drafter.config.mask_token_id, cod_ratio=1.0)
-        is0 = el.depth == 0
-        h0 = drafter.combine_hidden_states(b.aux[el.anchor[is0]])
-        hid = drafter.mask_slot_hidden().to(h0.dtype).expand(el.num_elements, h0.shape[1])
-        hid = hid.index_put((torch.nonzero(is0).flatten(),), h0)
+        hid = element_hidden(drafter, b, el)
         normed, _ = drafter(el.input_ids[None], hid[None], el.position[None], attn_mask=dense_element_mask(el))
         pred = drafter.draft_to_target(drafter.compute_logits(normed[0]).argmax(-1))
         ok = (pred == ids[(el.anchor + el.depth + 2).clamp(max=N - 1)]) & el.loss

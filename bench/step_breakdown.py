@@ -18,7 +18,7 @@ import torch
 
 from bench.common import TARGET_SHAPES, time_ms, write_result
 from bench.train_step import make_batch, make_drafter
-from peagle_core.objective import FLEX_BLOCK, build_objective, flex_element_mask, pad_elements
+from peagle_core.objective import FLEX_BLOCK, build_objective, flex_element_mask, forward_order, pad_elements
 
 
 def density(el) -> float:
@@ -44,8 +44,7 @@ def main() -> None:
         lm = torch.randn(shape["vocab_size"], shape["hidden_size"], device=dev)
         obj = build_objective("peagle", num_depths=args.num_depths, cod_ratio=0.8, cod_min_ratio=0.2)
         el = obj.build_elements(batch, drafter)
-        span = int(el.anchor.max()) + 2
-        fwd_order = el.index(torch.argsort((el.doc * (args.num_depths + 1) + el.depth) * span + el.anchor))
+        fwd_order = el.index(forward_order(el, args.num_depths))
         row = {"num_tokens": N, "elements": el.num_elements,
                "density_alg1_order": density(el), "density_forward_order": density(fwd_order),
                "build_elements_ms": time_ms(lambda obj=obj, batch=batch, drafter=drafter: obj.build_elements(batch, drafter)),

@@ -353,6 +353,30 @@ def pad_elements(el: Elements, length: int) -> Elements:
     return Elements(**{f.name: torch.cat([getattr(el, f.name), getattr(fill, f.name)]) for f in fields(el)})
 
 
+def forward_order(el: Elements, num_depths: int) -> torch.Tensor:
+    """``[M]`` permutation sorting elements by ``(doc, depth, anchor)``, the order of a forward.
+
+    The depth-0 keys of a document then form one contiguous causal run, and a depth-d query block
+    needs only the depth-0 blocks left of it plus the few blocks of its own anchors at depths < d.
+    In Algorithm 1's ``(seg_key, depth, anchor)`` order depth-0 keys are interleaved with deeper
+    slots and most of every flex block-mask tile is masked-out work (tile density 0.131 -> 0.073 at
+    N=8192, K=8; ``bench/step_breakdown.py``). Attention results do not depend on slot order.
+    """
+    span = int(el.anchor.max()) + 2 if el.num_elements else 1
+    return torch.argsort((el.doc * (num_depths + 1) + el.depth) * span + el.anchor)
+
+
+def element_hidden(drafter: Eagle3Drafter, batch: PackedBatch, el: Elements) -> torch.Tensor:
+    """Hidden-state input ``[M, H]`` of the elements: ``combine_hidden_states(aux[a])`` at depth 0,
+    ``mask_slot_hidden()`` (``fc(mask_hidden)``) at depths >= 1 (P-EAGLE Sec. 3)."""
+    is0 = el.depth == 0
+    h0 = drafter.combine_hidden_states(batch.aux[el.anchor[is0]])  # [M0, H]
+    if bool(is0.all()):
+        return h0
+    mask_h = drafter.mask_slot_hidden().to(h0.dtype).expand(el.num_elements, h0.shape[-1])
+    return mask_h.index_put((torch.nonzero(is0).flatten(),), h0)
+
+
 # --------------------------------------------------------------------------------------------
 # Attention masks
 # --------------------------------------------------------------------------------------------
@@ -738,26 +762,13 @@ class PEagleObjective(Objective):
         d = unwrap(drafter)
         attention = resolve_attention(self.cfg.attention, el.anchor.device)
         own = torch.arange(el.num_elements, device=el.anchor.device) >= num_context  # [T]
-        # Forward order (doc, depth, anchor): the depth-0 keys of a document are one contiguous
-        # causal run, and a depth-d query block needs only the depth-0 blocks left of it plus the
-        # few blocks of its own anchors at depths < d. In the (seg_key, depth, anchor) order of
-        # Algorithm 1 depth-0 keys are interleaved with deeper slots, and ~3/4 of every
-        # block-mask tile is masked-out work. Attention results do not depend on slot order.
-        span = int(el.anchor.max()) + 2 if el.num_elements else 1
-        order = torch.argsort((el.doc * (self.num_depths + 1) + el.depth) * span + el.anchor)
+        order = forward_order(el, self.num_depths)  # (doc, depth, anchor): sparse block mask
         el, own = el.index(order), own[order]
         if attention == "flex":  # whole blocks: fewer distinct shapes for the compiled kernel
             el = pad_elements(el, -(-el.num_elements // FLEX_BLOCK) * FLEX_BLOCK)
             own = torch.cat([own, own.new_zeros(el.num_elements - own.numel())])
         T = el.num_elements
-        is0 = el.depth == 0
-        H = d.config.hidden_size
-        h0 = d.combine_hidden_states(batch.aux[el.anchor[is0]])  # [T0, H]
-        if bool(is0.all()):
-            hidden = h0
-        else:
-            mask_h = d.mask_slot_hidden().to(h0.dtype).expand(T, H)
-            hidden = mask_h.index_put((torch.nonzero(is0).flatten(),), h0)  # [T, H]
+        hidden = element_hidden(d, batch, el)  # [T, H]
         mask = element_mask(el, attention=attention)
         normed, _ = drafter(el.input_ids[None], hidden[None], el.position[None], attn_mask=mask)
         stats.num_forward_slots += T
@@ -819,8 +830,10 @@ __all__ = [
     "build_peagle_elements",
     "cod_sample",
     "dense_element_mask",
+    "element_hidden",
     "element_mask",
     "flex_element_mask",
+    "forward_order",
     "label_valid",
     "pack_samples",
     "pad_elements",
