@@ -36,9 +36,11 @@ import torch
 
 from bench.common import write_result
 from bench.gpu_recipe import _read_jsonl_xz
+from pipelines.recipe import load_recipe
 
-CODE = re.compile(r"```|\bdef |\bpython\b|\bfunction\b|\bcode\b|\bjavascript\b|\bsql\b|\bclass \b|#include"
-                  r"|\bscript\b|\bjava\b|c\+\+|\breact\b", re.IGNORECASE)
+# The CPU demo recipe's filter of code-related conversations (the sweep's "code" pool).
+CODE = re.compile(load_recipe(Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-cpu.yaml")
+                  .data.sources[0].filter_regex)
 
 # The CPU demo recipe (configs/smollm2-135m-cpu.yaml at the start of the sweep) and its variants.
 BASE = {"pool": "random", "conversations": 254, "layers": 1, "aux": (2, 15, 29), "lr": 1.5e-3, "steps": 160,
