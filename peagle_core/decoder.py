@@ -18,6 +18,7 @@ Shape legend: B batch, T tokens, K num_speculative_tokens, Ht target hidden.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,37 @@ def speculative_generate(
         ValueError: unknown method, K < 1, empty prompt, missing drafter, ``peagle`` with a head
             lacking ``mask_hidden``.
     """
+    device = next(target.parameters()).device
+    with _attention_backends(device):
+        return _speculative_generate(target, prompts, drafter=drafter, method=method,
+                                     num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
+                                     eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def _attention_backends(device: torch.device):
+    """SDPA backends for decoding: on CUDA everything but cuDNN. cuDNN's SDPA builds an execution
+    plan on the host for every new shape (1-3 ms measured on an H200, ``bench/results/
+    decode_profile.json``) and the KV length grows every decoding step, so each call is a new shape;
+    flash / memory-efficient / math attention have no per-shape set-up."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+@torch.inference_mode()
+def _speculative_generate(
+    target: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    drafter: Eagle3Drafter | None = None,
+    method: Method = "peagle",
+    num_speculative_tokens: int = 5,
+    max_new_tokens: int = 64,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int = 0,
+) -> DecodeResult:
     if method not in METHODS:
         raise ValueError(f"method={method!r}: use one of {METHODS}")
     if method != "none" and drafter is None:
