@@ -39,13 +39,33 @@ def drafting(lines: list[str]) -> None:
     if r is None:
         lines += ["not run", ""]
         return
-    lines += [f"`python -m bench.drafting_cost` — {_env(r)}; {r['dtype']}, {r['mode']} (no CUDA graphs for either "
-              "method), random weights, 4-layer heads, 512 committed slots in the drafter KV cache; time per drafting "
-              "step, median of 20.", ""]
-    lines += _table(["target", "batch", "parallel t(K=11)/t(K=1) (goal <= 1.15)", "sequential/parallel at K=7, same "
-                     "4-layer head (goal >= 5)", "1-layer EAGLE-3 head / parallel at K=7"],
-                    [[s["target"], s["batch"], _f(s["parallel_t11_over_t1"]), _f(s["sequential_over_parallel_K7"]),
-                      _f(s["sequential1layer_over_parallel_K7"])] for s in r["summary"]])
+    graphs = "graphs" in r["mode"]
+    lines += [f"`python -m bench.drafting_cost` — {_env(r)}; {r['dtype']}, "
+              + ("eager and CUDA graphs (one whole drafting step captured, fixed-address KV cache), the same for "
+                 "both methods" if graphs else "eager (no CUDA graphs for either method)")
+              + ", random weights, 4-layer heads, 512 committed slots in the drafter KV cache; time per drafting "
+              "step, median of 20 eager / 50 graph replays.", ""]
+    head = ["target", "batch", "parallel t(K=11)/t(K=1) (goal <= 1.15)", "sequential/parallel at K=7, same "
+            "4-layer head (goal >= 5)", "1-layer EAGLE-3 head / parallel at K=7"]
+
+    def cells(s, pre=""):
+        return [_f(s[f"{pre}parallel_t11_over_t1"]), _f(s[f"{pre}sequential_over_parallel_K7"]),
+                _f(s[f"{pre}sequential1layer_over_parallel_K7"])]
+
+    if graphs:
+        lines += _table(head[:2] + [f"{h}, eager / graphs" for h in head[2:]],
+                        [[s["target"], s["batch"]] + [f"{e} / {g}" for e, g in zip(cells(s), cells(s, "graph_"))]
+                         for s in r["summary"]])
+        k1 = {(x["target"], x["batch"]): x for x in r["rows"] if x["K"] == 1}
+        k7 = {(x["target"], x["batch"]): x for x in r["rows"] if x["K"] == 7}
+        lines += ["", "Milliseconds per drafting step with CUDA graphs:", ""]
+        lines += _table(["target", "batch", "parallel K=1", "parallel K=7", "sequential 4-layer K=7",
+                         "sequential 1-layer K=7"],
+                        [[t, bt, _f(k1[(t, bt)]["parallel_graph_ms"], 3), _f(k7[(t, bt)]["parallel_graph_ms"], 3),
+                          _f(k7[(t, bt)]["sequential_graph_ms"], 3), _f(k7[(t, bt)]["sequential-1layer_graph_ms"], 3)]
+                         for (t, bt) in k7])
+    else:
+        lines += _table(head, [[s["target"], s["batch"]] + cells(s) for s in r["summary"]])
     lines += ["", "Raw milliseconds per (target, batch, K) are in `bench/results/drafting_cost.json`.", ""]
 
 

@@ -287,9 +287,11 @@ def last_valid_index(valid: torch.Tensor) -> torch.Tensor:
     """``valid [B, T]`` bool -> ``[B]`` index of each row's last True (left or right padding).
 
     Raises:
-        ValueError: a row has no valid slot.
+        ValueError: a row has no valid slot (not checked while a CUDA graph is being captured:
+            the check reads the device).
     """
-    if not bool(valid.any(1).all()):
+    capturing = valid.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and not bool(valid.any(1).all()):
         raise ValueError("every row needs at least one valid slot (the anchor)")
     T = valid.shape[1]
     return T - 1 - valid.flip(1).to(torch.int8).argmax(1)
