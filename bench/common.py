@@ -11,8 +11,8 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -20,18 +20,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # Drafter shapes of the targets the benchmarks model (public HF configs; 4-layer P-EAGLE heads).
 TARGET_SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         intermediate_size=1536, vocab_size=49152, num_hidden_layers=30, rope_theta=100000.0),
-    "gpt-oss-20b": dict(hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                        intermediate_size=2880, vocab_size=201088, num_hidden_layers=24, rope_theta=150000.0),
-    "llama-3.1-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=14336, vocab_size=128256, num_hidden_layers=32, rope_theta=500000.0),
+    "smollm2-135m": {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                         "intermediate_size": 1536, "vocab_size": 49152, "num_hidden_layers": 30, "rope_theta": 100000.0},
+    "gpt-oss-20b": {"hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+                        "intermediate_size": 2880, "vocab_size": 201088, "num_hidden_layers": 24, "rope_theta": 150000.0},
+    "llama-3.1-8b": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                         "intermediate_size": 14336, "vocab_size": 128256, "num_hidden_layers": 32, "rope_theta": 500000.0},
 }
 
 
 def environment() -> dict:
     env = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",

@@ -100,8 +100,7 @@ def join_head(args) -> None:
     parts = sorted(d.glob("model.safetensors.part*"))
     if parts:
         with open(d / "model.safetensors", "wb") as f:
-            for p in parts:
-                f.write(p.read_bytes())
+            f.writelines(p.read_bytes() for p in parts)
         for p in parts:
             p.unlink()
     verify_checksums(d)

@@ -45,8 +45,8 @@ def drafting(lines: list[str]) -> None:
                  "both methods" if graphs else "eager (no CUDA graphs for either method)")
               + ", random weights, 4-layer heads, 512 committed slots in the drafter KV cache; time per drafting "
               "step, median of 20 eager / 50 graph replays.", ""]
-    head = ["target", "batch", "parallel t(K=11)/t(K=1) (goal <= 1.15)", "sequential/parallel at K=7, same "
-            "4-layer head (goal >= 5)", "1-layer EAGLE-3 head / parallel at K=7"]
+    head = ["target", "batch", "parallel t(K=11)/t(K=1) (goal <= 1.15)", ("sequential/parallel at K=7, same "
+            "4-layer head (goal >= 5)"), "1-layer EAGLE-3 head / parallel at K=7"]
 
     def cells(s, pre=""):
         return [_f(s[f"{pre}parallel_t11_over_t1"]), _f(s[f"{pre}sequential_over_parallel_K7"]),
@@ -67,11 +67,11 @@ def drafting(lines: list[str]) -> None:
         miss = [f"{s['target']} B={s['batch']} ({s['graph_parallel_t11_over_t1']:.2f})" for s in r["summary"]
                 if s["graph_parallel_t11_over_t1"] > 1.15]
         seq_miss = [s for s in r["summary"] if s["graph_sequential_over_parallel_K7"] < 5]
-        lines += ["", "Goals, read on the CUDA-graph numbers (eager times at small batch are host launch time and "
-                  "move by tens of percent between runs, e.g. parallel t(K=11) < t(K=1) for SmolLM2 at batch 1-8):",
-                  f"- sequential >= 5x parallel at K=7: {'met in every cell' if not seq_miss else 'missed in ' + str(len(seq_miss)) + ' cells'} "
+        lines += ["", ("Goals, read on the CUDA-graph numbers (eager times at small batch are host launch time and "
+                  "move by tens of percent between runs, e.g. parallel t(K=11) < t(K=1) for SmolLM2 at batch 1-8):"),
+                  (f"- sequential >= 5x parallel at K=7: {'met in every cell' if not seq_miss else 'missed in ' + str(len(seq_miss)) + ' cells'} "
                   f"({min(s['graph_sequential_over_parallel_K7'] for s in r['summary']):.2f}-"
-                  f"{max(s['graph_sequential_over_parallel_K7'] for s in r['summary']):.2f}x).",
+                  f"{max(s['graph_sequential_over_parallel_K7'] for s in r['summary']):.2f}x)."),
                   "- parallel t(K=11)/t(K=1) <= 1.15: met at batch 1 and 8 for all three sizes; missed in "
                   + ", ".join(miss) + ". There every GEMM of the K=11 forward has B x 11 = 352-704 rows, past the ~300 rows where a "
                   "bf16 GEMM on an H200 stops being bound by reading its weights, so the time grows with the "
@@ -87,8 +87,8 @@ def training(lines: list[str]) -> None:
     if r is None:
         lines += ["not run", ""]
         return
-    lines += [f"`python -m bench.train_step` — {_env(r)}; SmolLM2-sized drafter (H=576, 4 layers, vocab 49152), "
-              "random weights, 4 packed documents, forward+backward+AdamW, bf16 autocast.", ""]
+    lines += [(f"`python -m bench.train_step` — {_env(r)}; SmolLM2-sized drafter (H=576, 4 layers, vocab 49152), "
+              "random weights, 4 packed documents, forward+backward+AdamW, bf16 autocast."), ""]
     rows = []
     for x in r["rows"]:
         rows.append([x["method"], x["num_tokens"], x.get("num_partitions", "-"), x["loss_impl"], _f(x["step_ms"], 1),
@@ -110,18 +110,18 @@ def training(lines: list[str]) -> None:
                          f"{c['peak_mem_gib'] - t['peak_mem_gib']:.2f} GiB less")
     prev = r.get("previous_run")
     if prev:
-        lines += [f"- Before the (doc, depth, anchor) forward order ({prev['date'][:10]}): P-EAGLE N=8192 S=1 "
-                  f"{prev['peagle_n8192_s1_step_ms']:.0f} ms vs EAGLE-3 {prev['eagle3_n8192_step_ms']:.0f} ms."]
-    lines += ["- Attention memory: flex attention never materializes the [L, L] mask or scores, so S segments do "
+        lines += [(f"- Before the (doc, depth, anchor) forward order ({prev['date'][:10]}): P-EAGLE N=8192 S=1 "
+                  f"{prev['peagle_n8192_s1_step_ms']:.0f} ms vs EAGLE-3 {prev['eagle3_n8192_step_ms']:.0f} ms.")]
+    lines += [("- Attention memory: flex attention never materializes the [L, L] mask or scores, so S segments do "
               "not cut peak memory S-fold; peak memory falls with S because each forward holds the activations "
-              "of 1/S of the slots (plus the recomputed depth-0 context)."]
+              "of 1/S of the slots (plus the recomputed depth-0 context).")]
     d = _load("train_step_dense")
     if d:
         flex = {(x["num_tokens"], x.get("num_partitions")): x["peak_mem_gib"] for x in r["rows"]
                 if x["method"] == "peagle" and x["loss_impl"] == "triton"}
-        lines += ["", f"Dense-mask attention (`python -m bench.train_step --attention dense ...`, {_env(d)}): the "
+        lines += ["", (f"Dense-mask attention (`python -m bench.train_step --attention dense ...`, {_env(d)}): the "
                   "[L, L] mask and the attention scores are materialized, so their memory shows directly. "
-                  "Attention memory = dense peak - flex peak at the same N and S:", ""]
+                  "Attention memory = dense peak - flex peak at the same N and S:"), ""]
         rows = []
         base = {}
         for x in d["rows"]:
@@ -133,8 +133,8 @@ def training(lines: list[str]) -> None:
         lines += _table(["N", "S", "step ms", "peak GiB", "attention GiB", "S=1 / this (goal ~S)"], rows)
     b = _load("step_breakdown")
     if b:
-        lines += ["", f"`python -m bench.step_breakdown` — one P-EAGLE step (S=1) in phases, {_env(b)}; tile density "
-                  "= fraction of 128x128 block-mask tiles computed:", ""]
+        lines += ["", (f"`python -m bench.step_breakdown` — one P-EAGLE step (S=1) in phases, {_env(b)}; tile density "
+                  "= fraction of 128x128 block-mask tiles computed:"), ""]
         lines += _table(["N", "slots", "tile density, Algorithm-1 order", "tile density, forward order",
                          "build elements ms", "block mask ms", "forward+backward ms"],
                         [[x["num_tokens"], x["elements"], _f(x["density_alg1_order"], 3),
@@ -199,41 +199,41 @@ def decode(lines: list[str]) -> None:
     by = {(x["concurrency"], x["method"], x["K"]): x for x in rows}
     conc = sorted({x["concurrency"] for x in rows})
     ks = sorted({x["K"] for x in rows if x["method"] != "none"})
-    lines += ["", "P-EAGLE tokens/s over EAGLE-3 tokens/s at the same K (the paper's comparison; its speed-up over "
-              "EAGLE-3 is largest at low concurrency):", ""]
+    lines += ["", ("P-EAGLE tokens/s over EAGLE-3 tokens/s at the same K (the paper's comparison; its speed-up over "
+              "EAGLE-3 is largest at low concurrency):"), ""]
     lines += _table(["concurrency"] + [f"K={k}" for k in ks],
                     [[c] + [_f(by[(c, "peagle", k)]["tokens_per_s"] / by[(c, "eagle3", k)]["tokens_per_s"])
                             if (c, "peagle", k) in by and (c, "eagle3", k) in by else "-" for k in ks] for c in conc])
     fp = r.get("fp32_lossless_check")
     if fp:
-        lines += ["", "Losslessness in float32 on the GPU (target and heads in float32, K=5; goal: every output "
-                  "identical to target-only greedy):", ""]
+        lines += ["", ("Losslessness in float32 on the GPU (target and heads in float32, K=5; goal: every output "
+                  "identical to target-only greedy):"), ""]
         lines += _table(["method, concurrency", "identical to target greedy", "AL"],
                         [[k, f"{v['identical']}/{v['prompts']}"
                           + (" (met)" if v["identical"] == v["prompts"] else " (NOT met)"), _f(v["acceptance_length"])]
                          for k, v in fp.items()])
     lines += ["", "Reading the grid:",
-              "- A target step costs ~20-25 ms at every concurrency: HF eager issues ~1,300 kernel launches per "
+              ("- A target step costs ~20-25 ms at every concurrency: HF eager issues ~1,300 kernel launches per "
               "plain-decoding step of a 30-layer 135M model and the GPU waits on the host "
               "(`bench/results/decode_profile.json`, c=1: `cudaLaunchKernel` is the top host operator; GPU kernels "
               "take 2.5 ms per step without speculation and 3.8 ms with it). A draft of K tokens "
               "is then almost free for the target, and the speed-up over no speculation is about AL x t(none) / "
-              "(t(target, 1+K) + t(drafter)), with AL ~1.45 for these small heads.",
-              "- EAGLE-3's drafter cost grows with K (K forwards: ~4, 6.5, 8.5 ms at K=3, 5, 7); P-EAGLE's stays "
+              "(t(target, 1+K) + t(drafter)), with AL ~1.45 for these small heads."),
+              ("- EAGLE-3's drafter cost grows with K (K forwards: ~4, 6.5, 8.5 ms at K=3, 5, 7); P-EAGLE's stays "
               "~3.5-4 ms (one forward of 4 layers). That is why P-EAGLE beats EAGLE-3 at every point of the grid "
-              "and by more at larger K; AL differs little (P-EAGLE 1.44-1.49, EAGLE-3 1.35-1.44).",
-              "- bf16 `identical` counts below 100% are near-ties that flip between the 1-token forward of plain "
+              "and by more at larger K; AL differs little (P-EAGLE 1.44-1.49, EAGLE-3 1.35-1.44)."),
+              ("- bf16 `identical` counts below 100% are near-ties that flip between the 1-token forward of plain "
               "decoding and the (1+K)-token verification forward (different GEMM shapes); in float32 every output "
-              "is identical (table above).",
-              "- The first H200 run used PyTorch's cuDNN SDPA backend, which builds a host-side execution plan for "
+              "is identical (table above)."),
+              ("- The first H200 run used PyTorch's cuDNN SDPA backend, which builds a host-side execution plan for "
               "every new shape: 0.7-2.7 ms per attention call as the KV cache grows each step "
               "(`bench/results/decode_profile_cudnn.json`). The reference decoder now excludes cuDNN attention on "
               "CUDA; on a fresh H200 that took plain decoding at c=1 from 37.6 to 49.7 tokens/s and removed the "
               "2-5x swings between configurations of the earlier partial grid (e.g. P-EAGLE's drafter at 4.7 vs "
-              "33 ms per step for K=3 vs K=5).",
-              "- Against the paper's shape: P-EAGLE's gain over EAGLE-3 is largest at c=1-4 (1.23-1.33x at K=7) "
+              "33 ms per step for K=3 vs K=5)."),
+              ("- Against the paper's shape: P-EAGLE's gain over EAGLE-3 is largest at c=1-4 (1.23-1.33x at K=7) "
               "and smallest at c=64 (1.07-1.12x), as in the paper. The grid ran one round, so single cells carry "
-              "run-to-run noise of a few percent (c=16, K=3 at 1.02x sits below c=64's 1.07x).",
+              "run-to-run noise of a few percent (c=16, K=3 at 1.02x sits below c=64's 1.07x)."),
               ""]
 
 
@@ -271,9 +271,9 @@ def gpu_recipe(lines: list[str]) -> None:
     ev = _load("gpu_recipe_vllm_cpu_eval")
     lines += ["## GPU recipe (issue 7): SmolLM2 heads trained on one H200, evaluated with vLLM on CPU", ""]
     if reg:
-        lines += [f"- Regeneration (transformers backend, bf16, first assistant turn, <= {reg['max_new_tokens']} tokens): "
+        lines += [(f"- Regeneration (transformers backend, bf16, first assistant turn, <= {reg['max_new_tokens']} tokens): "
                   f"{reg['regenerated']} of {reg['conversations']} ShareGPT conversations in {reg['regenerate_s']:.0f} s, "
-                  f"{reg['tokens_per_s']:.0f} tokens/s; the rest keep their ShareGPT answers."]
+                  f"{reg['tokens_per_s']:.0f} tokens/s; the rest keep their ShareGPT answers.")]
     for t in (p, e):
         if t:
             fin = t["final"] or {}
@@ -284,16 +284,16 @@ def gpu_recipe(lines: list[str]) -> None:
                          f"online capture), peak {t['peak_mem_gib']:.1f} GiB; final accuracy per depth "
                          f"{', '.join(_f(a) for a in accs)}.")
     if ev:
-        lines += ["", f"vLLM (vllm-cpu 0.32, float32, 2 cores), {ev['prompts']} HumanEval prompts, {ev['max_tokens']} "
-                  "new tokens, concurrency 1:", ""]
+        lines += ["", (f"vLLM (vllm-cpu 0.32, float32, 2 cores), {ev['prompts']} HumanEval prompts, {ev['max_tokens']} "
+                  "new tokens, concurrency 1:"), ""]
         lines += _table(["method", "K", "AL", "tokens/s", "speed-up"],
                         [[x["method"], x.get("K", "-"), _f(x.get("acceptance_length")), _f(x.get("tokens_per_s"), 1),
                           _f(x.get("speedup"))] for x in ev["rows"]])
         lines += ["", "Plots: `docs/img/gpu_recipe_al_per_position.png`, `docs/img/gpu_recipe_tokens_per_s_vs_K.png`."]
     ll = _load("lossless_fp32_cpu")
     if ll:
-        lines += ["", f"Losslessness of the reference decoder with these heads (`python -m bench.lossless_check`, float32, "
-                  f"CPU, K={ll['K']}, {ll['max_new_tokens']} new tokens):", ""]
+        lines += ["", (f"Losslessness of the reference decoder with these heads (`python -m bench.lossless_check`, float32, "
+                  f"CPU, K={ll['K']}, {ll['max_new_tokens']} new tokens):"), ""]
         lines += _table(["method, batch", "identical to target greedy", "offline AL"],
                         [[k, f"{v['identical']}/{v['prompts']}", _f(v["acceptance_length"])]
                          for k, v in ll["results"].items() if k != "none"])
@@ -306,13 +306,13 @@ def demo_sweep(lines: list[str]) -> None:
     if r is None:
         lines += ["not run", ""]
         return
-    lines += [f"`python -m bench.demo_sweep` — {_env(r)}. Each row trains a P-EAGLE head with the CPU demo's "
+    lines += [(f"`python -m bench.demo_sweep` — {_env(r)}. Each row trains a P-EAGLE head with the CPU demo's "
               "steps and tokens (only the wall time differs from the 2-core box) and scores it by teacher-forced "
               "joint acceptance on target-greedy HumanEval completions: AL_tf = 1 + sum_d P(depths 0..d all "
               f"correct), K=5, all {r['humaneval_prompts']} prompts and the first 16. Greedy speculative decoding "
               "accepts exactly these tokens at the anchors it visits; AL_tf ran ~0.05 above vLLM's AL where both "
               f"were measured. Pool: {r['pool_size']} regenerated conversations per kind. Base = "
-              f"{', '.join(f'{k}={v}' for k, v in r['base'].items())}.", ""]
+              f"{', '.join(f'{k}={v}' for k, v in r['base'].items())}."), ""]
     rows = []
     for x in r["results"]:
         diff = {k: x[k] for k in r["base"] if x.get(k) != r["base"][k] and k in x}
@@ -323,8 +323,8 @@ def demo_sweep(lines: list[str]) -> None:
 
 
 def main() -> None:
-    lines = ["# Benchmarks", "", "Generated by `python -m bench.report` from `bench/results/*.json`; the scripts are in "
-             "`bench/`, the device calls that produced them in `bench/device/`. These are measurements, not tests.", ""]
+    lines = ["# Benchmarks", "", ("Generated by `python -m bench.report` from `bench/results/*.json`; the scripts are in "
+             "`bench/`, the device calls that produced them in `bench/device/`. These are measurements, not tests."), ""]
     for fn in (drafting, training, capture, decode, two_gpus, gpu_recipe, demo_sweep):
         fn(lines)
     DOC.parent.mkdir(parents=True, exist_ok=True)

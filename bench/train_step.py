@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     shape = dict(TARGET_SHAPES[args.target])
     if args.smoke:
-        shape = dict(hidden_size=36, num_attention_heads=6, num_key_value_heads=2, head_dim=6, intermediate_size=50,
-                     vocab_size=99, num_hidden_layers=7, rope_theta=10000.0)
+        shape = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 6, "intermediate_size": 50,
+                     "vocab_size": 99, "num_hidden_layers": 7, "rope_theta": 10000.0}
         args.num_tokens, args.num_depths, args.partitions, args.ttt_steps = [64], 3, [1, 2], 3
         args.num_layers, args.warmup, args.iters, args.num_docs = 2, 1, 2, 2
     loss_impls = args.loss_impls or (["triton", "torch"] if device.type == "cuda" else ["torch"])
@@ -153,11 +153,11 @@ def main(argv: list[str] | None = None) -> None:
         if "peagle" in args.methods:
             for s in args.partitions:
                 for impl in (loss_impls if s == 1 else loss_impls[:1]):
-                    grid.append(("peagle", dict(num_depths=args.num_depths, num_partitions=s, loss_impl=impl,
-                                                attention=args.attention)))
+                    grid.append(("peagle", {"num_depths": args.num_depths, "num_partitions": s, "loss_impl": impl,
+                                                "attention": args.attention}))
         if "eagle3" in args.methods:
             for impl in loss_impls:
-                grid.append(("eagle3", dict(num_steps=args.ttt_steps, loss_impl=impl, attention=args.attention)))
+                grid.append(("eagle3", {"num_steps": args.ttt_steps, "loss_impl": impl, "attention": args.attention}))
         for method, cfg in grid:
             row = run_config(method, cfg, shape, args, device, dtype)
             rows.append(row)
