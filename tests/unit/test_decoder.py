@@ -65,3 +65,22 @@ def test_errors(tiny_target):
         speculative_generate(tiny_target, PROMPTS, drafter=make_drafter(mask_token_id=None), method="peagle")
     with pytest.raises(ValueError, match="at least one token"):
         speculative_generate(tiny_target, [[]], method="none")
+
+
+@pytest.mark.parametrize("method", ["parallel", "sequential"])
+@pytest.mark.parametrize("K", [1, 4])
+def test_static_cache_drafts_like_the_dynamic_cache(method, K):
+    """bench.drafting_cost times CUDA graphs on StaticDrafterCache: it must draft what DrafterCache does,
+    step after step (speculative slots overwritten, committed ones kept)."""
+    from bench.drafting_cost import StaticDrafterCache, prefilled_cache, step_fn
+
+    d = make_drafter(mask_token_id=97 if method == "parallel" else None).float()
+    dyn = prefilled_cache(d, 3, 13, "cpu", torch.float32)
+    static = StaticDrafterCache(dyn, room=K + 1)
+    a, b = [], []
+    for _ in range(2):
+        step_fn(d, dyn, method, K, 3, 13, "cpu", torch.float32, out=a)()
+        step_fn(d, static, method, K, 3, 13, "cpu", torch.float32, out=b)()
+        assert torch.equal(a[0], b[0])
+        assert dyn.length == static.length == 13
+    assert not static.key_valid[:, 13:].any()
