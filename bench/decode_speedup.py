@@ -39,36 +39,21 @@ def _configs(ks: list[int]) -> list[tuple[str, int]]:
 
 
 def run_config(target, prompts, c, method, K, head, *, max_new, eos):
-    """Decode ``prompts`` in batches of ``c``; returns (outputs, summed counters)."""
+    """Decode ``prompts`` in batches of ``c`` -> ``DecodeResult`` (counters summed over batches)."""
     from peagle_core.decoder import speculative_generate
 
-    outs, tot = [], {"wall_s": 0.0, "target_s": 0.0, "drafter_s": 0.0, "steps": 0, "drafts": 0, "accepted": 0,
-                     "tokens": 0, "per_pos": [0] * K}
-    for s in range(0, len(prompts), c):
-        r = speculative_generate(target, prompts[s:s + c], drafter=head, method=method,
-                                 num_speculative_tokens=max(K, 1), max_new_tokens=max_new, eos_token_id=eos)
-        outs += r.output_ids
-        tot["wall_s"] += r.wall_s
-        tot["target_s"] += r.target_s
-        tot["drafter_s"] += r.drafter_s
-        tot["steps"] += r.num_steps
-        tot["drafts"] += r.num_drafts
-        tot["accepted"] += r.num_accepted_tokens
-        tot["tokens"] += r.num_generated_tokens
-        for j in range(K):
-            tot["per_pos"][j] += r.accepted_per_pos[j]
-    return outs, tot
+    return speculative_generate(target, prompts, drafter=head, method=method, num_speculative_tokens=max(K, 1),
+                                max_new_tokens=max_new, eos_token_id=eos, batch_size=c)
 
 
-def _row(c, method, K, n, tot, ref, outs) -> dict:
-    row = {"concurrency": c, "method": method, "K": K, "prompts": n, "tokens": tot["tokens"],
-           "wall_s_rounds": [tot["wall_s"]], "tokens_per_s": tot["tokens"] / tot["wall_s"],
-           "identical": sum(a == b for a, b in zip(outs, ref)) if ref is not None else n,
-           "steps": tot["steps"], "target_ms_per_step": 1e3 * tot["target_s"] / max(1, tot["steps"])}
+def _row(c, method, K, n, r, ref) -> dict:
+    row = {"concurrency": c, "method": method, "K": K, "prompts": n, "tokens": r.num_generated_tokens,
+           "wall_s_rounds": [r.wall_s], "tokens_per_s": r.tokens_per_s,
+           "identical": sum(a == b for a, b in zip(r.output_ids, ref)) if ref is not None else n,
+           "steps": r.num_steps, "target_ms_per_step": 1e3 * r.target_s / max(1, r.num_steps)}
     if method != "none":
-        d = max(1, tot["drafts"])
-        row.update({"acceptance_length": 1 + tot["accepted"] / d, "acceptance_per_pos": [a / d for a in tot["per_pos"]],
-                    "drafter_ms_per_step": 1e3 * tot["drafter_s"] / max(1, tot["steps"])})
+        row.update({"acceptance_length": r.acceptance_length, "acceptance_per_pos": r.acceptance_rate_per_pos,
+                    "drafter_ms_per_step": 1e3 * r.drafter_s / max(1, r.num_steps)})
     return row
 
 
@@ -80,10 +65,9 @@ def _profile(target, heads, prompts, eos) -> dict:
     for method in ("none", "eagle3", "peagle"):
         run_config(target, prompts[:1], 1, method, 3 if method != "none" else 0, heads.get(method), max_new=8, eos=eos)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _, tot = run_config(target, prompts[:4], 1, method, 3 if method != "none" else 0, heads.get(method),
-                                max_new=32, eos=eos)
-        out[method] = {"steps": tot["steps"], "target_s": tot["target_s"], "drafter_s": tot["drafter_s"],
-                       "wall_s": tot["wall_s"],
+            r = run_config(target, prompts[:4], 1, method, 3 if method != "none" else 0, heads.get(method),
+                           max_new=32, eos=eos)
+        out[method] = {"steps": r.num_steps, "target_s": r.target_s, "drafter_s": r.drafter_s, "wall_s": r.wall_s,
                        "top_cpu": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50),
                        "top_cuda": prof.key_averages().table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=50)}
         print(method, {k: v for k, v in out[method].items() if not k.startswith("top")}, flush=True)
@@ -160,17 +144,17 @@ def main() -> None:
             for method, K in _configs(ks):
                 if over_budget(f"round {rnd + 1}, c={c}, {method} K={K}"):
                     break
-                outs, tot = run_config(target, ps, c, method, K, heads.get(method), max_new=max_new, eos=eos)
+                res = run_config(target, ps, c, method, K, heads.get(method), max_new=max_new, eos=eos)
                 key = (c, method, K)
                 if method == "none" and c not in refs:
-                    refs[c] = outs
+                    refs[c] = res.output_ids
                 if key not in rows:
-                    rows[key] = _row(c, method, K, n, tot, refs.get(c), outs)
+                    rows[key] = _row(c, method, K, n, res, refs.get(c))
                 else:  # later round: keep the best wall time
                     r = rows[key]
-                    r["wall_s_rounds"].append(tot["wall_s"])
-                    if tot["tokens"] / tot["wall_s"] > r["tokens_per_s"]:  # times of the best round
-                        best = _row(c, method, K, n, tot, refs.get(c), outs)
+                    r["wall_s_rounds"].append(res.wall_s)
+                    if res.tokens_per_s > r["tokens_per_s"]:  # times of the best round
+                        best = _row(c, method, K, n, res, refs.get(c))
                         r.update({k: best[k] for k in ("tokens_per_s", "target_ms_per_step", "drafter_ms_per_step")
                                   if k in best})
                 print(rnd + 1, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[key].items()
@@ -195,11 +179,11 @@ def fp32_check(args, ensure_target, model_cls, heads, prompts, eos) -> dict:
                                     dtype=torch.float32).to("cuda").eval()
     out = {}
     for c, n in ((4, 16), (16, 32)):
-        ref, _ = run_config(t32, prompts[:n], c, "none", 0, None, max_new=args.max_new_tokens, eos=eos)
+        ref = run_config(t32, prompts[:n], c, "none", 0, None, max_new=args.max_new_tokens, eos=eos).output_ids
         for m in ("eagle3", "peagle"):
-            outs, tot = run_config(t32, prompts[:n], c, m, 5, heads[m].float(), max_new=args.max_new_tokens, eos=eos)
-            out[f"{m} c={c}"] = {"identical": sum(a == b for a, b in zip(outs, ref)), "prompts": n,
-                                 "acceptance_length": 1 + tot["accepted"] / max(1, tot["drafts"])}
+            r = run_config(t32, prompts[:n], c, m, 5, heads[m].float(), max_new=args.max_new_tokens, eos=eos)
+            out[f"{m} c={c}"] = {"identical": sum(a == b for a, b in zip(r.output_ids, ref)), "prompts": n,
+                                 "acceptance_length": r.acceptance_length}
     for h in heads.values():
         h.to(torch.bfloat16)
     del t32

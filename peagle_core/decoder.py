@@ -106,8 +106,13 @@ def speculative_generate(
     max_new_tokens: int = 64,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
+    batch_size: int | None = None,
 ) -> DecodeResult:
-    """Greedy speculative decoding of a batch of prompts.
+    """Greedy speculative decoding of prompts, all in one batch or in batches of ``batch_size``.
+
+    On CUDA, attention runs without cuDNN's SDPA backend: it builds an execution plan on the host
+    for every new shape (0.7-2.7 ms per call measured on an H200, ``bench/results/
+    decode_profile_cudnn.json``), and the KV length grows every step, so each call is a new shape.
 
     Args:
         target: HF causal LM (Llama-style, ``model.model.layers``), in eval mode.
@@ -118,45 +123,16 @@ def speculative_generate(
         num_speculative_tokens: K >= 1 draft tokens per step.
         max_new_tokens: per sequence; generation also stops at ``eos_token_id``.
         eos_token_id: one id or several.
+        batch_size: sequences decoded together (the concurrency), ``prompts`` taken in order;
+            ``None`` = all of them. Counters and times are summed over the batches.
 
     Returns:
-        ``DecodeResult``.
+        ``DecodeResult`` (``output_ids`` in prompt order).
 
     Raises:
         ValueError: unknown method, K < 1, empty prompt, missing drafter, ``peagle`` with a head
-            lacking ``mask_hidden``.
+            lacking ``mask_hidden``, ``batch_size`` < 1; all before any decoding.
     """
-    device = next(target.parameters()).device
-    with _attention_backends(device):
-        return _speculative_generate(target, prompts, drafter=drafter, method=method,
-                                     num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
-                                     eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-
-
-def _attention_backends(device: torch.device):
-    """SDPA backends for decoding: on CUDA everything but cuDNN. cuDNN's SDPA builds an execution
-    plan on the host for every new shape (1-3 ms measured on an H200, ``bench/results/
-    decode_profile.json``) and the KV length grows every decoding step, so each call is a new shape;
-    flash / memory-efficient / math attention have no per-shape set-up."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-@torch.inference_mode()
-def _speculative_generate(
-    target: nn.Module,
-    prompts: Sequence[Sequence[int]],
-    *,
-    drafter: Eagle3Drafter | None = None,
-    method: Method = "peagle",
-    num_speculative_tokens: int = 5,
-    max_new_tokens: int = 64,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int = 0,
-) -> DecodeResult:
     if method not in METHODS:
         raise ValueError(f"method={method!r}: use one of {METHODS}")
     if method != "none" and drafter is None:
@@ -168,6 +144,34 @@ def _speculative_generate(
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    step = batch_size or len(prompts)
+    res = DecodeResult(output_ids=[], method=method, num_speculative_tokens=K, accepted_per_pos=[0] * K)
+    with decoding_attention(next(target.parameters()).device):
+        for s in range(0, len(prompts), step):
+            r = _generate_batch(target, prompts[s:s + step], drafter, method, K, max_new_tokens, eos_token_id,
+                                pad_token_id)
+            res.output_ids += r.output_ids
+            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "wall_s", "target_s", "drafter_s",
+                         "num_steps"):
+                setattr(res, name, getattr(res, name) + getattr(r, name))
+            res.accepted_per_pos = [a + b for a, b in zip(res.accepted_per_pos, r.accepted_per_pos)]
+    return res
+
+
+def decoding_attention(device: torch.device):
+    """Context manager: the SDPA backends for decoding on ``device``; on CUDA all but cuDNN (see
+    ``speculative_generate``), elsewhere unchanged."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _generate_batch(target, prompts, drafter, method, K, max_new_tokens, eos_token_id, pad_token_id) -> DecodeResult:
+    """One batch of ``speculative_generate`` (arguments already checked; ``K`` = 0 for ``none``)."""
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     device = next(target.parameters()).device
     layer_ids = tuple(drafter.config.aux_layer_ids) if drafter is not None else (0,)

@@ -232,18 +232,11 @@ def offline_acceptance(
     # A head may ship without embed_tokens (vLLM shares the target's): pass the target's.
     drafter = load_head(head, dtype=torch.float32,
                         target_embed_tokens=model.get_input_embeddings().weight.detach()).eval()
-    drafts = accepted = 0
-    per_pos = [0] * K
     t = time.perf_counter()
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch_size):
-            r = speculative_generate(model, prompts[i:i + batch_size], drafter=drafter, method=method,
-                                     num_speculative_tokens=K, max_new_tokens=max_tokens, eos_token_id=eos)
-            drafts += r.num_drafts
-            accepted += r.num_accepted_tokens
-            per_pos = [a + b for a, b in zip(per_pos, r.accepted_per_pos, strict=False)]
-    return {"method": method, "K": K, "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
-            "al_per_pos": [p / drafts for p in per_pos] if drafts else [], "num_drafts": drafts,
+    r = speculative_generate(model, prompts, drafter=drafter, method=method, num_speculative_tokens=K,
+                             max_new_tokens=max_tokens, eos_token_id=eos, batch_size=batch_size)
+    return {"method": method, "K": K, "acceptance_length": r.acceptance_length,
+            "al_per_pos": r.acceptance_rate_per_pos if r.num_drafts else [], "num_drafts": r.num_drafts,
             "wall_s": time.perf_counter() - t}
 
 

@@ -84,3 +84,19 @@ def test_static_cache_drafts_like_the_dynamic_cache(method, K):
         assert torch.equal(a[0], b[0])
         assert dyn.length == static.length == 13
     assert not static.key_valid[:, 13:].any()
+
+
+def test_batch_size_sums_the_batches(tiny_target):
+    d = make_drafter(mask_token_id=97)
+    kw = {"drafter": d, "method": "peagle", "num_speculative_tokens": 3, "max_new_tokens": 16}
+    got = speculative_generate(tiny_target, PROMPTS, batch_size=2, **kw)
+    parts = [speculative_generate(tiny_target, PROMPTS[:2], **kw), speculative_generate(tiny_target, PROMPTS[2:], **kw)]
+    assert got.output_ids == parts[0].output_ids + parts[1].output_ids
+    assert got.num_drafts == sum(p.num_drafts for p in parts) > 0
+    assert got.num_accepted_tokens == sum(p.num_accepted_tokens for p in parts)
+    assert got.accepted_per_pos == [a + b for a, b in zip(parts[0].accepted_per_pos, parts[1].accepted_per_pos)]
+    assert got.num_steps == sum(p.num_steps for p in parts)
+    with pytest.raises(ValueError, match="batch_size"):
+        speculative_generate(tiny_target, PROMPTS, batch_size=0, **kw)
+    with pytest.raises(ValueError, match="at least one token"):  # a bad prompt in a later batch: before decoding
+        speculative_generate(tiny_target, [*PROMPTS, []], batch_size=1, **kw)
