@@ -14,7 +14,7 @@ CUDA, CUDA graphs: a ``StaticDrafterCache`` keeps every buffer at a fixed addres
 plus room for the K speculative ones, overwritten each step as vLLM's proposer does with its
 persistent buffers) and one drafting step is captured whole and replayed. Before timing, every
 configuration checks that the static cache drafts the same tokens as the dynamic one. Attention
-uses the reference decoder's SDPA backends (no cuDNN: ``peagle_core.decoder._attention_backends``).
+uses the reference decoder's SDPA backends (no cuDNN: ``peagle_core.decoder.decoding_attention``).
 
     python -m bench.drafting_cost            # GPU, bf16, writes bench/results/drafting_cost.json
     python -m bench.drafting_cost --smoke    # CPU, tiny, seconds (eager only)
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.common import TARGET_SHAPES, time_ms, write_result
+from peagle_core.decoder import decoding_attention
 from peagle_core.drafter import DrafterCache, DrafterConfig, Eagle3Drafter
 
 TINY_SHAPE = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 6, "intermediate_size": 50,
@@ -125,6 +126,52 @@ def graphed(run):
     return g.replay
 
 
+def measure_batch(name: str, heads: dict[str, Eagle3Drafter], B: int, Ks: list[int], context: int, device, dtype,
+                  *, graphs: bool, smoke: bool) -> list[dict]:
+    """Rows ``{target, batch, K, context, <method>_ms[, <method>_graph_ms]}`` for every K at batch ``B``.
+
+    Raises:
+        RuntimeError: the static cache drafts other tokens than the dynamic one (checked on CUDA with
+            graphs, and in the smoke run).
+    """
+    caches = {k: prefilled_cache(h, B, context, device, dtype) for k, h in heads.items()}
+    rows = []
+    for K in Ks:
+        row = {"target": name, "batch": B, "K": K, "context": context}
+        for method, head in heads.items():
+            kind = "parallel" if method == "parallel" else "sequential"
+            run = step_fn(head, caches[method], kind, K, B, context, device, dtype)
+            with torch.no_grad():
+                row[f"{method}_ms"] = time_ms(run, warmup=2 if smoke else 5, iters=3 if smoke else 20)
+            if not (graphs or smoke):
+                continue
+            # static cache: same drafts as the dynamic one, then graph timing
+            a, b = [], []
+            static = StaticDrafterCache(caches[method], room=K + 1)
+            step_fn(head, caches[method], kind, K, B, context, device, dtype, out=a)()
+            step_fn(head, static, kind, K, B, context, device, dtype, out=b)()
+            agree = (a[0] == b[0]).float().mean().item()
+            if agree < 0.99:  # bf16 near-ties may flip a rare token; a bug flips most
+                raise RuntimeError(f"static cache drafts differ ({agree:.3f} agree): {name} B={B} K={K} {method}")
+            if graphs:
+                with torch.no_grad():
+                    replay = graphed(step_fn(head, static, kind, K, B, context, device, dtype))
+                    row[f"{method}_graph_ms"] = time_ms(replay, warmup=3, iters=50)
+                del replay
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def _ratios(r: dict[int, dict], unit: str) -> dict[str, float]:
+    """The goal ratios of one (target, batch) from its rows by K, on ``<method>_<unit>`` times."""
+    return {
+        "parallel_t11_over_t1": r[11][f"parallel_{unit}"] / r[1][f"parallel_{unit}"],
+        "sequential_over_parallel_K7": r[7][f"sequential_{unit}"] / r[7][f"parallel_{unit}"],
+        "sequential1layer_over_parallel_K7": r[7][f"sequential-1layer_{unit}"] / r[7][f"parallel_{unit}"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run (seconds)")
@@ -139,8 +186,6 @@ def main() -> None:
     batches = [1, 8] if args.smoke else [1, 8, 32, 64]
     context = 32 if args.smoke else args.context
     graphs = device == "cuda" and not args.no_graphs
-    if device == "cuda":  # the reference decoder's backends: no cuDNN SDPA (host-side plan per new shape)
-        torch.backends.cuda.enable_cudnn_sdp(False)
     rows = []
     torch.manual_seed(0)
 
@@ -151,19 +196,8 @@ def main() -> None:
                 r = {x["K"]: x for x in rows if x["target"] == name and x["batch"] == B}
                 if 1 not in r or 7 not in r or 11 not in r:
                     continue
-                summary.append({
-                    "target": name, "batch": B,
-                    "parallel_t11_over_t1": r[11]["parallel_ms"] / r[1]["parallel_ms"],
-                    "sequential_over_parallel_K7": r[7]["sequential_ms"] / r[7]["parallel_ms"],
-                    "sequential1layer_over_parallel_K7": r[7]["sequential-1layer_ms"] / r[7]["parallel_ms"],
-                })
-                if graphs:
-                    summary[-1].update({
-                        "graph_parallel_t11_over_t1": r[11]["parallel_graph_ms"] / r[1]["parallel_graph_ms"],
-                        "graph_sequential_over_parallel_K7": r[7]["sequential_graph_ms"] / r[7]["parallel_graph_ms"],
-                        "graph_sequential1layer_over_parallel_K7":
-                            r[7]["sequential-1layer_graph_ms"] / r[7]["parallel_graph_ms"],
-                    })
+                graph = {f"graph_{k}": v for k, v in _ratios(r, "graph_ms").items()} if graphs else {}
+                summary.append({"target": name, "batch": B, **_ratios(r, "ms"), **graph})
         goals = {"parallel_t11_over_t1": "<= 1.15", "sequential_over_parallel_K7": ">= 5"}
         path = write_result("drafting_cost" + ("_smoke" if args.smoke else ""),
                             {"dtype": str(dtype), "mode": "eager+cuda-graphs" if graphs else "eager",
@@ -171,38 +205,17 @@ def main() -> None:
                             None if args.out is None else Path(args.out))
         return summary, path
 
-    for name, shape in shapes.items():
-        heads = {"parallel": build(shape, 4, device, dtype), "sequential": build(shape, 4, device, dtype, mask=False),
-                 "sequential-1layer": build(shape, 1, device, dtype, mask=False)}
-        for B in batches:
-            caches = {k: prefilled_cache(h, B, context, device, dtype) for k, h in heads.items()}
-            for K in Ks:
-                row = {"target": name, "batch": B, "K": K, "context": context}
-                for method, head in heads.items():
-                    kind = "parallel" if method == "parallel" else "sequential"
-                    run = step_fn(head, caches[method], kind, K, B, context, device, dtype)
-                    with torch.no_grad():
-                        row[f"{method}_ms"] = time_ms(run, warmup=2 if args.smoke else 5, iters=3 if args.smoke else 20)
-                    if graphs or args.smoke:  # static cache: same drafts as the dynamic one, then graph timing
-                        a, b = [], []
-                        static = StaticDrafterCache(caches[method], room=K + 1)
-                        step_fn(head, caches[method], kind, K, B, context, device, dtype, out=a)()
-                        step_fn(head, static, kind, K, B, context, device, dtype, out=b)()
-                        agree = (a[0] == b[0]).float().mean().item()
-                        if agree < 0.99:  # bf16 near-ties may flip a rare token; a bug flips most
-                            raise RuntimeError(f"static cache drafts differ ({agree:.3f} agree): {name} B={B} K={K} {method}")
-                        if graphs:
-                            with torch.no_grad():
-                                replay = graphed(step_fn(head, static, kind, K, B, context, device, dtype))
-                                row[f"{method}_graph_ms"] = time_ms(replay, warmup=3, iters=50)
-                            del replay
-                rows.append(row)
-                print(row, flush=True)
-            del caches
-            save(partial=True)  # a run cut short keeps every finished batch
-        del heads
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    with decoding_attention(torch.device(device)):
+        for name, shape in shapes.items():
+            heads = {"parallel": build(shape, 4, device, dtype),
+                     "sequential": build(shape, 4, device, dtype, mask=False),
+                     "sequential-1layer": build(shape, 1, device, dtype, mask=False)}
+            for B in batches:
+                rows.extend(measure_batch(name, heads, B, Ks, context, device, dtype, graphs=graphs, smoke=args.smoke))
+                save(partial=True)  # a run cut short keeps every finished batch
+            del heads
+            if device == "cuda":
+                torch.cuda.empty_cache()
     summary, path = save(partial=False)
     for s in summary:
         print(s)
