@@ -18,6 +18,16 @@ def _load(name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def _section(lines: list[str], name: str, heading: str) -> dict | None:
+    """Append ``heading``; returns ``bench/results/<name>.json`` or, when absent, notes "not run" and
+    returns None."""
+    lines += [heading, ""]
+    r = _load(name)
+    if r is None:
+        lines += ["not run", ""]
+    return r
+
+
 def _env(r: dict) -> str:
     e = r["environment"]
     return f"{e['device']}, torch {e['torch']}, CUDA {e.get('cuda')}, triton {e.get('triton', '-')}, {e['date'][:10]}"
@@ -34,10 +44,8 @@ def _f(x, nd=2):
 
 
 def drafting(lines: list[str]) -> None:
-    r = _load("drafting_cost")
-    lines += ["## 1. Drafting cost vs K (parallel vs sequential)", ""]
+    r = _section(lines, "drafting_cost", "## 1. Drafting cost vs K (parallel vs sequential)")
     if r is None:
-        lines += ["not run", ""]
         return
     graphs = "graphs" in r["mode"]
     lines += [f"`python -m bench.drafting_cost` — {_env(r)}; {r['dtype']}, "
@@ -82,10 +90,8 @@ def drafting(lines: list[str]) -> None:
 
 
 def training(lines: list[str]) -> None:
-    r = _load("train_step")
-    lines += ["## 2. Training step: P-EAGLE vs EAGLE-3 TTT-7", ""]
+    r = _section(lines, "train_step", "## 2. Training step: P-EAGLE vs EAGLE-3 TTT-7")
     if r is None:
-        lines += ["not run", ""]
         return
     lines += [(f"`python -m bench.train_step` — {_env(r)}; SmolLM2-sized drafter (H=576, 4 layers, vocab 49152), "
               "random weights, 4 packed documents, forward+backward+AdamW, bf16 autocast."), ""]
@@ -144,10 +150,8 @@ def training(lines: list[str]) -> None:
 
 
 def capture(lines: list[str]) -> None:
-    r = _load("capture_throughput")
-    lines += ["## 3. Capture throughput", ""]
+    r = _section(lines, "capture_throughput", "## 3. Capture throughput")
     if r is None:
-        lines += ["not run", ""]
         return
     if "step_tok_s" not in r["rows"][0]:  # results from before the tokenize / model-step split
         lines += [(f"`python -m bench.capture_throughput` — {_env(r)}; SmolLM2-135M {r['dtype']}, "
@@ -177,10 +181,8 @@ def capture(lines: list[str]) -> None:
 
 
 def decode(lines: list[str]) -> None:
-    r = _load("decode_speedup")
-    lines += ["## 4. Decoding speed-up (reference decoder, GPU recipe heads)", ""]
+    r = _section(lines, "decode_speedup", "## 4. Decoding speed-up (reference decoder, GPU recipe heads)")
     if r is None:
-        lines += ["not run", ""]
         return
     rounds = r.get("rounds_done", 1)
     lines += [f"`python -m bench.decode_speedup` — {_env(r)}; SmolLM2-135M target (HF eager, {r['dtype']}, no CUDA "
@@ -238,10 +240,8 @@ def decode(lines: list[str]) -> None:
 
 
 def two_gpus(lines: list[str]) -> None:
-    r = _load("ddp_scaling")
-    lines += ["## 5. Two GPUs: DDP scaling of P-EAGLE training", ""]
+    r = _section(lines, "ddp_scaling", "## 5. Two GPUs: DDP scaling of P-EAGLE training")
     if r is None:
-        lines += ["not run", ""]
         return
     s = r["settings"]
     link = None
@@ -301,10 +301,8 @@ def gpu_recipe(lines: list[str]) -> None:
 
 
 def demo_sweep(lines: list[str]) -> None:
-    r = _load("demo_sweep")
-    lines += ["## CPU demo recipe sizing (issue 7): choices swept on a GPU", ""]
+    r = _section(lines, "demo_sweep", "## CPU demo recipe sizing (issue 7): choices swept on a GPU")
     if r is None:
-        lines += ["not run", ""]
         return
     lines += [(f"`python -m bench.demo_sweep` — {_env(r)}. Each row trains a P-EAGLE head with the CPU demo's "
               "steps and tokens (only the wall time differs from the 2-core box) and scores it by teacher-forced "
