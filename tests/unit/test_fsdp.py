@@ -171,7 +171,9 @@ def test_full_state_dicts_step_and_restore(sharded, method):
     # the full state dict is the drafter's own (export format: peagle_core.contract.export_head)
     assert sorted(res["state"]) == sorted(head.state_dict())
     for k, v in ref_state.items():
-        assert torch.allclose(res["state"][k], v, rtol=1e-5, atol=1e-7), k
+        # 2 gloo ranks all-reduce gradients in another order than one process sums them: float32 rounding
+        # after a step (lr-scaled), machine-dependent, so atol is a few eps rather than below one.
+        assert torch.allclose(res["state"][k], v, rtol=1e-5, atol=1e-6), k
     # restore into a differently initialized sharded head gives back the same full states
     for k, v in res["state"].items():
         assert torch.equal(res["state2"][k], v), k
