@@ -24,6 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pipelines import settings
+
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "peagle_manifest.json"
@@ -128,13 +130,6 @@ class TargetAsset:
     dtype: str
     name: str = ""
     manifest: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-
-def peagle_home(home: Path | str | None = None) -> Path:
-    """``home`` or ``$PEAGLE_HOME`` or ``~/.cache/peagle`` (not created here)."""
-    if home is not None:
-        return Path(home).expanduser()
-    return Path(os.environ.get("PEAGLE_HOME", "~/.cache/peagle")).expanduser()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +263,7 @@ def ensure_target(
         return _local_target(Path(name_or_path).expanduser(), dtype)
 
     spec = EMBEDDED_TARGETS[name_or_path]
-    root = peagle_home(home) / "targets"
+    root = settings.targets_dir(home)
     final = root / f"{spec.name}-{dtype}"
     manifest = check_manifest(final, verify=verify)
     if manifest is not None:

@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines import assets
+from pipelines import assets, settings
 
 if TYPE_CHECKING:
     import datasets
@@ -219,7 +219,7 @@ def _as_jsonl(path: Path, home: Path | None) -> Path:
         return path  # JSON Lines with another extension
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    dst = assets.peagle_home(home) / "data" / f"{path.stem}-{key}.jsonl"
+    dst = settings.data_dir(home) / f"{path.stem}-{key}.jsonl"
     meta = dst.with_suffix(".meta.json")
     if dst.is_file() and meta.is_file():
         info = json.loads(meta.read_text())
@@ -271,7 +271,7 @@ def load_conversations(
         raise ValueError(f"on_bad_row={on_bad_row!r}; use 'skip' or 'fail'")
     path, label = source_file(source_cfg)
     jsonl = _as_jsonl(path, home)
-    cache_dir = str(assets.peagle_home(home) / "hf-datasets")
+    cache_dir = str(settings.hf_datasets_dir(home))
     raw = datasets.load_dataset("text", data_files=str(jsonl), split="train", cache_dir=cache_dir)
     # datasets hashes module-level functions by name, so a code change would reuse a stale cache:
     # key the normalized cache on this module's source and the input file instead.

@@ -23,7 +23,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipelines.assets import DEFAULT_TARGET, EMBEDDED_TARGETS, peagle_home
+from pipelines import settings
+from pipelines.assets import DEFAULT_TARGET, EMBEDDED_TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +327,10 @@ class EvalConfig(_Section):
 class RegistryConfig(_Section):
     """MLflow versioning and the champion/challenger promotion gate."""
 
-    tracking_uri: str | None = Field(None, description="MLflow tracking URI; None = sqlite:///$PEAGLE_HOME/mlflow.db.")
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///$PEAGLE_HOME/mlflow.db "
+        "(pipelines.settings.tracking_uri)."
+    )
     model_name: str | None = Field(None, description="Registered model name; None = 'peagle-' + target name.")
     gate_num_speculative_tokens: int = Field(5, ge=1, description="K at which the promotion gate compares AL.")
     promote_margin: float = Field(
@@ -335,10 +339,13 @@ class RegistryConfig(_Section):
     )
 
     def resolved_tracking_uri(self, home: Path | None = None) -> str:
-        return self.tracking_uri or f"sqlite:///{peagle_home(home) / 'mlflow.db'}"
+        """This section's URI, else ``$MLFLOW_TRACKING_URI``, else the local store (one rule:
+        :func:`pipelines.settings.tracking_uri`)."""
+        return settings.tracking_uri(self.tracking_uri, home=home)
 
     def resolved_model_name(self, target: TargetConfig) -> str:
-        return self.model_name or "peagle-" + Path(target.model.rstrip("/")).name.replace("/", "-")
+        """This section's name, else ``peagle-<target basename>`` (:func:`pipelines.settings.model_name`)."""
+        return settings.model_name(target.model, self.model_name)
 
 
 class ServeConfig(_Section):

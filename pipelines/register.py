@@ -38,7 +38,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.assets import peagle_home
+from pipelines import settings
 from pipelines.recipe import RegistryConfig
 
 log = logging.getLogger(__name__)
@@ -47,27 +47,9 @@ CHAMPION = "champion"
 CHALLENGER = "challenger"
 HISTORY_TAG = "champion_history"
 HEAD_ARTIFACT_PATH = "head"
-DEFAULT_EXPERIMENT = "peagle"
 
 
 # ---------------------------------------------------------------------------------------------- store
-
-
-def resolve_tracking_uri(tracking_uri: str | None = None, *, home: Path | str | None = None) -> str:
-    """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///$PEAGLE_HOME/mlflow.db``."""
-    if tracking_uri:
-        return tracking_uri
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    return f"sqlite:///{peagle_home(home) / 'mlflow.db'}"
-
-
-def _local_sqlite_dir(uri: str) -> Path | None:
-    """Directory of a local ``sqlite:///path/to/db`` URI (for the default artifact root), else None."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///"):]).expanduser().resolve().parent
-    return None
 
 
 def get_client(tracking_uri: str | None = None):
@@ -79,8 +61,8 @@ def get_client(tracking_uri: str | None = None):
     import mlflow
     from mlflow import MlflowClient
 
-    uri = resolve_tracking_uri(tracking_uri)
-    d = _local_sqlite_dir(uri)
+    uri = settings.tracking_uri(tracking_uri)
+    d = settings.local_sqlite_dir(uri)
     if d is not None:
         d.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
@@ -92,7 +74,7 @@ def _experiment_id(client, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    d = _local_sqlite_dir(client.tracking_uri)
+    d = settings.local_sqlite_dir(client.tracking_uri)
     # A local store keeps its artifacts beside the database (MLflow's default is ./mlruns of the cwd).
     location = (d / "mlartifacts" / name).as_uri() if d is not None else None
     try:
@@ -146,7 +128,7 @@ def log_run(
     data_manifest: str | os.PathLike | Mapping[str, Any] | None = None,
     run_name: str | None = None,
     run_id: str | None = None,
-    experiment: str = DEFAULT_EXPERIMENT,
+    experiment: str = settings.EXPERIMENT,
     tags: Mapping[str, str] | None = None,
     tracking_uri: str | None = None,
 ) -> str:
@@ -163,7 +145,7 @@ def log_run(
         artifacts: ``{artifact_dir: local file or directory}`` (head dir, plots, ...).
         data_manifest: data manifest file or mapping; its sha256 is the param ``data_manifest_sha256``.
         run_id: continue an existing run instead of creating one.
-        tracking_uri: see :func:`resolve_tracking_uri`.
+        tracking_uri: see :func:`pipelines.settings.tracking_uri`.
 
     Params always include ``git_sha``, ``git_dirty`` and ``pkg.<dist>`` versions
     (``pipelines.recipe.provenance``).
@@ -245,11 +227,6 @@ def log_run(
 # ---------------------------------------------------------------------------------------------- registry
 
 
-def model_name_for_target(target: str) -> str:
-    """Registered model name for a target: ``peagle-<basename>`` (``peagle-smollm2-135m-instruct``)."""
-    return "peagle-" + Path(str(target).rstrip("/")).name.replace("/", "-")
-
-
 def _tag(mv, key: str) -> str | None:
     return (mv.tags or {}).get(key)
 
@@ -275,7 +252,7 @@ def register_head(
     target: str | None = None,
     target_config: Any = None,
     parallel_drafting: bool | None = None,
-    experiment: str = DEFAULT_EXPERIMENT,
+    experiment: str = settings.EXPERIMENT,
     tracking_uri: str | None = None,
 ):
     """Validate a head, log its files to a run and register them as a new model version.
@@ -286,7 +263,7 @@ def register_head(
 
     Args:
         head_dir: exported head directory.
-        model_name: registered model (see :func:`model_name_for_target`); created if absent.
+        model_name: registered model (see :func:`pipelines.settings.model_name`); created if absent.
         eval_al: acceptance length (tokens per target step, >= 1) measured with real vLLM at ``K``.
         K: served K (num_speculative_tokens) of ``eval_al``.
         eval_set: name of the eval prompt set (``humaneval``, ``heldout``, a JSONL name); the gate only
@@ -624,7 +601,7 @@ def list_cmd(
     from rich.table import Table
 
     rows = list_versions(model_name, tracking_uri=tracking_uri)
-    table = Table(title=f"peagle registry ({resolve_tracking_uri(tracking_uri)})")
+    table = Table(title=f"peagle registry ({settings.tracking_uri(tracking_uri)})")
     cols = ["name", "version", "aliases", "method", "eval_set", "K", "acceptance_length", "promotion_decision"]
     for c in cols:
         table.add_column(c)
@@ -681,6 +658,6 @@ def download_cmd(
 
 __all__ = [
     "CHALLENGER", "CHAMPION", "PromotionDecision", "download", "get_client", "list_versions", "log_run",
-    "manifest_hash", "maybe_promote", "model_name_for_target", "parse_model_ref", "promote", "register_head",
-    "registry_app", "resolve_tracking_uri", "rollback",
+    "manifest_hash", "maybe_promote", "parse_model_ref", "promote", "register_head",
+    "registry_app", "rollback",
 ]

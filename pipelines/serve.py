@@ -49,7 +49,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipelines.assets import EMBEDDED_TARGETS, peagle_home
+from pipelines import settings
+from pipelines.assets import EMBEDDED_TARGETS
 
 try:  # light module (stdlib only); Ray Serve LLM calls its hooks inside each LLMServer replica.
     from ray.llm._internal.common.callbacks.base import CallbackBase
@@ -230,7 +231,7 @@ def fetch_head(
     # The cache key carries the registered content hash (tag head_sha256 = sha256 of the checksums
     # file), so version numbers of different registries never alias one cached directory.
     want = (get_client(tracking_uri).get_model_version(name, version).tags or {}).get("head_sha256")
-    root = Path(cache_dir) if cache_dir else peagle_home() / "serve" / "heads"
+    root = Path(cache_dir) if cache_dir else settings.serve_heads_dir()
     dst = root / name / (f"v{version}-{want[:12]}" if want else f"v{version}")
     lock = _lock(root / f".{name}.lock")
     try:
@@ -387,13 +388,12 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
-    from pipelines.register import resolve_tracking_uri
 
     args = args if isinstance(args, ServeAppArgs) else ServeAppArgs.model_validate(args or {})
     if args.api_key_env and not os.environ.get(args.api_key_env):
         raise ValueError(f"api_key_env={args.api_key_env!r} but that env var is not set: export it (on every "
                          "node) or set api_key_env to null for an open endpoint")
-    args = args.model_copy(update={"tracking_uri": resolve_tracking_uri(args.tracking_uri)})
+    args = args.model_copy(update={"tracking_uri": settings.tracking_uri(args.tracking_uri)})
     target_path, target_config = _target_path_and_config(args)
     head = None
     if args.head is not None:

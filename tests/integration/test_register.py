@@ -8,6 +8,7 @@ import torch
 from peagle_core.contract import HeadContractError, export_head
 from peagle_core.drafter import DrafterConfig, Eagle3Drafter
 from pipelines import register as reg
+from pipelines import settings
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def uri(tmp_path, monkeypatch) -> str:
 
 
 def test_gate_rollback_download(tmp_path, uri):
-    name = reg.model_name_for_target("tiny-llama")
+    name = settings.model_name("tiny-llama")
     h1, h2, h3 = (_head(tmp_path / f"h{i}", seed=i) for i in (1, 2, 3))
     run = reg.log_run(config={"training": {"lr": 1e-4}}, training_curves=[{"step": s, "loss": 2.0 - s / 10}
                       for s in range(5)], eval_table=[{"method": "peagle", "K": 5, "concurrency": 1,

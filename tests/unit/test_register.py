@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import register as reg
+from pipelines import settings
 
 pytestmark = pytest.mark.unit
 
@@ -12,10 +13,10 @@ pytestmark = pytest.mark.unit
 def test_tracking_uri_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("PEAGLE_HOME", str(tmp_path))
-    assert reg.resolve_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert settings.tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
-    assert reg.resolve_tracking_uri() == "http://mlflow:5000"
-    assert reg.resolve_tracking_uri("sqlite:////x.db") == "sqlite:////x.db"
+    assert settings.tracking_uri() == "http://mlflow:5000"
+    assert settings.tracking_uri("sqlite:////x.db") == "sqlite:////x.db"
 
 
 @pytest.mark.parametrize(("ref", "want"), [
@@ -34,8 +35,8 @@ def test_parse_model_ref_rejects(ref):
 
 
 def test_names_and_hashes(tmp_path):
-    assert reg.model_name_for_target("smollm2-135m-instruct") == "peagle-smollm2-135m-instruct"
-    assert reg.model_name_for_target("/models/Qwen3-8B/") == "peagle-Qwen3-8B"
+    assert settings.model_name("smollm2-135m-instruct") == "peagle-smollm2-135m-instruct"
+    assert settings.model_name("/models/Qwen3-8B/") == "peagle-Qwen3-8B"
     assert reg.manifest_hash({"b": 1, "a": 2}) == reg.manifest_hash({"a": 2, "b": 1})
     f = tmp_path / "m.json"
     f.write_bytes(b"abc")

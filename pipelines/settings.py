@@ -1,0 +1,101 @@
+"""Where peagle keeps things and what it calls them: the one home of every such fact.
+
+Every path under ``PEAGLE_HOME``, the MLflow tracking-URI rule, the experiment names and the
+registered-model name are computed here and imported everywhere else (pipeline, stages, training
+workers, Serve replicas, the ``peagle`` CLI), so a driver, a worker and ``peagle registry list``
+always agree on the store they use.
+
+Rules:
+
+- ``PEAGLE_HOME``: an explicit ``home`` argument, else ``$PEAGLE_HOME``, else ``~/.cache/peagle``.
+- Tracking URI: the recipe's ``registry.tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the local
+  store ``sqlite:///$PEAGLE_HOME/mlflow.db`` (artifacts beside it under ``mlartifacts/``).
+- Registered model: the recipe's ``registry.model_name``, else ``peagle-<basename of the target>``.
+
+Layout of ``PEAGLE_HOME``::
+
+    mlflow.db  mlartifacts/        local MLflow store (tracking + registry)
+    targets/<name>-<dtype>/        converted embedded targets (peagle assets)
+    data/  hf-datasets/            normalized prompt files, datasets' Arrow cache
+    runs/<recipe name>/            one pipeline run: stage outputs, ray_results/, summary.json
+    serve/heads/<model>/vN-<sha>/  heads cached on each Serve replica's node
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOME_ENV = "PEAGLE_HOME"
+DEFAULT_HOME = "~/.cache/peagle"
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+SQLITE_NAME = "mlflow.db"
+
+EXPERIMENT = "peagle"  # one MLflow run per pipeline run (params, eval table, head artifact)
+TRAIN_EXPERIMENT = "peagle-train"  # live training metrics from rank 0
+MODEL_NAME_PREFIX = "peagle-"
+SERVE_APP_NAME = "peagle"  # the Ray Serve application the serve stage deploys
+
+__all__ = [
+    "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "SERVE_APP_NAME", "SQLITE_NAME",
+    "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_sqlite_dir", "model_name",
+    "peagle_home", "run_dir", "serve_heads_dir", "targets_dir", "tracking_uri",
+]
+
+
+def peagle_home(home: str | os.PathLike | None = None) -> Path:
+    """``home``, else ``$PEAGLE_HOME``, else ``~/.cache/peagle`` (user-expanded, not created here)."""
+    if home is not None:
+        return Path(home).expanduser()
+    return Path(os.environ.get(HOME_ENV) or DEFAULT_HOME).expanduser()
+
+
+def tracking_uri(configured: str | None = None, *, home: str | os.PathLike | None = None) -> str:
+    """The MLflow tracking (and registry) URI: ``configured`` (the recipe's ``registry.tracking_uri``),
+    else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///$PEAGLE_HOME/mlflow.db``."""
+    if configured:
+        return configured
+    env = os.environ.get(TRACKING_URI_ENV)
+    if env:
+        return env
+    return f"sqlite:///{peagle_home(home) / SQLITE_NAME}"
+
+
+def local_sqlite_dir(uri: str) -> Path | None:
+    """Directory of a local ``sqlite:///path/to/db`` URI (its artifacts live beside it), else None."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):]).expanduser().resolve().parent
+    return None
+
+
+def model_name(target: str, configured: str | None = None) -> str:
+    """Registered model name: ``configured``, else ``peagle-<basename of target>``
+    (``peagle-smollm2-135m-instruct``; a hub id ``org/name`` gives ``peagle-name``)."""
+    if configured:
+        return configured
+    return MODEL_NAME_PREFIX + Path(str(target).rstrip("/")).name.replace("/", "-")
+
+
+def targets_dir(home: str | os.PathLike | None = None) -> Path:
+    """Converted embedded targets: ``$PEAGLE_HOME/targets``."""
+    return peagle_home(home) / "targets"
+
+
+def data_dir(home: str | os.PathLike | None = None) -> Path:
+    """Normalized prompt files: ``$PEAGLE_HOME/data``."""
+    return peagle_home(home) / "data"
+
+
+def hf_datasets_dir(home: str | os.PathLike | None = None) -> Path:
+    """The ``datasets`` library's Arrow cache: ``$PEAGLE_HOME/hf-datasets``."""
+    return peagle_home(home) / "hf-datasets"
+
+
+def run_dir(recipe_name: str, home: str | os.PathLike | None = None) -> Path:
+    """One pipeline run of a recipe: ``$PEAGLE_HOME/runs/<recipe name>``."""
+    return peagle_home(home) / "runs" / recipe_name
+
+
+def serve_heads_dir(home: str | os.PathLike | None = None) -> Path:
+    """Heads cached on a Serve replica's node: ``$PEAGLE_HOME/serve/heads``."""
+    return peagle_home(home) / "serve" / "heads"
