@@ -34,7 +34,7 @@ Fallback ``--launcher torch``: the same worker function under ``torch.multiproce
 ``import ray.train`` fails; the result records which launcher ran.
 
 GPU box: ``python -m bench.ddp_scaling`` (writes ``bench/results/ddp_scaling.json``; device calls
-in ``bench/device/call_ddp.sh``). CPU smoke: ``python -m bench.ddp_scaling --smoke`` (2 gloo
+in ``bench/device/run_ddp_scaling.sh``). CPU smoke: ``python -m bench.ddp_scaling --smoke`` (2 gloo
 workers, tiny sizes, a private local Ray cluster; writes under the temp dir unless ``--out-dir``).
 
 Shape legend: N tokens per worker step, Ht target hidden, K parallel depths, W workers.

@@ -1,4 +1,4 @@
-# Sourced by every call: the packages installed by call2 and the peagle home live in ~/keep.
+# Sourced by every device script: the packages installed by install_target.sh and the peagle home live in ~/keep.
 export PYTHONUNBUFFERED=1 PEAGLE_HOME=~/keep/peagle PEAGLE_KEEP=~/keep
 if [ -d ~/keep/site ]; then export PYTHONPATH=~/keep/site${PYTHONPATH:+:$PYTHONPATH}; fi
 mkdir -p "$OUT/r"

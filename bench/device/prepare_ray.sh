@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Here (CPU box): build .carry/ray for call_ddp.sh, so that the device's Python 3.12 can import
+# Here (CPU box): build .carry/ray for run_ddp_scaling.sh, so that the device's Python 3.12 can import
 # ray, ray.train and ray.train.torch (Ray 2.60, the version of the project's venv).
 #
 #   .carry/ray/ray-2.60.0-cp312.tar.xz  the cp312 manylinux wheel, unpacked, minus ray/jars (Java
@@ -11,10 +11,10 @@
 #                                       jsonschema (+ referencing, rpds-py, attrs, specifications),
 #                                       pydantic (+ core, annotated-types, typing-inspection,
 #                                       typing-extensions; ray.train V2 imports it), click, msgpack,
-#                                       protobuf. call_ddp.sh lets pip install only the missing ones.
+#                                       protobuf. run_ddp_scaling.sh lets pip install only the missing ones.
 #
 # Not carried: pandas and pyarrow (ray.train imports both; pyarrow alone is a 55 MB wheel). The
-# device image lists both (.library/device/KINDS.md, read 2026-11-17); call_ddp.sh checks first and
+# device image lists both (.library/device/KINDS.md, read 2026-11-17); run_ddp_scaling.sh checks first and
 # falls back to plain torch DDP if `import ray.train` fails there.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 3, call 4 (no carry): drafting cost vs K, eager and CUDA graphs (bench.drafting_cost).
+# No carry: drafting cost vs K, eager and CUDA graphs (bench.drafting_cost).
 set -u
 . bench/device/env.sh
 timeout 540 python3 -m bench.drafting_cost > "$OUT/drafting_cost.log" 2>&1; echo "drafting_cost rc=$?"

