@@ -48,7 +48,7 @@ def _median_s(fn: Callable[[], object], sync: Callable[[], None], repeats: int) 
 def measure(model, tokenizer, rows: Sequence[dict], *, dtype: str, batch_sizes: Sequence[int], max_length: int,
             repeats: int) -> dict:
     """Tokens/s of the tokenize stage, the model step, ``capture_batch`` and plain forwards (see module doc)."""
-    from peagle_core.drafter import default_aux_layer_ids
+    from peagle_core.drafter_config import default_aux_layer_ids
     from pipelines.capture import capture_batch, capture_tokenized, length_batches, tokenize_rows
 
     device = next(model.parameters()).device

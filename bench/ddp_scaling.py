@@ -43,6 +43,7 @@ Shape legend: N tokens per worker step, Ht target hidden, K parallel depths, W w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -96,27 +97,6 @@ def synthetic_samples(shape: dict, *, num_tokens: int, num_docs: int, num_packs:
 # one worker (launcher-independent)
 
 
-def _collectives(world: int, device: torch.device) -> tuple[Callable[[bool], bool], Callable[[list], list]]:
-    """``all_true`` (MIN all-reduce of a flag) and ``all_sum`` (float64 SUM) for ``Trainer``, as in
-    ``pipelines.train.train_loop_per_worker``; identities with one worker."""
-    import torch.distributed as dist
-
-    if world == 1 or not dist.is_initialized():
-        return (lambda flag: flag), (lambda values: values)
-
-    def all_true(flag: bool) -> bool:
-        t = torch.tensor([1 if flag else 0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
-
-    def all_sum(values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    return all_true, all_sum
-
-
 def train_worker(cfg: dict, *, rank: int, world: int, device: torch.device,
                  wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> dict:
     """Build the drafter, wrap it (``wrap``: ``prepare_model`` or DDP), train ``warmup_steps +
@@ -128,10 +108,13 @@ def train_worker(cfg: dict, *, rank: int, world: int, device: torch.device,
     """
     from bench.train_step import make_drafter
     from peagle_core.drafter import num_parameters
-    from peagle_core.objective import build_objective
-    from pipelines.train import Trainer, objective_kwargs
+    from peagle_core.objectives import build_objective
+    from pipelines.recipe import TrainingConfig
+    from pipelines.train import Trainer
+    from pipelines.train.worker import collectives
 
     training = cfg["training"]
+    tcfg = TrainingConfig(**training)
     torch.manual_seed(int(training["seed"]))  # identical init on every rank (DDP broadcasts rank 0's anyway)
     drafter = make_drafter(cfg["shape"], num_layers=cfg["num_layers"], parallel=True, device="cpu",
                            draft_vocab_size=cfg["draft_vocab_size"])
@@ -140,10 +123,10 @@ def train_worker(cfg: dict, *, rank: int, world: int, device: torch.device,
     float_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = cfg["shape"]
     target_lm_head = (torch.randn(shape["vocab_size"], shape["hidden_size"]) * 0.02).to(device, float_dtype)  # [V, Ht]
-    obj_kw = objective_kwargs(training, {"num_speculative_tokens": cfg["num_depths"]})
+    obj_kw = dataclasses.asdict(tcfg.objective_config(cfg["num_depths"]))
     obj_kw["seed"] = int(training["seed"]) + rank  # per-rank COD stream, as in train_loop_per_worker
     objective = build_objective("peagle", **obj_kw)
-    all_true, all_sum = _collectives(world, device)
+    all_true, all_sum = collectives(world, device)
     windows: list[dict] = []
     warmup, window = int(cfg["warmup_steps"]), int(cfg["window_steps"])
 
@@ -154,7 +137,7 @@ def train_worker(cfg: dict, *, rank: int, world: int, device: torch.device,
             print(f"[ddp_scaling W={world}] step {step} loss {m.get('loss', float('nan')):.4f} "
                   f"tokens/s {m['tokens_per_s']:.0f} ({tag})", flush=True)
 
-    trainer = Trainer(config=training, model=model, objective=objective, target_lm_head=target_lm_head,
+    trainer = Trainer(config=tcfg, model=model, objective=objective, target_lm_head=target_lm_head,
                       total_steps=warmup + int(cfg["steps"]), device=device, rank=rank, world_size=world,
                       all_true=all_true, all_sum=all_sum, on_log=on_log, log_every_steps=window)
     pool = synthetic_samples(shape, num_tokens=int(training["batch_tokens"]), num_docs=cfg["num_docs"],

@@ -15,7 +15,7 @@ Pipeline (one process, no Ray): ``pipelines.regenerate.regenerate_conversations`
 ``TransformersEngine`` (greedy, first turn, 192 tokens) on two ShareGPT pools -- a uniform sample
 and the conversations whose first user turn asks about code -- and on HumanEval (128 tokens,
 the evaluation targets); ``pipelines.capture.capture_batch`` (float32); ``pipelines.train.
-run_training`` per variant; the scoring above.
+train_in_process`` per variant; the scoring above.
 
     python -m bench.demo_sweep --data ~/keep            # GPU: writes bench/results/demo_sweep.json
     python -m bench.demo_sweep --data .carry/w1 --time-cpu-steps 6 --variants base,frozen_embed
@@ -97,7 +97,9 @@ def capture(model, tok, rows, layer_ids, max_len: int) -> list[dict]:
 def joint_acceptance(drafter, samples: list[dict], K: int, device) -> list[float]:
     """Teacher-forced joint acceptance ``[K]`` over the assistant anchors of ``samples`` (see module
     doc): P(depths 0..d all equal the target's greedy tokens), anchors with all K labels inside."""
-    from peagle_core.objective import PackedBatch, build_peagle_elements, dense_element_mask, element_hidden
+    from peagle_core.batch import PackedBatch
+    from peagle_core.elements import build_peagle_elements, element_hidden
+    from peagle_core.masks import dense_element_mask
 
     hits, anchors = torch.zeros(K, dtype=torch.float64), 0
     for s in samples:
@@ -126,22 +128,23 @@ def joint_acceptance(drafter, samples: list[dict], K: int, device) -> list[float
 def train_variant(name, v, data, eval_sets, tdir, device, max_steps=None):
     from transformers import AutoConfig
 
-    from peagle_core.drafter import DrafterConfig, Eagle3Drafter
-    from peagle_core.objective import build_objective
+    from peagle_core.drafter import Eagle3Drafter
+    from peagle_core.drafter_config import DrafterConfig
+    from peagle_core.objectives import build_objective
+    from peagle_core.vocab import vocab_mapping_from_counts
+    from pipelines.capture import count_assistant_tokens
     from pipelines.recipe import TrainingConfig
     from pipelines.train import (
-        count_tokens,
-        draft_vocab_mapping,
         init_drafter_from_target,
         load_target_embed,
         load_target_lm_head,
-        run_training,
+        train_in_process,
     )
 
     hf = AutoConfig.from_pretrained(tdir)
     samples = data[(v["pool"], v["aux"])][: v["conversations"]]
-    counts = count_tokens(samples, hf.vocab_size)
-    d2t, t2d = draft_vocab_mapping(counts, v["draft_vocab"], always_keep=[hf.eos_token_id or 0, 2])
+    counts = count_assistant_tokens(samples, hf.vocab_size)
+    d2t, t2d = vocab_mapping_from_counts(counts, v["draft_vocab"], always_keep=[hf.eos_token_id or 0, 2])
     dcfg = DrafterConfig.from_target(hf, num_hidden_layers=v["layers"], draft_vocab_size=v["draft_vocab"],
                                      mask_token_id=16, aux_layer_ids=v["aux"])
     torch.manual_seed(0)
@@ -164,7 +167,7 @@ def train_variant(name, v, data, eval_sets, tdir, device, max_steps=None):
 
     hist = []
     t0 = time.perf_counter()
-    run_training(samples_for_epoch, drafter, lm_head, obj, tcfg, device=device, log_every_steps=max(1, steps // 4),
+    train_in_process(samples_for_epoch, drafter, lm_head, obj, tcfg, device=device, log_every_steps=max(1, steps // 4),
                  on_log=lambda s, m: hist.append({"step": s, **{k: float(x) for k, x in m.items()
                                                                  if isinstance(x, (int, float))}}))
     train_s = time.perf_counter() - t0

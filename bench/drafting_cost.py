@@ -29,7 +29,9 @@ import torch
 
 from bench.common import TARGET_SHAPES, time_ms, write_result
 from peagle_core.decoder import decoding_attention
-from peagle_core.drafter import DrafterCache, DrafterConfig, Eagle3Drafter
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_cache import DrafterCache
+from peagle_core.drafter_config import DrafterConfig
 
 TINY_SHAPE = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 6, "intermediate_size": 50,
                   "vocab_size": 99, "num_hidden_layers": 5, "rope_theta": 10000.0}

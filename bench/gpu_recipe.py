@@ -8,7 +8,7 @@ Ray stages wrap, without Ray:
   of the assistant turn, time-boxed: the rest keep their ShareGPT answers, counted);
 - ``pipelines.capture.capture_batch`` run *online* inside the training data iterator (the
   streaming mode: no hidden states on disk);
-- ``pipelines.train.run_training`` (+ ``init_drafter_from_target``, ``objective_kwargs``) for a
+- ``pipelines.train.train_in_process`` (+ ``init_drafter_from_target``, ``TrainingConfig.objective_config``) for a
   P-EAGLE head and an EAGLE-3 TTT-7 head on the same data, each time-boxed by a calibrated
   ``max_steps``;
 - ``peagle_core.contract.export_head``.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import lzma
 import os
@@ -162,19 +163,18 @@ def train(args) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from peagle_core.contract import export_head
-    from peagle_core.drafter import DrafterConfig, Eagle3Drafter
-    from peagle_core.objective import build_objective
-    from pipelines.capture import prepare_samples
+    from peagle_core.drafter import Eagle3Drafter
+    from peagle_core.drafter_config import DrafterConfig
+    from peagle_core.objectives import build_objective
+    from peagle_core.vocab import vocab_mapping_from_counts
+    from pipelines.capture import count_assistant_tokens, prepare_samples
     from pipelines.recipe import load_recipe
     from pipelines.train import (
-        count_tokens,
-        draft_vocab_mapping,
         estimate_steps_per_epoch,
         init_drafter_from_target,
         load_target_embed,
         load_target_lm_head,
-        objective_kwargs,
-        run_training,
+        train_in_process,
     )
 
     keep = _keep(args)
@@ -194,9 +194,9 @@ def train(args) -> None:
     t_prep = time.perf_counter()
     prepared = prepare_samples(tok, rows, max_length_tokens=max_len, on_too_long="truncate")
     lengths = [len(p[1]) for p in prepared]
-    counts = count_tokens(({"input_ids": p[1], "loss_mask": p[2]} for p in prepared), hf.vocab_size)
+    counts = count_assistant_tokens(({"input_ids": p[1], "loss_mask": p[2]} for p in prepared), hf.vocab_size)
     eos = [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
-    d2t, t2d = draft_vocab_mapping(counts, DRAFT_VOCAB, always_keep=eos)
+    d2t, t2d = vocab_mapping_from_counts(counts, DRAFT_VOCAB, always_keep=eos)
     dcfg = DrafterConfig.from_target(hf, num_hidden_layers=LAYERS[method], draft_vocab_size=DRAFT_VOCAB,
                                      mask_token_id=recipe.drafter.mask_token_id if method == "peagle" else None)
     torch.manual_seed(0)
@@ -208,9 +208,10 @@ def train(args) -> None:
     tcfg = recipe.training.model_copy(update={"method": method, "batch_tokens": args.batch_tokens,
                                               "checkpoint_every_steps": 0, "num_partitions": args.num_partitions,
                                               "warmup_steps": args.warmup_steps, "lr": args.lr})
-    obj_kw = objective_kwargs(tcfg, recipe.drafter)
+    obj_cfg = tcfg.objective_config(recipe.drafter.num_speculative_tokens)
     if device == "cpu":
-        obj_kw["attention"] = "dense"
+        obj_cfg = dataclasses.replace(obj_cfg, attention="dense")
+    obj_kw = dataclasses.asdict(obj_cfg)
     steps_per_epoch = estimate_steps_per_epoch(lengths, args.batch_tokens)
     layer_ids = dcfg.aux_layer_ids
     stats: Counter = Counter()
@@ -224,7 +225,7 @@ def train(args) -> None:
     # Calibrate: a short run gives seconds/step, then the time box sets max_steps.
     calib_steps = args.calib_steps
     t0 = time.perf_counter()
-    run_training(samples_for_epoch, copy.deepcopy(drafter), lm_head, build_objective(method, **obj_kw),
+    train_in_process(samples_for_epoch, copy.deepcopy(drafter), lm_head, build_objective(method, **obj_kw),
                  tcfg.model_copy(update={"max_steps": calib_steps, "warmup_steps": 0}),
                  steps_per_epoch=steps_per_epoch, device=device, log_every_steps=max(1, calib_steps))
     s_per_step = (time.perf_counter() - t0) / calib_steps
@@ -236,7 +237,7 @@ def train(args) -> None:
         print(json.dumps(history[-1]), flush=True)
 
     t1 = time.perf_counter()
-    res = run_training(samples_for_epoch, drafter, lm_head, build_objective(method, **obj_kw),
+    res = train_in_process(samples_for_epoch, drafter, lm_head, build_objective(method, **obj_kw),
                        tcfg.model_copy(update={"max_steps": max_steps, "num_epochs": 1000}),
                        steps_per_epoch=steps_per_epoch, device=device, log_every_steps=args.log_every,
                        on_log=on_log)

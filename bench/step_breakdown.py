@@ -18,7 +18,9 @@ import torch
 
 from bench.common import TARGET_SHAPES, time_ms, write_result
 from bench.train_step import make_batch, make_drafter
-from peagle_core.objective import FLEX_BLOCK, build_objective, flex_element_mask, forward_order, pad_elements
+from peagle_core.elements import forward_order, pad_elements
+from peagle_core.masks import FLEX_BLOCK, flex_element_mask
+from peagle_core.objectives import build_objective
 
 
 def density(el) -> float:

@@ -24,8 +24,10 @@ import time
 import torch
 
 from bench.common import TARGET_SHAPES, write_result
-from peagle_core.drafter import DrafterConfig, Eagle3Drafter, num_parameters
-from peagle_core.objective import PackedBatch, build_objective
+from peagle_core.batch import PackedBatch
+from peagle_core.drafter import Eagle3Drafter, num_parameters
+from peagle_core.drafter_config import DrafterConfig
+from peagle_core.objectives import build_objective
 
 
 def make_drafter(shape: dict, *, num_layers: int, parallel: bool, device, draft_vocab_size=None) -> Eagle3Drafter:

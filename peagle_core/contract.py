@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle_core.drafter import NUM_AUX_HIDDEN_STATES, DrafterConfig, Eagle3Drafter
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_config import NUM_AUX_HIDDEN_STATES, DrafterConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"

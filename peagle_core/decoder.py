@@ -27,7 +27,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from peagle_core.drafter import DrafterCache, Eagle3Drafter
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_cache import DrafterCache
 from peagle_core.target import target_forward
 
 Method = Literal["none", "eagle3", "peagle"]
@@ -182,13 +183,7 @@ def _generate_batch(target, prompts, drafter, method, K, max_new_tokens, eos_tok
 
     # --- prefill: left-padded prompts, explicit positions -----------------------------------
     B = len(prompts)
-    L = max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_token_id, dtype=torch.long, device=device)
-    valid = torch.zeros((B, L), dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(list(p), device=device)
-        valid[i, L - len(p):] = True
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    ids, valid, pos = _left_pad(prompts, pad_token_id, device)
     attn = valid.long()  # [B, S] key mask of the target cache, grows every step
     t0 = timer.now()
     out = target_forward(target, ids, layer_ids, attention_mask=attn, position_ids=pos, use_cache=True)
@@ -225,14 +220,8 @@ def _generate_batch(target, prompts, drafter, method, K, max_new_tokens, eos_tok
             n_acc = match.cumprod(1).sum(1)  # [B] leading matches
         else:
             n_acc = torch.zeros(B, dtype=torch.long, device=device)
-        active = ~done
         if drafts is not None:
-            n_active = int(active.sum())
-            res.num_drafts += n_active
-            res.num_draft_tokens += n_active * K
-            res.num_accepted_tokens += int(n_acc[active].sum())
-            for j in range(K):
-                res.accepted_per_pos[j] += int((n_acc[active] > j).sum())
+            _count_accepted(res, n_acc[~done], K)
         rows = torch.arange(B, device=device)
         new_bonus = greedy[rows, n_acc]  # [B]
         # Emit accepted drafts then the bonus.
@@ -258,6 +247,29 @@ def _generate_batch(target, prompts, drafter, method, K, max_new_tokens, eos_tok
         next_pos = next_pos + n_acc + 1
     res.wall_s = timer.now() - t_start
     return res
+
+
+def _left_pad(prompts, pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to the longest: ``(ids [B, L], valid [B, L] bool, positions [B, L])``;
+    positions count from 0 at each prompt's first token (0 on padding)."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_token_id, dtype=torch.long, device=device)
+    valid = torch.zeros((B, L), dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(list(p), device=device)
+        valid[i, L - len(p):] = True
+    return ids, valid, (valid.long().cumsum(1) - 1).clamp(min=0)
+
+
+def _count_accepted(res: DecodeResult, n_acc: torch.Tensor, K: int) -> None:
+    """Add one verification step of the active rows to the counters (``n_acc [B_active]`` accepted
+    drafts per row, each of ``K`` drafted tokens)."""
+    n_active = int(n_acc.numel())
+    res.num_drafts += n_active
+    res.num_draft_tokens += n_active * K
+    res.num_accepted_tokens += int(n_acc.sum())
+    for j in range(K):
+        res.accepted_per_pos[j] += int((n_acc > j).sum())
 
 
 def _dtype(m: nn.Module) -> torch.dtype:

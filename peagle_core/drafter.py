@@ -18,9 +18,6 @@ nKV key/value heads, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +28,8 @@ except ImportError:  # pragma: no cover - torch without flex attention
     BlockMask = None  # type: ignore[assignment,misc]
     flex_attention = None  # type: ignore[assignment]
 
-NUM_AUX_HIDDEN_STATES = 3
+from peagle_core.drafter_cache import DrafterCache, last_valid_index
+from peagle_core.drafter_config import NUM_AUX_HIDDEN_STATES, DrafterConfig
 
 _compiled_flex_attention = None
 
@@ -45,186 +43,6 @@ def _flex_attention(q, k, v, *, block_mask, enable_gqa):
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention)
     return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-
-
-def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
-    """vLLM's default EAGLE-3 aux layer ids, ``(2, N//2, N-3)``.
-
-    Ids mean "input of decoder layer i" = HF ``hidden_states[i]`` (vLLM
-    ``models/llama.py::get_eagle3_default_aux_hidden_state_layers``).
-
-    Raises:
-        ValueError: if the target has fewer than 4 layers (ids would collide or go negative).
-    """
-    if num_target_layers < 4:
-        raise ValueError(
-            f"num_target_layers={num_target_layers}: EAGLE-3 needs a target with >= 4 layers "
-            "to take aux hidden states at (2, N//2, N-3); pass aux_layer_ids explicitly."
-        )
-    return (2, num_target_layers // 2, num_target_layers - 3)
-
-
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-def rope_parameters_of(cfg: Any) -> dict:
-    """Normalized RoPE parameters (``rope_type``, ``rope_theta``, scaling keys) of an HF config.
-
-    Accepts transformers-5 ``rope_parameters`` and legacy ``rope_theta``/``rope_scaling``.
-    """
-    params = _cfg_get(cfg, "rope_parameters")
-    if params:
-        params = dict(params)
-    else:
-        params = dict(_cfg_get(cfg, "rope_scaling") or {})
-        params.setdefault("rope_theta", _cfg_get(cfg, "rope_theta", 10000.0))
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    params["rope_theta"] = float(params.get("rope_theta", _cfg_get(cfg, "rope_theta", 10000.0)))
-    return params
-
-
-@dataclass(kw_only=True)
-class DrafterConfig:
-    """Architecture of a drafter head; field names are the ``config.json`` keys vLLM reads.
-
-    Args:
-        hidden_size: drafter width H (= target width for EAGLE-3 heads).
-        num_hidden_layers: drafter decoder layers (P-EAGLE default 4).
-        num_attention_heads, num_key_value_heads, head_dim: attention shape (GQA allowed).
-        intermediate_size: SwiGLU width.
-        rms_norm_eps: RMSNorm epsilon.
-        rope_parameters: ``{"rope_type", "rope_theta", ...}`` copied from the target.
-        max_position_embeddings: longest position the RoPE tables are built for.
-        vocab_size: target vocabulary V (embedding rows).
-        draft_vocab_size: lm_head rows Vd (``None`` = V); ids map to target ids by ``d2t``.
-        target_hidden_size: Ht, width of one target aux hidden state.
-        target_num_hidden_layers: number of target decoder layers (to validate aux ids).
-        aux_layer_ids: the 3 target layer ids, "input of layer i" (vLLM semantics).
-        mask_token_id: reserved token id for depths >= 1 (P-EAGLE); ``None`` = EAGLE-3 head.
-        norm_before_residual, norm_before_fc, fc_norm, attention_bias, norm_output:
-            the vLLM options of ``llama_eagle3.py`` (defaults match vLLM's defaults).
-    """
-
-    hidden_size: int
-    num_hidden_layers: int = 4
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int | None = None
-    intermediate_size: int
-    rms_norm_eps: float = 1e-5
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    max_position_embeddings: int = 8192
-    vocab_size: int
-    draft_vocab_size: int | None = None
-    target_hidden_size: int
-    target_num_hidden_layers: int
-    aux_layer_ids: tuple[int, ...] = ()
-    mask_token_id: int | None = None
-    norm_before_residual: bool = False
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    attention_bias: bool = False
-    norm_output: bool = False
-
-    def __post_init__(self) -> None:
-        if self.draft_vocab_size is None:
-            self.draft_vocab_size = self.vocab_size
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if not self.aux_layer_ids:
-            self.aux_layer_ids = default_aux_layer_ids(self.target_num_hidden_layers)
-        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
-        self.rope_parameters = rope_parameters_of({"rope_parameters": self.rope_parameters})
-        self.validate()
-
-    def validate(self) -> None:
-        """Check internal consistency.
-
-        Raises:
-            ValueError: naming the field: non-positive sizes, heads not dividing, aux layer ids
-                out of ``[0, target_num_hidden_layers)`` or not 3 of them, draft vocab larger than
-                the vocab, mask_token_id outside ``[0, vocab_size)``.
-        """
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "vocab_size", "target_hidden_size", "target_num_hidden_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if len(self.aux_layer_ids) != NUM_AUX_HIDDEN_STATES:
-            raise ValueError(f"aux_layer_ids={self.aux_layer_ids}: EAGLE-3 takes exactly 3 target layers")
-        bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_hidden_layers]
-        if bad:
-            raise ValueError(
-                f"aux_layer_ids={self.aux_layer_ids}: ids {bad} are outside [0, {self.target_num_hidden_layers}) "
-                "(vLLM semantics: input of layer i); use ids below the target's num_hidden_layers"
-            )
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
-            )
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
-                "pick a reserved, unused id of the target tokenizer"
-            )
-
-    @property
-    def fc_input_size(self) -> int:
-        """Width of the concatenated aux hidden states, ``3 * Ht`` (= ``mask_hidden`` width)."""
-        return NUM_AUX_HIDDEN_STATES * self.target_hidden_size
-
-    @classmethod
-    def from_target(
-        cls,
-        target_config: Any,
-        *,
-        num_hidden_layers: int = 4,
-        mask_token_id: int | None = None,
-        draft_vocab_size: int | None = None,
-        aux_layer_ids: tuple[int, ...] | None = None,
-        **overrides: Any,
-    ) -> DrafterConfig:
-        """Drafter shaped like the target's decoder layer (the EAGLE-3 / P-EAGLE convention).
-
-        Args:
-            target_config: HF ``PretrainedConfig`` or its ``to_dict()`` of a Llama-style target.
-        """
-        n_target = int(_cfg_get(target_config, "num_hidden_layers"))
-        hidden = int(_cfg_get(target_config, "hidden_size"))
-        heads = int(_cfg_get(target_config, "num_attention_heads"))
-        kw: dict[str, Any] = {
-            "hidden_size": hidden,
-            "num_hidden_layers": num_hidden_layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(_cfg_get(target_config, "num_key_value_heads", heads) or heads),
-            "head_dim": _cfg_get(target_config, "head_dim") or hidden // heads,
-            "intermediate_size": int(_cfg_get(target_config, "intermediate_size")),
-            "rms_norm_eps": float(_cfg_get(target_config, "rms_norm_eps", 1e-5)),
-            "rope_parameters": rope_parameters_of(target_config),
-            "max_position_embeddings": int(_cfg_get(target_config, "max_position_embeddings", 8192)),
-            "vocab_size": int(_cfg_get(target_config, "vocab_size")),
-            "draft_vocab_size": draft_vocab_size,
-            "target_hidden_size": hidden,
-            "target_num_hidden_layers": n_target,
-            "aux_layer_ids": tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(n_target),
-            "mask_token_id": mask_token_id,
-        }
-        kw.update(overrides)
-        return cls(**kw)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["aux_layer_ids"] = list(self.aux_layer_ids)
-        return d
 
 
 class RMSNorm(nn.Module):
@@ -283,20 +101,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def last_valid_index(valid: torch.Tensor) -> torch.Tensor:
-    """``valid [B, T]`` bool -> ``[B]`` index of each row's last True (left or right padding).
-
-    Raises:
-        ValueError: a row has no valid slot (not checked while a CUDA graph is being captured:
-            the check reads the device).
-    """
-    capturing = valid.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing and not bool(valid.any(1).all()):
-        raise ValueError("every row needs at least one valid slot (the anchor)")
-    T = valid.shape[1]
-    return T - 1 - valid.flip(1).to(torch.int8).argmax(1)
-
-
 def _anchors(input_ids, position_ids, query_valid, cache):
     """Shared set-up of the drafting helpers: ``(query_valid [B, T], rows [B], anchor_idx [B],
     anchor_pos [B], committed)`` where ``committed`` is the cache length to crop back to."""
@@ -305,59 +109,6 @@ def _anchors(input_ids, position_ids, query_valid, cache):
     anchor_idx = last_valid_index(query_valid)
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     return query_valid, rows, anchor_idx, position_ids[rows, anchor_idx], cache.length + input_ids.shape[1]
-
-
-class DrafterCache:
-    """Per-layer key/value cache with per-slot validity and positions.
-
-    Holds ``k, v [B, nKV, S, D]`` per layer, ``key_positions [B, S]`` and ``key_valid [B, S]``.
-    Attention from the cache is position-causal (key allowed iff valid and key position <= query
-    position), which equals the P-EAGLE rule as long as only committed depth-0 slots stay cached:
-    the drafting helpers append speculative slots and ``crop`` them away afterwards.
-    """
-
-    def __init__(self, num_layers: int) -> None:
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.key_positions: torch.Tensor | None = None  # [B, S]
-        self.key_valid: torch.Tensor | None = None  # [B, S]
-
-    @property
-    def length(self) -> int:
-        return 0 if self.key_positions is None else self.key_positions.shape[1]
-
-    def extend_meta(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        """Append slot metadata ``positions, valid [B, T]`` (called once per forward)."""
-        if self.key_positions is None:
-            self.key_positions, self.key_valid = positions, valid
-        else:
-            self.key_positions = torch.cat([self.key_positions, positions], dim=1)
-            self.key_valid = torch.cat([self.key_valid, valid], dim=1)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], dim=2)
-            v = torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
-
-    def crop(self, length: int) -> None:
-        """Drop every slot at index >= ``length`` (speculative slots after drafting)."""
-        for i in range(len(self.k)):
-            if self.k[i] is not None:
-                self.k[i] = self.k[i][:, :, :length]
-                self.v[i] = self.v[i][:, :, :length]
-        if self.key_positions is not None:
-            self.key_positions = self.key_positions[:, :length]
-            self.key_valid = self.key_valid[:, :length]
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (a finished sequence leaves the batch)."""
-        for i in range(len(self.k)):
-            if self.k[i] is not None:
-                self.k[i], self.v[i] = self.k[i][rows], self.v[i][rows]
-        if self.key_positions is not None:
-            self.key_positions, self.key_valid = self.key_positions[rows], self.key_valid[rows]
 
 
 class Attention(nn.Module):
@@ -657,12 +408,19 @@ def param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-__all__ = [
-    "DrafterCache",
-    "DrafterConfig",
-    "Eagle3Drafter",
-    "default_aux_layer_ids",
-    "num_parameters",
-    "param_bytes",
-    "rope_parameters_of",
-]
+def unwrap(model: nn.Module) -> Eagle3Drafter:
+    """The ``Eagle3Drafter`` inside DDP / ``torch.compile`` / ``peagle_core.fsdp.ShardedDrafter`` wrappers.
+
+    Raises:
+        TypeError: ``model`` holds no ``Eagle3Drafter`` (names the type found).
+    """
+    while True:
+        if isinstance(model, Eagle3Drafter):
+            return model
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            raise TypeError(f"expected an Eagle3Drafter (optionally DDP/compile-wrapped), got {type(model).__name__}")
+        model = inner
+
+
+__all__ = ["Eagle3Drafter", "num_parameters", "param_bytes", "unwrap"]

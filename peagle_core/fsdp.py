@@ -1,6 +1,6 @@
 """Fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) for a drafter head.
 
-Why a wrapper: the objectives (``peagle_core.objective``, ``peagle_core.ttt``) use drafter
+Why a wrapper: the objectives (``peagle_core.objectives``: ``peagle``, ``eagle3``) use drafter
 parameters outside ``Eagle3Drafter.forward``: ``combine_hidden_states`` (``fc``, the input norms)
 and ``mask_slot_hidden`` (``mask_hidden`` through ``fc``) build the hidden states before it, and the
 chunked loss (``peagle_core.loss.linear_distill_loss``) reads ``lm_head.weight`` after it. FSDP2
@@ -62,7 +62,7 @@ class ShardedDrafter(nn.Module):
     """Owns an ``Eagle3Drafter``; ``forward(fn, *args, **kwargs)`` returns ``fn(drafter, *args, **kwargs)``.
 
     Build it with :func:`shard_drafter`. ``.module`` is the drafter (as with DDP), so
-    ``peagle_core.objective.unwrap`` finds it. Inside ``fn`` the root unit's parameters are
+    ``peagle_core.drafter.unwrap`` finds it. Inside ``fn`` the root unit's parameters are
     gathered (plain tensors) and calling ``drafter(...)`` gathers each layer in turn.
     """
 

@@ -1,6 +1,6 @@
 """Sequence partitioning of P-EAGLE training (arXiv 2602.01469, Algorithm 1).
 
-The elements of one packed sequence (see ``peagle_core.objective``) are split into S segments
+The elements of one packed sequence (see ``peagle_core.elements``) are split into S segments
 over anchors with boundaries ``{0, L/S, 2L/S, ..., L}`` (L = sequence length, integer division):
 
 * a depth-0 element ``(a, 0)`` belongs to the segment containing ``a``;
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peagle_core.objective import Elements
+from peagle_core.elements import Elements
 
 
 def segment_boundaries(num_anchors: int, num_partitions: int) -> list[int]:
@@ -62,6 +62,7 @@ class Segment:
 
     @property
     def own(self) -> slice:
+        """The slice of the own elements, ``start:end``."""
         return slice(self.start, self.end)
 
     @property
@@ -72,6 +73,7 @@ class Segment:
 
     @property
     def num_forward_slots(self) -> int:
+        """Slots of this segment's forward: context plus own."""
         return int(self.context.numel()) + self.end - self.start
 
 

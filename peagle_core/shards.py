@@ -1,21 +1,8 @@
-"""Captured target states on disk: safetensors shards, a parquet manifest, checksums, capacity.
+"""Captured target states on disk: safetensors shards, a parquet manifest, checksums, capture metadata.
 
-No Ray here: the trainer on a bare GPU box reads a capture with :func:`iter_samples` alone.
-
-A captured sample (one conversation) is a dict::
-
-    sample_id     str
-    input_ids     int32      [N]          target token ids (chat template applied)
-    loss_mask     uint8/bool [N]          1 on assistant tokens (what the target generated)
-    aux           float      [N, 3*Ht]    aux hidden states at vLLM layer ids (input of layer i), concatenated
-    final_hidden  float      [N, Ht]      target's last hidden state AFTER its final norm: logits = lm_head(final_hidden)
-
-Why ``final_hidden`` and not the target's draft-vocab log-probs: the loss needs the target
-distribution over the draft vocab at every position; storing it costs ``Vd * 2`` bytes/token
-(e.g. Vd = 32k -> 64 KiB/token in bf16) against ``Ht * 2`` for the final hidden state
-(SmolLM2: 1.1 KiB, Llama-3.1-8B: 8 KiB), i.e. 8-55x less; and the draft vocabulary (d2t) can be
-chosen after capture. The trainer recomputes ``lm_head(final_hidden)[:, t2d]`` (Ht x Vd FLOPs per
-token, small next to the drafter).
+No Ray here: the trainer on a bare GPU box reads a capture with :func:`iter_samples` alone. The
+samples themselves (keys, dtypes, validation, checksums) are defined in ``peagle_core.samples``;
+storage estimates are in ``peagle_core.storage``, token counts in ``peagle_core.vocab``.
 
 A shard ``shard-00000.safetensors`` holds its samples concatenated along tokens::
 
@@ -27,12 +14,11 @@ bytes), ``format_version`` and the writer's own keys. Files are written to a tem
 renamed, so a shard on disk is either absent or complete; bit rot or truncation is caught by
 checksums on read (:class:`ShardError`, naming the file).
 
-Shape legend: N tokens of one sample, S samples in a shard, Ht target hidden size, V target vocab.
+Shape legend: N tokens of one sample, S samples in a shard, Ht target hidden size.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -44,18 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from peagle_core.samples import SAMPLE_KEYS, as_tensor, sample_checksum, validate_sample
+
 FORMAT_VERSION = "1"
-SAMPLE_KEYS = ("input_ids", "loss_mask", "aux", "final_hidden")
-HIDDEN_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
 MANIFEST_COLUMNS = ("sample_id", "shard", "offset", "length", "checksum")
 MANIFEST_NAME = "manifest.parquet"
 META_NAME = "capture_meta.json"
-TOKEN_COUNTS_NAME = "token_counts.safetensors"
-ID_BYTES, MASK_BYTES = 4, 1  # int32 ids, uint8 mask
 
 
 class ShardError(ValueError):
@@ -65,151 +45,6 @@ class ShardError(ValueError):
 def shard_name(index: int) -> str:
     """File name of shard ``index``: ``shard-00000.safetensors``."""
     return f"shard-{index:05d}.safetensors"
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """``"float16" | "bfloat16" | "float32"`` for a torch dtype or name.
-
-    Raises:
-        ValueError: any other dtype.
-    """
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in HIDDEN_DTYPES:
-        raise ValueError(f"hidden-state dtype {dtype!r} is not supported; use one of {sorted(HIDDEN_DTYPES)}")
-    return name
-
-
-# ----------------------------------------------------------------------------------------------
-# capacity
-
-
-def bytes_per_token(hidden_size: int, dtype: torch.dtype | str, num_aux: int = 3) -> int:
-    """Bytes one captured token takes on disk: int32 id + uint8 mask + (num_aux + 1) x Ht hidden values.
-
-    SmolLM2-135M (Ht = 576) in bf16: 4 + 1 + 4*576*2 = 4613 B; Llama-3.1-8B (Ht = 4096): 32 KiB + 5 B.
-    """
-    itemsize = HIDDEN_DTYPES[dtype_name(dtype)].itemsize
-    return ID_BYTES + MASK_BYTES + (num_aux + 1) * int(hidden_size) * itemsize
-
-
-def estimate_storage_bytes(
-    num_samples: int, mean_len: float, hidden_size: int, dtype: torch.dtype | str = "bfloat16", num_aux: int = 3
-) -> int:
-    """Storage of a materialized capture: ``num_samples x mean_len tokens x bytes_per_token`` (shard
-    headers and the manifest are negligible).
-
-    Example: 30k samples x 64k tokens of GPT-OSS-120B (Ht = 2880) in bf16 -> ~45 TB (SpecForge users
-    report 35 TB for that recipe), which is why long-context recipes should stream instead.
-
-    Raises:
-        ValueError: negative counts/lengths or a non-positive hidden size.
-    """
-    if num_samples < 0 or mean_len < 0 or hidden_size <= 0:
-        raise ValueError(
-            f"estimate_storage_bytes needs num_samples >= 0, mean_len >= 0, hidden_size > 0; got "
-            f"{num_samples}, {mean_len}, {hidden_size}"
-        )
-    return round(num_samples * mean_len * bytes_per_token(hidden_size, dtype, num_aux))
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1536 -> '1.5 KiB'`` (binary units)."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-# ----------------------------------------------------------------------------------------------
-# validation and checksums
-
-
-def _as_tensor(x: Any) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x
-    return torch.from_numpy(np.ascontiguousarray(x))
-
-
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous()
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def sample_checksum(sample: Mapping[str, Any]) -> str:
-    """sha256 (hex) over dtype, shape and bytes of ``input_ids, loss_mask, aux, final_hidden``.
-
-    ``loss_mask`` is hashed as uint8 (bool and uint8 masks give the same checksum).
-    """
-    h = hashlib.sha256()
-    for key in SAMPLE_KEYS:
-        t = _as_tensor(sample[key])
-        if key == "loss_mask":
-            t = t.to(torch.uint8)
-        h.update(f"{key}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)};".encode())
-        h.update(_raw_bytes(t))
-    return h.hexdigest()
-
-
-def validate_sample(
-    sample: Mapping[str, Any],
-    *,
-    hidden_size: int | None = None,
-    num_aux: int = 3,
-    dtype: torch.dtype | str | None = None,
-    max_length: int | None = None,
-) -> None:
-    """Check one captured sample against the contract above, before it is written.
-
-    Raises:
-        ValueError: naming the sample id and the field: a missing key; ``input_ids`` not 1-D integer
-            or empty; ``loss_mask`` of another length, not 0/1, or all zero (no assistant tokens);
-            ``aux`` not ``[N, num_aux*Ht]`` / ``final_hidden`` not ``[N, Ht]``; hidden states of an
-            unsupported or unexpected dtype, or holding NaN/Inf; more than ``max_length`` tokens.
-    """
-    sid = sample.get("sample_id")
-    where = f"sample {sid!r}"
-    if not isinstance(sid, str) or not sid:
-        raise ValueError(f"{where}: sample_id must be a non-empty str, got {type(sid).__name__}")
-    missing = [k for k in SAMPLE_KEYS if k not in sample]
-    if missing:
-        raise ValueError(f"{where}: missing {missing}; a captured sample needs {list(SAMPLE_KEYS)}")
-    ids, mask = _as_tensor(sample["input_ids"]), _as_tensor(sample["loss_mask"])
-    aux, fin = _as_tensor(sample["aux"]), _as_tensor(sample["final_hidden"])
-    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"{where}: input_ids must be a non-empty 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
-    n = ids.numel()
-    if max_length is not None and n > max_length:
-        raise ValueError(f"{where}: {n} tokens > max_length_tokens={max_length}; truncate or drop it first")
-    if tuple(mask.shape) != (n,):
-        raise ValueError(f"{where}: loss_mask shape {tuple(mask.shape)} != input_ids shape ({n},)")
-    if mask.dtype not in (torch.bool, torch.uint8):
-        raise ValueError(f"{where}: loss_mask dtype {mask.dtype}; use bool or uint8")
-    if mask.dtype == torch.uint8 and bool((mask > 1).any()):
-        raise ValueError(f"{where}: loss_mask holds values other than 0/1")
-    if not bool(mask.any()):
-        raise ValueError(f"{where}: loss_mask is all zero (no assistant tokens); drop empty assistant turns")
-    for name, t in (("aux", aux), ("final_hidden", fin)):
-        if t.dtype not in HIDDEN_DTYPES.values():
-            raise ValueError(f"{where}: {name} dtype {t.dtype}; use one of {sorted(HIDDEN_DTYPES)}")
-        if dtype is not None and t.dtype != HIDDEN_DTYPES[dtype_name(dtype)]:
-            raise ValueError(f"{where}: {name} dtype {t.dtype} != capture dtype {dtype_name(dtype)}")
-        if t.dim() != 2 or t.shape[0] != n:
-            raise ValueError(f"{where}: {name} shape {tuple(t.shape)}; expected [{n}, ...] (one row per token)")
-    ht = fin.shape[1]
-    if hidden_size is not None and ht != hidden_size:
-        raise ValueError(f"{where}: final_hidden width {ht} != target hidden_size {hidden_size}")
-    if aux.shape[1] != num_aux * ht:
-        raise ValueError(f"{where}: aux width {aux.shape[1]} != {num_aux} x hidden {ht} (3 aux layers concatenated)")
-    if aux.dtype != fin.dtype:
-        raise ValueError(f"{where}: aux dtype {aux.dtype} != final_hidden dtype {fin.dtype}")
-    for name, t in (("aux", aux), ("final_hidden", fin)):
-        if not bool(torch.isfinite(t).all()):
-            num_bad = int((~torch.isfinite(t)).sum())
-            raise ValueError(f"{where}: {name} holds {num_bad} NaN/Inf values (target forward overflowed?)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,8 +85,9 @@ class Shard:
         ]
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same directory, fsync, rename (readers never see a partial file)."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same directory, fsync, rename: readers
+    never see a partial file, and on any error the old file (if any) is left intact."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -296,19 +132,19 @@ def write_shard(
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise ValueError(f"{path.name}: duplicate sample ids {dup[:5]}")
     if samples:
-        aux0, fin0 = _as_tensor(samples[0]["aux"]), _as_tensor(samples[0]["final_hidden"])
+        aux0, fin0 = as_tensor(samples[0]["aux"]), as_tensor(samples[0]["final_hidden"])
         for s in samples:
-            a, f = _as_tensor(s["aux"]), _as_tensor(s["final_hidden"])
+            a, f = as_tensor(s["aux"]), as_tensor(s["final_hidden"])
             if a.dtype != aux0.dtype or a.shape[1] != aux0.shape[1] or f.shape[1] != fin0.shape[1]:
                 raise ValueError(
                     f"{path.name}: sample {s['sample_id']!r} has aux {a.dtype} {tuple(a.shape)} / final_hidden "
                     f"{tuple(f.shape)} unlike the first sample's {aux0.dtype} {tuple(aux0.shape)}; one shard, one layout"
                 )
         tensors = {
-            "input_ids": torch.cat([_as_tensor(s["input_ids"]).to(torch.int32) for s in samples]),
-            "loss_mask": torch.cat([_as_tensor(s["loss_mask"]).to(torch.uint8) for s in samples]),
-            "aux": torch.cat([_as_tensor(s["aux"]) for s in samples]).contiguous(),
-            "final_hidden": torch.cat([_as_tensor(s["final_hidden"]) for s in samples]).contiguous(),
+            "input_ids": torch.cat([as_tensor(s["input_ids"]).to(torch.int32) for s in samples]),
+            "loss_mask": torch.cat([as_tensor(s["loss_mask"]).to(torch.uint8) for s in samples]),
+            "aux": torch.cat([as_tensor(s["aux"]) for s in samples]).contiguous(),
+            "final_hidden": torch.cat([as_tensor(s["final_hidden"]) for s in samples]).contiguous(),
         }
     else:  # safetensors accepts zero-size tensors
         tensors = {
@@ -317,7 +153,7 @@ def write_shard(
             "aux": torch.zeros(0, 0, dtype=torch.float32),
             "final_hidden": torch.zeros(0, 0, dtype=torch.float32),
         }
-    lengths = torch.tensor([_as_tensor(s["input_ids"]).numel() for s in samples], dtype=torch.int64)
+    lengths = torch.tensor([as_tensor(s["input_ids"]).numel() for s in samples], dtype=torch.int64)
     offsets = torch.cumsum(lengths, 0) - lengths
     tensors["offsets"], tensors["lengths"] = offsets, lengths
     checksums = [sample_checksum(s) for s in samples]
@@ -326,7 +162,7 @@ def write_shard(
     if clash:
         raise ValueError(f"{path.name}: metadata keys {sorted(clash)} are reserved by the shard format")
     header.update(format_version=FORMAT_VERSION, sample_ids=json.dumps(ids), checksums=json.dumps(checksums))
-    _atomic_write_bytes(path, save(tensors, metadata=header))
+    atomic_write_bytes(path, save(tensors, metadata=header))
     return [
         {"sample_id": s, "shard": path.name, "offset": int(o), "length": int(n), "checksum": c}
         for s, o, n, c in zip(ids, offsets.tolist(), lengths.tolist(), checksums)
@@ -436,7 +272,7 @@ def write_manifest(capture_dir: str | Path, rows: Iterable[Mapping[str, Any]]) -
     buf = io.BytesIO()
     pq.write_table(table, buf)
     path = Path(capture_dir) / MANIFEST_NAME
-    _atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
     return path
 
 
@@ -464,7 +300,7 @@ def load_manifest(capture_dir: str | Path):
 def write_capture_meta(capture_dir: str | Path, meta: Mapping[str, Any]) -> Path:
     """Write ``capture_meta.json`` atomically (target path/sha, aux layer ids, dtype, sizes, counts)."""
     path = Path(capture_dir) / META_NAME
-    _atomic_write_bytes(path, (json.dumps(dict(meta), indent=2, sort_keys=True, default=str) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(dict(meta), indent=2, sort_keys=True, default=str) + "\n").encode())
     return path
 
 
@@ -523,50 +359,21 @@ def iter_samples(
             yield {k: (_to_numpy(v) if as_numpy and isinstance(v, torch.Tensor) else v) for k, v in s.items()}
 
 
-# ----------------------------------------------------------------------------------------------
-# token counts (draft vocabulary, d2t/t2d)
-
-
-def count_token_ids(
-    token_ids: Iterable[Sequence[int] | np.ndarray | torch.Tensor], vocab_size: int,
-    masks: Iterable[Any] | None = None,
-) -> torch.Tensor:
-    """``[V]`` int64 counts of target ids over sequences (only where ``mask`` is set when given).
-
-    Raises:
-        ValueError: an id outside ``[0, vocab_size)``.
-    """
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    mask_iter = iter(masks) if masks is not None else None
-    for ids in token_ids:
-        t = _as_tensor(np.asarray(ids) if not isinstance(ids, torch.Tensor) else ids).to(torch.int64).reshape(-1)
-        if mask_iter is not None:
-            t = t[_as_tensor(np.asarray(next(mask_iter))).reshape(-1).to(torch.bool)]
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
-            raise ValueError(f"token id {int(t.max())} or {int(t.min())} outside [0, vocab_size={vocab_size})")
-        counts += torch.bincount(t, minlength=vocab_size)
-    return counts
-
-
-def save_token_counts(path: str | Path, counts: torch.Tensor, metadata: Mapping[str, Any] | None = None) -> Path:
-    """Write ``counts [V]`` int64 as ``token_counts.safetensors`` (key ``counts``), atomically."""
-    from safetensors.torch import save
-
-    path = Path(path)
-    header = {k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in (metadata or {}).items()}
-    _atomic_write_bytes(path, save({"counts": counts.to(torch.int64).contiguous()}, metadata=header))
-    return path
-
-
-def load_token_counts(path: str | Path) -> torch.Tensor:
-    """``counts [V]`` int64 from :func:`save_token_counts` (input of ``vocab_mapping_from_counts``).
-
-    Raises:
-        ShardError: missing or corrupt file.
-    """
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))["counts"]
-    except Exception as e:
-        raise ShardError(f"token counts {path} missing or corrupt ({type(e).__name__}: {e})") from e
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_COLUMNS",
+    "MANIFEST_NAME",
+    "META_NAME",
+    "Shard",
+    "ShardError",
+    "atomic_write_bytes",
+    "iter_samples",
+    "load_capture_meta",
+    "load_manifest",
+    "read_shard",
+    "shard_header",
+    "shard_name",
+    "write_capture_meta",
+    "write_manifest",
+    "write_shard",
+]

@@ -1,4 +1,5 @@
-"""Draft-vocabulary pruning: ``d2t`` / ``t2d`` from token counts (EAGLE-3 convention).
+"""Draft vocabulary: token counts (counting, ``token_counts.safetensors``) and ``d2t`` / ``t2d``
+from them (EAGLE-3 convention).
 
 vLLM reads ``d2t`` as offsets: ``target_id = draft_id + d2t[draft_id]``
 (``vllm/model_executor/models/llama_eagle3.py::compute_logits``); ``t2d`` is a bool mask over the
@@ -9,7 +10,63 @@ Shape legend: V target vocab, Vd draft vocab.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 import torch
+
+from peagle_core.samples import as_tensor
+from peagle_core.shards import ShardError, atomic_write_bytes
+
+TOKEN_COUNTS_NAME = "token_counts.safetensors"
+
+
+def count_token_ids(
+    token_ids: Iterable[Sequence[int] | np.ndarray | torch.Tensor], vocab_size: int,
+    masks: Iterable[Any] | None = None,
+) -> torch.Tensor:
+    """``[V]`` int64 counts of target ids over sequences (only where ``mask`` is set when given).
+
+    Raises:
+        ValueError: an id outside ``[0, vocab_size)``.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    mask_iter = iter(masks) if masks is not None else None
+    for ids in token_ids:
+        t = as_tensor(np.asarray(ids) if not isinstance(ids, torch.Tensor) else ids).to(torch.int64).reshape(-1)
+        if mask_iter is not None:
+            t = t[as_tensor(np.asarray(next(mask_iter))).reshape(-1).to(torch.bool)]
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+            raise ValueError(f"token id {int(t.max())} or {int(t.min())} outside [0, vocab_size={vocab_size})")
+        counts += torch.bincount(t, minlength=vocab_size)
+    return counts
+
+
+def save_token_counts(path: str | Path, counts: torch.Tensor, metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write ``counts [V]`` int64 as ``token_counts.safetensors`` (key ``counts``), atomically."""
+    from safetensors.torch import save
+
+    path = Path(path)
+    header = {k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in (metadata or {}).items()}
+    atomic_write_bytes(path, save({"counts": counts.to(torch.int64).contiguous()}, metadata=header))
+    return path
+
+
+def load_token_counts(path: str | Path) -> torch.Tensor:
+    """``counts [V]`` int64 from :func:`save_token_counts` (input of ``vocab_mapping_from_counts``).
+
+    Raises:
+        ShardError: missing or corrupt file.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))["counts"]
+    except Exception as e:
+        raise ShardError(f"token counts {path} missing or corrupt ({type(e).__name__}: {e})") from e
 
 
 def vocab_mapping_from_counts(
@@ -55,3 +112,13 @@ def target_to_draft_ids(t2d: torch.Tensor) -> torch.Tensor:
     out = torch.full(t2d.shape, -1, dtype=torch.int64)
     out[t2d] = torch.arange(int(t2d.sum()))
     return out
+
+
+__all__ = [
+    "TOKEN_COUNTS_NAME",
+    "count_token_ids",
+    "load_token_counts",
+    "save_token_counts",
+    "target_to_draft_ids",
+    "vocab_mapping_from_counts",
+]

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from peagle_core.contract import HeadContractError, export_head
-from peagle_core.drafter import DrafterConfig, Eagle3Drafter
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_config import DrafterConfig
 from peagle_core.vocab import vocab_mapping_from_counts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from peagle_core.contract import export_head
 from peagle_core.decoder import speculative_generate
-from peagle_core.drafter import DrafterConfig, Eagle3Drafter
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_config import DrafterConfig
 from peagle_core.target import target_forward
 
 pytestmark = pytest.mark.integration

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from peagle_core.drafter import DrafterConfig, Eagle3Drafter
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_config import DrafterConfig
 
 VOCAB, HIDDEN, MASK_ID = 99, 36, 97
 

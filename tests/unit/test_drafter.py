@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from peagle_core.drafter import DrafterCache, DrafterConfig, default_aux_layer_ids, last_valid_index
+from peagle_core.drafter_cache import DrafterCache, last_valid_index
+from peagle_core.drafter_config import DrafterConfig, default_aux_layer_ids
 
 from .conftest import MASK_ID, make_drafter, tiny_target_config
 

@@ -9,7 +9,9 @@ import socket
 import pytest
 import torch
 
-from peagle_core.objective import PackedBatch, build_objective, pack_samples
+from peagle_core.batch import PackedBatch, pack_samples
+from peagle_core.objectives import build_objective
+from pipelines.recipe import TrainingConfig
 from tests.unit.test_objective import MASK_ID, random_sample, target_head, tiny_head
 
 pytestmark = pytest.mark.unit
@@ -201,11 +203,11 @@ def test_shard_drafter_checks_input():
 
 
 # --------------------------------------------------------------------------------------------
-# pipelines/train.py Trainer under FSDP2 (Ray-free): checkpoint, resume, export
+# pipelines/train/ Trainer under FSDP2 (Ray-free): checkpoint, resume, export
 
 
-TRAIN_CFG = {"method": "peagle", "num_epochs": 4, "lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.01,
-             "warmup_steps": 1, "batch_tokens": 40, "grad_clip": 0.5, "checkpoint_every_steps": 2, "seed": 0}
+TRAIN_CFG = TrainingConfig(method="peagle", num_epochs=4, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01,
+                           warmup_steps=1, batch_tokens=40, grad_clip=0.5, checkpoint_every_steps=2, seed=0)
 TRAIN_STEPS = 4
 
 
@@ -225,14 +227,14 @@ def _trainer(rank: int, out_dir: str, run: str):
         dist.all_reduce(t)
         return t.tolist()
 
-    def on_checkpoint(step: int, metrics: dict) -> None:
+    def write_checkpoint(step: int, metrics: dict) -> None:
         trainer.save_checkpoint(os.path.join(out_dir, run, f"checkpoint_{step:08d}"))
 
     objective = build_objective("peagle", num_depths=3, cod_ratio=0.7, cod_min_ratio=0.3, num_partitions=2,
                                 attention="dense", loss_impl="torch", seed=rank)
     trainer = T.Trainer(config=TRAIN_CFG, model=fsdp.shard_drafter(_head("peagle")), objective=objective,
                         target_lm_head=target_head(), total_steps=TRAIN_STEPS, rank=rank, world_size=WORLD,
-                        all_true=all_true, all_sum=all_sum, on_checkpoint=on_checkpoint, log_every_steps=1,
+                        all_true=all_true, all_sum=all_sum, write_checkpoint=write_checkpoint, log_every_steps=1,
                         pack_fn=pack_samples)
     return trainer
 

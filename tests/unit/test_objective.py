@@ -3,17 +3,12 @@
 import pytest
 import torch
 
-from peagle_core.drafter import DrafterConfig, Eagle3Drafter
-from peagle_core.objective import (
-    PackedBatch,
-    build_objective,
-    build_peagle_elements,
-    cod_sample,
-    dense_element_mask,
-    flex_element_mask,
-    label_valid,
-    pack_samples,
-)
+from peagle_core.batch import PackedBatch, pack_samples
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_config import DrafterConfig
+from peagle_core.elements import build_peagle_elements, cod_sample, label_valid
+from peagle_core.masks import dense_element_mask, flex_element_mask
+from peagle_core.objectives import build_objective
 
 pytestmark = pytest.mark.unit
 

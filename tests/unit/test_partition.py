@@ -5,7 +5,8 @@ import contextlib
 import pytest
 import torch
 
-from peagle_core.objective import build_objective, build_peagle_elements
+from peagle_core.elements import build_peagle_elements
+from peagle_core.objectives import build_objective
 from peagle_core.partition import partition_elements, segment_boundaries
 from tests.unit.test_objective import MASK_ID, one_doc, target_head, tiny_head, tiny_pack
 

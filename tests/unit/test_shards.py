@@ -1,4 +1,5 @@
-"""peagle_core.shards: shard round trip, checksums, manifest, validation errors, capacity."""
+"""peagle_core.shards / samples / storage / vocab token counts: shard round trip, checksums, manifest,
+validation errors, capacity, token counts."""
 
 import json
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_core import shards
+from peagle_core import shards, storage, vocab
+from peagle_core.samples import dtype_name, sample_checksum, validate_sample
 from peagle_core.shards import ShardError
 
 pytestmark = pytest.mark.unit
@@ -41,7 +43,7 @@ def test_round_trip(tmp_path, dtype):
         assert torch.equal(got["loss_mask"].bool(), want["loss_mask"])
         assert got["aux"].dtype == dtype and torch.equal(got["aux"], want["aux"])
         assert torch.equal(got["final_hidden"], want["final_hidden"])
-        assert shards.sample_checksum(got) == shards.sample_checksum(want)  # bool and uint8 masks hash alike
+        assert sample_checksum(got) == sample_checksum(want)  # bool and uint8 masks hash alike
     shards.write_manifest(tmp_path, rows)
     back = list(shards.iter_samples(tmp_path, as_numpy=True))
     assert [s["sample_id"] for s in back] == ["s0", "s1", "s2"]
@@ -137,19 +139,19 @@ def test_validation_errors(mutate, match):
     s = make_sample("bad", 6)
     mutate(s)
     with pytest.raises(ValueError, match=match):
-        shards.validate_sample(s)
+        validate_sample(s)
 
 
 def test_validation_context_errors():
     s = make_sample("x", 6)
     with pytest.raises(ValueError, match="6 tokens > max_length_tokens=5"):
-        shards.validate_sample(s, max_length=5)
+        validate_sample(s, max_length=5)
     with pytest.raises(ValueError, match="width 36 != target hidden_size 40"):
-        shards.validate_sample(s, hidden_size=40)
+        validate_sample(s, hidden_size=40)
     with pytest.raises(ValueError, match="!= capture dtype bfloat16"):
-        shards.validate_sample(s, dtype="bfloat16")
+        validate_sample(s, dtype="bfloat16")
     with pytest.raises(ValueError, match="not supported"):
-        shards.dtype_name("int8")
+        dtype_name("int8")
 
 
 def test_write_shard_rejects_bad_batches(tmp_path):
@@ -164,21 +166,21 @@ def test_write_shard_rejects_bad_batches(tmp_path):
 
 def test_capacity():
     # SmolLM2 (Ht=576) bf16: 4 B id + 1 B mask + 4 x 576 x 2 B
-    assert shards.bytes_per_token(576, "bfloat16") == 4613
-    assert shards.bytes_per_token(4096, torch.float16) == 5 + 32 * 1024  # REFERENCES: 32 KiB/token for 8B
-    assert shards.estimate_storage_bytes(10, 100.5, 576, "float32") == round(10 * 100.5 * (5 + 4 * 576 * 4))
+    assert storage.bytes_per_token(576, "bfloat16") == 4613
+    assert storage.bytes_per_token(4096, torch.float16) == 5 + 32 * 1024  # REFERENCES: 32 KiB/token for 8B
+    assert storage.estimate_storage_bytes(10, 100.5, 576, "float32") == round(10 * 100.5 * (5 + 4 * 576 * 4))
     # SpecForge comparison: 30k GPT-OSS-120B samples at 64k context, bf16 -> tens of TB
-    tb = shards.estimate_storage_bytes(30_000, 65_536, 2880, "bfloat16") / 1e12
+    tb = storage.estimate_storage_bytes(30_000, 65_536, 2880, "bfloat16") / 1e12
     assert 40 < tb < 50
-    assert shards.format_bytes(1536) == "1.5 KiB"
+    assert storage.format_bytes(1536) == "1.5 KiB"
     with pytest.raises(ValueError, match="hidden_size > 0"):
-        shards.estimate_storage_bytes(1, 1, 0)
+        storage.estimate_storage_bytes(1, 1, 0)
 
 
 def test_token_counts(tmp_path):
-    counts = shards.count_token_ids([[1, 2, 2], np.array([2, 5])], vocab_size=7, masks=[[0, 1, 1], [1, 0]])
+    counts = vocab.count_token_ids([[1, 2, 2], np.array([2, 5])], vocab_size=7, masks=[[0, 1, 1], [1, 0]])
     assert counts.tolist() == [0, 0, 3, 0, 0, 0, 0]
-    shards.save_token_counts(tmp_path / "token_counts.safetensors", counts, {"n": 3})
-    assert torch.equal(shards.load_token_counts(tmp_path / "token_counts.safetensors"), counts)
+    vocab.save_token_counts(tmp_path / "token_counts.safetensors", counts, {"n": 3})
+    assert torch.equal(vocab.load_token_counts(tmp_path / "token_counts.safetensors"), counts)
     with pytest.raises(ValueError, match="outside"):
-        shards.count_token_ids([[7]], vocab_size=7)
+        vocab.count_token_ids([[7]], vocab_size=7)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from peagle_core.drafter import DrafterCache
-from peagle_core.objective import build_objective
-from peagle_core.ttt import build_ttt_elements, ttt_forward
+from peagle_core.drafter_cache import DrafterCache
+from peagle_core.objectives import build_objective
+from peagle_core.objectives.eagle3 import build_ttt_elements, ttt_forward
 from tests.unit.test_objective import one_doc, target_head, tiny_head, tiny_pack
 
 pytestmark = pytest.mark.unit

@@ -13,12 +13,12 @@ T steps (default 7). Step i processes one slot per anchor ``a`` of the packed se
 * RoPE position ``position_ids[a] + i`` (the position vLLM gives the i-th sequential draft);
 * it predicts ``x[a+i+2]`` against ``softmax(target_lm_head(final_hidden[a+i+1]))`` restricted
   to the draft vocabulary, and is a loss element iff that label is an assistant token in a's
-  document (same rule as P-EAGLE, ``objective.label_valid``).
+  document (same rule as P-EAGLE, ``peagle_core.elements.label_valid``).
 
 Attention: keys of all earlier steps stay in a KV cache (gradients flow through them); query
 ``(a, i)`` sees ``(a', 0)`` for ``a' <= a`` and ``(a, j)`` for ``j <= i`` in the same document —
 the same rule as P-EAGLE's mask, so EAGLE-3's "diagonal" attention over earlier steps is
-``peagle_core.objective``'s element mask with depth = step.
+``peagle_core.masks.element_mask`` with depth = step (plus each query's own key).
 
 Loss: ``sum_i 0.8^i * (sum of step-i element losses) / n`` with ``n`` = the number of step-0 loss
 elements (or ``loss_scale_denominator``). EAGLE-3 divides each step by its own count instead;
@@ -29,29 +29,20 @@ Shape legend: N tokens, T steps, H drafter hidden, Ht target hidden, Vd draft vo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from peagle_core.drafter import DrafterCache, Eagle3Drafter
+from peagle_core.batch import PackedBatch
+from peagle_core.drafter import Eagle3Drafter, unwrap
+from peagle_core.drafter_cache import DrafterCache
+from peagle_core.elements import Elements, label_valid
 from peagle_core.fsdp import run_in_forward
-from peagle_core.objective import (
-    FLEX_BLOCK,
-    DepthStats,
-    Elements,
-    Objective,
-    ObjectiveConfig,
-    PackedBatch,
-    _allowed,
-    _pad_meta,
-    create_block_mask,
-    label_valid,
-    register_objective,
-    resolve_attention,
-    unwrap,
-)
+from peagle_core.masks import element_mask, resolve_attention
+from peagle_core.objectives.base import DepthStats, Objective, ObjectiveConfig, register_objective
 
 
 def build_ttt_elements(batch: PackedBatch, num_steps: int) -> Elements:
@@ -83,25 +74,11 @@ def ttt_step_mask(q: Elements, k: Elements, *, attention: str = "dense"):
 
     Dense: bool ``[1, 1, N, (i+1) N]``; flex: ``BlockMask``. Each query also sees its own key
     (the last block's diagonal), so filler slots never get an empty softmax row.
+
+    Raises:
+        ValueError: ``attention`` not ``"auto"``, ``"dense"`` or ``"flex"``.
     """
-    Tq, Tk = q.num_elements, k.num_elements
-    offset = Tk - Tq  # own keys are the last Tq keys
-    if attention == "dense":
-        m = _allowed(q.anchor[:, None], q.depth[:, None], q.doc[:, None], q.valid[:, None],
-                     k.anchor[None], k.depth[None], k.doc[None], k.valid[None])
-        m[:, offset:] |= torch.eye(Tq, dtype=torch.bool, device=m.device)
-        return m[None, None]
-    dev = q.anchor.device
-    Lq, Lk = -(-Tq // FLEX_BLOCK) * FLEX_BLOCK, -(-Tk // FLEX_BLOCK) * FLEX_BLOCK
-    qa, qd, qdoc = (_pad_meta(t, Lq, -1) for t in (q.anchor, q.depth, q.doc))
-    qv = _pad_meta(q.valid, Lq, False)
-    ka, kd, kdoc = (_pad_meta(t, Lk, -2) for t in (k.anchor, k.depth, k.doc))
-    kv = _pad_meta(k.valid, Lk, False)
-
-    def mask_mod(b, h, qi, ki):
-        return _allowed(qa[qi], qd[qi], qdoc[qi], qv[qi], ka[ki], kd[ki], kdoc[ki], kv[ki]) | (ki == qi + offset)
-
-    return create_block_mask(mask_mod, None, None, Tq, Tk, device=dev, _compile=dev.type == "cuda")
+    return element_mask(q, k, attention=attention, diagonal=k.num_elements - q.num_elements)
 
 
 def ttt_forward(
@@ -139,6 +116,7 @@ class Eagle3TTTConfig(ObjectiveConfig):
     step_weight: float = 0.8
 
     def validate(self) -> None:
+        """Raises ``ValueError`` naming an out-of-range option."""
         super().validate()
         if self.num_steps < 1:
             raise ValueError(f"num_steps={self.num_steps} must be >= 1")
@@ -156,39 +134,55 @@ class Eagle3TTTObjective(Objective):
 
     @property
     def num_depths(self) -> int:
+        """T, the TTT steps (reported as depths in the metrics)."""
         return self.cfg.num_steps
 
     @property
     def step_weights(self) -> list[float]:
+        """``[step_weight ** i for i < T]``."""
         return [self.cfg.step_weight**i for i in range(self.cfg.num_steps)]
 
     def check_drafter(self, drafter: Eagle3Drafter) -> None:
+        """Raises ``ValueError`` for a P-EAGLE head (one with ``mask_hidden``)."""
         if drafter.parallel_drafting:
             raise ValueError("the eagle3 objective trains an EAGLE-3 head: build it with mask_token_id=None "
                              "(mask_hidden would get no gradient and break DDP)")
 
     def build_elements(self, batch: PackedBatch, drafter: nn.Module) -> Elements:
+        """All T steps' slots, step-major (``build_ttt_elements``); no random draw."""
         d = unwrap(drafter)
         self.check_drafter(d)
         batch.validate(aux_width=d.config.fc_input_size, target_hidden_size=d.config.target_hidden_size)
         return build_ttt_elements(batch, self.cfg.num_steps)
 
-    def _loss(self, drafter, batch, target_lm_head, loss_scale_denominator, elements):
+    def loss_count(self, batch: PackedBatch, elements: Elements) -> int:
+        """The loss elements of TTT step 0 (rows ``0..N-1``); step i weighs ``step_weight ** i``."""
+        return int(elements.loss[: batch.num_tokens].sum())
+
+    def _loss(
+        self, drafter: nn.Module, batch: PackedBatch, target_lm_head: torch.Tensor,
+        loss_scale_denominator: float | None, elements: Elements | None,
+    ) -> tuple[torch.Tensor, DepthStats]:
+        """``(weighted loss sum (scalar), per-step stats)`` of the T steps.
+
+        Raises:
+            ValueError: ``elements`` without ``num_steps * N`` slots, ``loss_scale_denominator <= 0``.
+        """
         d = unwrap(drafter)
         el = self.build_elements(batch, drafter) if elements is None else elements
         W_t = self._target_head(target_lm_head, d)
         N, T = batch.num_tokens, self.cfg.num_steps
         if el.num_elements != N * T:
             raise ValueError(f"elements has {el.num_elements} slots; expected num_steps*N = {T}*{N}")
-        n0 = int(el.loss[:N].sum())
-        denom = float(loss_scale_denominator) if loss_scale_denominator is not None else float(max(n0, 1))
-        if denom <= 0:
-            raise ValueError(f"loss_scale_denominator={loss_scale_denominator} must be > 0")
+        denom = self._denominator(batch, el, loss_scale_denominator)
         stats = DepthStats(T, batch.device)
         # inside the FSDP root's forward when sharded (peagle_core.fsdp): fc, lm_head are gathered
         return run_in_forward(drafter, self._forward_loss, batch, el, W_t, denom, stats), stats
 
-    def _forward_loss(self, drafter, batch, el, W_t, denom, stats) -> torch.Tensor:
+    def _forward_loss(
+        self, drafter: nn.Module, batch: PackedBatch, el: Elements, W_t: torch.Tensor, denom: float,
+        stats: DepthStats,
+    ) -> torch.Tensor:
         """The T steps and the weighted loss sum (scalar); ``drafter`` is plain or DDP-wrapped."""
         d = unwrap(drafter)
         N, T = batch.num_tokens, self.cfg.num_steps
@@ -202,16 +196,33 @@ class Eagle3TTTObjective(Objective):
                 total = total + self._loss_rows(d, batch, normed[rows], q.index(rows), W_t, scale, stats)
         return total
 
-    def forward_backward(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, no_sync=None,
-                         elements=None) -> dict[str, float]:
+    def forward_backward(
+        self,
+        drafter: nn.Module,
+        batch: PackedBatch,
+        *,
+        target_lm_head: torch.Tensor,
+        loss_scale_denominator: float | None = None,
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+        elements: Elements | None = None,
+    ) -> dict[str, float]:
         """One backward through all T steps (a single DDP all-reduce; ``no_sync`` is not needed)."""
         loss, stats = self._loss(drafter, batch, target_lm_head, loss_scale_denominator, elements)
         loss.backward()
         return stats.metrics(float(loss.detach()))
 
-    def compute_loss(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, elements=None):
+    def compute_loss(
+        self,
+        drafter: nn.Module,
+        batch: PackedBatch,
+        *,
+        target_lm_head: torch.Tensor,
+        loss_scale_denominator: float | None = None,
+        elements: Elements | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The weighted T-step loss, no backward (see ``Objective.compute_loss``)."""
         loss, stats = self._loss(drafter, batch, target_lm_head, loss_scale_denominator, elements)
         return loss, stats.metrics(float(loss.detach()))
 
 
-__all__ = ["Eagle3TTTConfig", "Eagle3TTTObjective", "build_ttt_elements", "ttt_step_mask"]
+__all__ = ["Eagle3TTTConfig", "Eagle3TTTObjective", "build_ttt_elements", "ttt_forward", "ttt_step_mask"]

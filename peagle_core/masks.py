@@ -1,0 +1,157 @@
+"""Attention masks between drafter slots ("elements", ``peagle_core.elements``): the P-EAGLE rule,
+as a dense bool mask (SDPA) or a flex-attention ``BlockMask``.
+
+Rule (P-EAGLE arXiv 2602.01469, Sec. 3): query ``(a, d)`` sees key ``(a', 0)`` for ``a' <= a`` and
+key ``(a, d')`` for ``d' <= d``, both in the same document; padding (``valid=False``) is never
+attended. EAGLE-3's training-time test (``peagle_core.objectives.eagle3``) uses the same rule with
+depth = TTT step, plus one extra diagonal so that each query also sees its own key.
+
+Shape legend: Tq query slots, Tk key slots, M elements (queries = keys).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from peagle_core.elements import Elements
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+except ImportError:  # pragma: no cover - torch without flex attention
+    BlockMask = None  # type: ignore[assignment,misc]
+    create_block_mask = None  # type: ignore[assignment]
+
+AttentionImpl = Literal["auto", "dense", "flex"]
+FLEX_BLOCK = 128  # flex BlockMask block size; element metadata is padded to a multiple of it
+
+
+def attention_rule(qa, qd, qdoc, qvalid, ka, kd, kdoc, kvalid):
+    """The P-EAGLE rule on broadcastable element metadata (shared by the dense and flex masks).
+
+    Args:
+        qa, qd, qdoc, qvalid: query anchor, depth, document, validity (e.g. ``[Tq, 1]``).
+        ka, kd, kdoc, kvalid: key anchor, depth, document, validity (e.g. ``[1, Tk]``).
+
+    Returns:
+        Bool tensor of the broadcast shape (e.g. ``[Tq, Tk]``), True = the query attends the key:
+        ``((kd == 0 & ka <= qa) | (ka == qa & kd <= qd)) & same document & both valid``.
+    """
+    rule = ((kd == 0) & (ka <= qa)) | ((ka == qa) & (kd <= qd))
+    return rule & (qdoc == kdoc) & qvalid & kvalid
+
+
+def pad_metadata(t: torch.Tensor, length: int, value: int | bool) -> torch.Tensor:
+    """``t [n]`` extended with ``value`` to ``[length]`` (unchanged if ``n >= length``).
+
+    ``create_block_mask`` evaluates ``mask_mod`` on indices up to whole blocks (``FLEX_BLOCK``), so
+    the metadata a ``mask_mod`` reads is padded with values no real slot has (e.g. document -1 for
+    queries, -2 for keys, ``False`` validity).
+    """
+    if t.shape[0] >= length:
+        return t
+    return torch.cat([t, t.new_full((length - t.shape[0],), value)])
+
+
+def _diagonal(k: Elements | None, diagonal: int | None) -> int | None:
+    """Self-attention (``k is None``) defaults to diagonal 0: every query also sees itself."""
+    return 0 if (k is None and diagonal is None) else diagonal
+
+
+def dense_element_mask(q: Elements, k: Elements | None = None, *, diagonal: int | None = None) -> torch.Tensor:
+    """Bool attention mask ``[1, 1, Tq, Tk]`` (True = attend) between element sets.
+
+    Args:
+        q: ``Tq`` query slots.
+        k: ``Tk`` key slots; ``None`` = the queries themselves.
+        diagonal: if set, query i also attends key ``i + diagonal``. Default: 0 when ``k`` is
+            None, so invalid (filler) queries attend to themselves only and no softmax row is
+            empty (SDPA would return NaN); none otherwise.
+    """
+    kk = q if k is None else k
+    diagonal = _diagonal(k, diagonal)
+    m = attention_rule(q.anchor[:, None], q.depth[:, None], q.doc[:, None], q.valid[:, None],
+                       kk.anchor[None], kk.depth[None], kk.doc[None], kk.valid[None])
+    if diagonal is not None:
+        qi = torch.arange(q.num_elements, device=m.device)[:, None]
+        ki = torch.arange(kk.num_elements, device=m.device)[None]
+        m = m | (ki == qi + diagonal)
+    return m[None, None]
+
+
+def flex_element_mask(
+    q: Elements, k: Elements | None = None, *, compile: bool | None = None, diagonal: int | None = None,
+) -> BlockMask:
+    """Flex-attention ``BlockMask`` with the same pattern as ``dense_element_mask``.
+
+    ``compile`` defaults to True on CUDA (``create_block_mask(_compile=True)``), False on CPU;
+    ``diagonal`` as in ``dense_element_mask``.
+
+    Raises:
+        RuntimeError: torch has no ``torch.nn.attention.flex_attention``.
+    """
+    if create_block_mask is None:  # pragma: no cover
+        raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use attention='dense'")
+    kk = q if k is None else k
+    diagonal = _diagonal(k, diagonal)
+    Tq, Tk = q.num_elements, kk.num_elements
+    dev = q.anchor.device
+    if compile is None:
+        compile = dev.type == "cuda"
+    # Metadata padded to whole blocks: create_block_mask evaluates mask_mod on padded indices.
+    Lq = -(-Tq // FLEX_BLOCK) * FLEX_BLOCK
+    Lk = -(-Tk // FLEX_BLOCK) * FLEX_BLOCK
+    qa, qd, qdoc = (pad_metadata(t, Lq, -1) for t in (q.anchor, q.depth, q.doc))
+    qv = pad_metadata(q.valid, Lq, False)
+    ka, kd, kdoc = (pad_metadata(t, Lk, -2) for t in (kk.anchor, kk.depth, kk.doc))
+    kv = pad_metadata(kk.valid, Lk, False)
+
+    def mask_mod(b, h, qi, ki):
+        m = attention_rule(qa[qi], qd[qi], qdoc[qi], qv[qi], ka[ki], kd[ki], kdoc[ki], kv[ki])
+        if diagonal is not None:
+            m = m | (ki == qi + diagonal)
+        return m
+
+    return create_block_mask(mask_mod, None, None, Tq, Tk, device=dev, _compile=compile)
+
+
+def resolve_attention(attention: AttentionImpl, device: torch.device) -> str:
+    """``"dense"`` or ``"flex"``: ``"auto"`` is flex on CUDA (when torch has flex attention), dense
+    elsewhere; ``"dense"`` / ``"flex"`` are returned as given.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if attention == "auto":
+        return "flex" if device.type == "cuda" and create_block_mask is not None else "dense"
+    if attention not in ("dense", "flex"):
+        raise ValueError(f"attention={attention!r}: use 'auto', 'dense' or 'flex'")
+    return attention
+
+
+def element_mask(
+    q: Elements, k: Elements | None = None, *, attention: AttentionImpl = "auto", diagonal: int | None = None,
+):
+    """Dense bool ``[1, 1, Tq, Tk]`` or flex ``BlockMask`` for the elements (see module doc);
+    ``diagonal`` as in ``dense_element_mask``.
+
+    Raises:
+        ValueError: unknown ``attention``.
+    """
+    impl = resolve_attention(attention, q.anchor.device)
+    if impl == "flex":
+        return flex_element_mask(q, k, diagonal=diagonal)
+    return dense_element_mask(q, k, diagonal=diagonal)
+
+
+__all__ = [
+    "FLEX_BLOCK",
+    "AttentionImpl",
+    "attention_rule",
+    "dense_element_mask",
+    "element_mask",
+    "flex_element_mask",
+    "pad_metadata",
+    "resolve_attention",
+]
