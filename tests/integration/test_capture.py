@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from peagle_core import shards
+from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts
 from pipelines import capture
+from pipelines.capture import materialize
 from pipelines.prompts import load_conversations
 from pipelines.recipe import CaptureConfig, DataConfig, SourceConfig, TargetConfig
+from tests.unit.test_capture import CrashBeforeThirdShard
 
 pytestmark = pytest.mark.integration
 MAX_LEN = 256
@@ -71,15 +74,17 @@ def test_hidden_states_equal_direct_forward(reference):
         torch.testing.assert_close(model.lm_head(s["final_hidden"]), o.logits[0], rtol=1e-4, atol=1e-3)
         n += 1
     assert n == res.num_samples
-    counts = shards.load_token_counts(out / shards.TOKEN_COUNTS_NAME)
+    counts = load_token_counts(out / TOKEN_COUNTS_NAME)
     assert counts.shape == (49152,) and int(counts.sum()) == res.num_loss_tokens
 
 
-def test_crash_and_resume_gives_the_same_manifest(reference, convos, tmp_path):
+def test_crash_and_resume_gives_the_same_manifest(reference, convos, tmp_path, monkeypatch):
     ref_dir, _ = reference
     out = tmp_path / "crashed"
-    with pytest.raises(Exception, match="injected crash"):
-        capture.run_capture(convos, *cfgs(), out, num_cpus_per_worker=2, crash_after_shards=2)
+    with monkeypatch.context() as m:  # the Ray actor (another process) imports the test class by name
+        m.setattr(materialize, "CaptureShardActor", CrashBeforeThirdShard)
+        with pytest.raises(Exception, match="injected crash"):
+            capture.run_capture(convos, *cfgs(), out, num_cpus_per_worker=2)
     written = sorted(p.name for p in out.glob("shard-*.safetensors"))
     assert written == ["shard-00000.safetensors", "shard-00001.safetensors"]
     assert not (out / shards.MANIFEST_NAME).exists()

@@ -10,7 +10,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from peagle_core import shards
+from peagle_core.samples import HIDDEN_DTYPES, SAMPLE_KEYS, dtype_name, validate_sample
+from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts
 from pipelines import capture
+from pipelines.capture import forward as capture_forward
+from pipelines.capture import materialize
+from pipelines.capture import tokenize as capture_tokenize
+from pipelines.capture.actors import CaptureShardActor
+from pipelines.capture.rows import ragged_from_arrow
 from pipelines.recipe import CaptureConfig, DataConfig, TargetConfig
 from tests.unit.conftest import tiny_target_config
 
@@ -148,7 +155,7 @@ def test_capture_batch_equals_direct_forward(model, tok):
         torch.testing.assert_close(s["final_hidden"], hs[-1][0], rtol=1e-5, atol=1e-5)  # HF last = after norm
         logits = model.lm_head(s["final_hidden"])
         torch.testing.assert_close(logits, model(ids).logits[0], rtol=1e-4, atol=1e-4)
-        shards.validate_sample(s, hidden_size=36, dtype="float32")
+        validate_sample(s, hidden_size=36, dtype="float32")
 
 
 def test_capture_batch_dtype_and_nan(model, tok):
@@ -173,7 +180,7 @@ def previous_capture_batch(model, tokenizer, rows, cfg, layer_ids, *, max_length
     from peagle_core.target import target_forward
 
     stats = stats if stats is not None else Counter()
-    dtype = shards.HIDDEN_DTYPES[shards.dtype_name(cfg.dtype)]
+    dtype = HIDDEN_DTYPES[dtype_name(cfg.dtype)]
     prepared = capture.prepare_samples(tokenizer, rows, max_length_tokens=max_length_tokens,
                                        on_too_long=cfg.on_too_long, stats=stats)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -204,7 +211,7 @@ def previous_capture_batch(model, tokenizer, rows, cfg, layer_ids, *, max_length
 def assert_same_samples(got, want):
     assert [s["sample_id"] for s in got] == [s["sample_id"] for s in want]
     for g, w in zip(got, want):
-        for key in shards.SAMPLE_KEYS:
+        for key in SAMPLE_KEYS:
             assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape, (g["sample_id"], key)
             assert torch.equal(g[key], w[key]), (g["sample_id"], key)  # bit for bit
 
@@ -226,12 +233,12 @@ def test_capture_is_bit_identical_to_previous_path(model, tok, dtype, batch_size
     assert_same_samples(split, want)
     for s in split:
         assert not s["aux"].is_inference() and s["aux"].is_contiguous() and s["final_hidden"].is_contiguous()
-        shards.validate_sample(s, hidden_size=36, dtype=dtype, max_length=17)
+        validate_sample(s, hidden_size=36, dtype=dtype, max_length=17)
 
 
 def test_tokenized_rows_are_checked_before_the_forward(model, tok, monkeypatch):
     tokenized = capture.tokenize_rows(tok, CONVOS[:3], max_length_tokens=None)
-    monkeypatch.setattr(capture, "target_forward", lambda *a, **k: pytest.fail("forward ran on bad input"))
+    monkeypatch.setattr(capture_forward, "target_forward", lambda *a, **k: pytest.fail("forward ran on bad input"))
     bad = [dict(r) for r in tokenized]
     bad[1]["loss_mask"] = np.zeros_like(bad[1]["loss_mask"])
     with pytest.raises(ValueError, match="sample 'c1': loss_mask is all zero"):
@@ -248,7 +255,7 @@ def test_tokenized_rows_are_checked_before_the_forward(model, tok, monkeypatch):
 def test_tokenize_stages_round_trip_through_arrow(tok, target_dir):
     import pyarrow as pa
 
-    capture._cached_tokenizer.cache_clear()
+    capture_tokenize._cached_tokenizer.cache_clear()
     rows = many_convos(6) + [convo("noasst", "hi")]
     kw = {"tokenizer_path": str(target_dir), "max_length_tokens": 17, "on_too_long": "truncate"}
     want = capture.tokenize_rows(tok, rows, max_length_tokens=17)
@@ -264,14 +271,14 @@ def test_tokenize_stages_round_trip_through_arrow(tok, target_dir):
         list(r["input_ids"]) for r in want]
     assert capture.tokenized_from_batch(capture.tokenize_conversations(pa.Table.from_pylist(rows[-1:]), **kw)) == []
 
-    rows = capture._conversation_rows(rows)  # as run_capture makes shard tasks: with sample_id
+    rows = capture.conversation_rows(rows)  # as run_capture makes shard tasks: with sample_id
     tasks = pa.table({"shard_index": [3, 4], "conversations": [json.dumps(rows[:4]), json.dumps(rows[4:])]})
     shard_rows = capture.tokenize_shard_tasks(tasks, **kw)
     assert shard_rows.column("shard_index").to_pylist() == [3, 4]
     assert json.loads(shard_rows.column("conversation_ids")[1].as_py()) == [r["id"] for r in rows[4:]]
     assert json.loads(shard_rows.column("tokenize_stats")[1].as_py())["dropped_no_assistant_turn"] == 1
     assert shard_rows.column("sample_id")[1].as_py() == [r["id"] for r in rows[4:6]]
-    second = capture._ragged_from_arrow(shard_rows.column("input_ids")[1].values)
+    second = ragged_from_arrow(shard_rows.column("input_ids")[1].values)
     assert [list(a) for a in second] == [list(w["input_ids"]) for w in want[4:]]
 
 
@@ -296,7 +303,28 @@ def many_convos(n: int) -> list[dict]:
     return [dict(c, id=f"{c['id']}-{i}") for i in range(n // len(CONVOS) + 1) for c in CONVOS][:n]
 
 
-def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir):
+class CrashBeforeThirdShard(CaptureShardActor):
+    """Test-only shard actor: writes two shards, then leaves a partial temp file behind and raises, as a
+    process killed while writing its third shard would. Swapped in for ``CaptureShardActor`` with
+    monkeypatch; defined at module level so Ray workers import it by name (tests/integration too)."""
+
+    num_shards_before_crash = 2
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_written = 0
+
+    def write_shard(self, batch, r):
+        name = shards.shard_name(int(batch.column("shard_index")[r].as_py()))
+        if self.num_written >= self.num_shards_before_crash:
+            (self.out_dir / f".{name}.crash.tmp").write_bytes(b"partial shard")
+            raise RuntimeError(f"injected crash before writing {name}")
+        written = super().write_shard(batch, r)
+        self.num_written += 1
+        return written
+
+
+def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir, monkeypatch):
     rows = many_convos(7) + [convo("empty", "hi", "")]  # 8 conversations -> 4 shards, one drop
     t, c, d = cfgs(target_dir)
     ref = capture.run_capture(rows, t, c, d, tmp_path / "ref", use_ray=False)
@@ -307,8 +335,10 @@ def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir):
     assert meta["bytes_per_token"] == 4 + 1 + 4 * 36 * 2
 
     out = tmp_path / "crashed"
-    with pytest.raises(RuntimeError, match="injected crash before writing shard-00002"):
-        capture.run_capture(rows, t, c, d, out, use_ray=False, crash_after_shards=2)
+    with monkeypatch.context() as m:
+        m.setattr(materialize, "CaptureShardActor", CrashBeforeThirdShard)
+        with pytest.raises(RuntimeError, match="injected crash before writing shard-00002"):
+            capture.run_capture(rows, t, c, d, out, use_ray=False)
     assert sorted(p.name for p in out.iterdir()) == [".shard-00002.safetensors.crash.tmp",
                                                      "shard-00000.safetensors", "shard-00001.safetensors"]
     before = (out / "shard-00000.safetensors").stat().st_mtime_ns
@@ -325,9 +355,10 @@ def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir):
     assert again.num_shards_reused == 4 and shards.load_manifest(out).to_pylist() == ref_manifest
     got = list(shards.iter_samples(out))
     assert [s["sample_id"] for s in got] == [r["sample_id"] for r in ref_manifest]
-    counts = shards.load_token_counts(out / shards.TOKEN_COUNTS_NAME)
+    counts = load_token_counts(out / TOKEN_COUNTS_NAME)
     assert int(counts.sum()) == sum(int(s["loss_mask"].sum()) for s in got)
-    assert torch.equal(counts, capture.count_tokens(rows, 99, tokenizer=tiny_tokenizer(), max_length_tokens=64))
+    tokenized = capture.tokenize_rows(tiny_tokenizer(), capture.conversation_rows(rows), max_length_tokens=64)
+    assert torch.equal(counts, capture.count_assistant_tokens(tokenized, 99))
 
 
 def test_run_capture_refuses_other_settings(tmp_path, target_dir):

@@ -1,0 +1,124 @@
+"""Ray Data actors of capture (the model stage) and the resources of the two stages.
+
+:class:`CaptureActor` holds the target for the actor's life and turns tokenized rows into captured
+sample rows (streaming capture); :class:`CaptureShardActor` captures one shard task per row and
+writes it to disk (materialized capture). Both also run in-process, without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from peagle_core import shards
+from pipelines.capture.forward import capture_tokenized, pad_id
+from pipelines.capture.rows import (
+    INPUT_IDS,
+    LOSS_MASK,
+    SAMPLE_ID,
+    ragged_from_arrow,
+    samples_to_columns,
+    tokenized_from_batch,
+)
+from pipelines.capture.target import load_target
+
+if TYPE_CHECKING:
+    from pipelines.recipe import CaptureConfig
+
+log = logging.getLogger(__name__)
+
+
+def actor_num_gpus(requested: float | None) -> float:
+    """GPUs per capture actor: ``requested``, or 1 when the Ray cluster has GPUs, else 0 (CPU)."""
+    if requested is not None:
+        return float(requested)
+    import ray
+
+    return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+
+
+def tokenize_num_cpus(num_gpus: float, num_cpus_per_worker: float, num_workers: int) -> float:
+    """CPUs per tokenize task. With GPU actors: 1, so Ray Data runs tokenize tasks on free CPUs in
+    parallel with the GPU stage. Without: the actor's CPUs, so Ray Data fuses tokenization into the
+    actor (same remote args): on CPU the forward is the bottleneck, and separate tokenize tasks
+    could wait forever for CPUs held by the actor pool."""
+    if not num_gpus:
+        return num_cpus_per_worker
+    import ray
+
+    if ray.is_initialized():
+        free = ray.cluster_resources().get("CPU", 0) - num_workers * num_cpus_per_worker
+        if free < 1:
+            log.warning("capture: %d GPU actors x %s CPUs leave %s CPUs for the tokenize stage; it needs >= 1 "
+                        "(lower num_cpus_per_worker or add CPUs, else the pipeline waits for CPUs)",
+                        num_workers, num_cpus_per_worker, free)
+    return 1.0
+
+
+class CaptureActor:
+    """Ray Data ``map_batches`` actor, the model stage: tokenized rows (``sample_id``, ``input_ids``,
+    ``loss_mask``, from the :func:`~pipelines.capture.tokenize.tokenize_conversations` stage) ->
+    captured sample rows.
+
+    Use: ``ds.map_batches(tokenize_conversations, ...).map_batches(CaptureActor, fn_constructor_kwargs=
+    dict(...), compute=ray.data.ActorPoolStrategy(size=n), num_gpus=1, batch_size=capture.batch_size,
+    batch_format="pyarrow")``. Holds the target for the actor's life (loaded once), ``num_threads``
+    torch threads (set it to the actor's CPUs).
+    """
+
+    def __init__(self, target_path: str, target_dtype: str, capture_cfg: CaptureConfig, layer_ids: Sequence[int],
+                 max_length_tokens: int | None, num_threads: int | None = None):
+        self.model, self.tokenizer = load_target(target_path, target_dtype, num_threads=num_threads)
+        self.cfg, self.layer_ids, self.max_length_tokens = capture_cfg, tuple(layer_ids), max_length_tokens
+        self.stats: Counter = Counter()
+
+    def capture(self, tokenized: Sequence[Mapping[str, Any]], stats: Counter | None = None) -> list[dict[str, Any]]:
+        return capture_tokenized(self.model, tokenized, self.cfg, self.layer_ids, pad_token_id=pad_id(self.tokenizer),
+                                 max_length_tokens=self.max_length_tokens,
+                                 stats=self.stats if stats is None else stats)
+
+    def __call__(self, batch) -> dict[str, Any]:
+        return samples_to_columns(self.capture(tokenized_from_batch(batch)))
+
+
+class CaptureShardActor(CaptureActor):
+    """Materialized capture: each input row is one tokenized shard (from
+    :func:`~pipelines.capture.tokenize.tokenize_shard_tasks`); captures it, writes
+    ``shard-XXXXX.safetensors`` atomically (into ``out_dir``, with ``shard_metadata`` in its header),
+    returns its manifest rows and counts.
+    """
+
+    def __init__(self, *args, out_dir: str, shard_metadata: dict[str, Any], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.out_dir, self.shard_metadata = Path(out_dir), shard_metadata
+
+    def __call__(self, batch) -> dict[str, Any]:
+        out: dict[str, list] = {"shard_index": [], "rows": [], "stats": []}
+        for r in range(batch.num_rows):
+            k, manifest_rows, stats = self.write_shard(batch, r)
+            out["shard_index"].append(k)
+            out["rows"].append(json.dumps(manifest_rows))
+            out["stats"].append(json.dumps(dict(stats)))
+        return out
+
+    def write_shard(self, batch, r: int) -> tuple[int, list[dict[str, Any]], Counter]:
+        """Capture row ``r`` of ``batch`` (one shard task) and write its shard: ``(shard index, manifest
+        rows, stats)``, stats being the tokenize counts plus ``num_samples``, ``num_tokens``,
+        ``num_loss_tokens`` and ``forward_ms`` (the model step's wall time)."""
+        k = int(batch.column("shard_index")[r].as_py())
+        tokenized = [{SAMPLE_ID: s, INPUT_IDS: i, LOSS_MASK: m} for s, i, m in zip(
+            batch.column(SAMPLE_ID)[r].as_py(), ragged_from_arrow(batch.column(INPUT_IDS)[r].values),
+            ragged_from_arrow(batch.column(LOSS_MASK)[r].values))]
+        stats: Counter = Counter(json.loads(batch.column("tokenize_stats")[r].as_py()))
+        t0 = time.perf_counter()
+        samples = self.capture(tokenized, stats)
+        stats["forward_ms"] = round(1000 * (time.perf_counter() - t0))
+        meta = {**self.shard_metadata, "conversation_ids": json.loads(batch.column("conversation_ids")[r].as_py()),
+                "stats": dict(stats)}
+        path = self.out_dir / shards.shard_name(k)
+        return k, shards.write_shard(path, samples, metadata=meta, validate=False), stats  # validated above

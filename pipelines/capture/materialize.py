@@ -1,0 +1,326 @@
+"""Materialized capture: conversations -> resumable, checksummed shards on disk (:func:`run_capture`).
+
+Shard k holds conversations ``[k*S, (k+1)*S)`` of the input order (``S =
+capture.shard_size_samples``), so the assignment is deterministic. One Ray Data row = one shard task;
+:func:`~pipelines.capture.tokenize.tokenize_shard_tasks` tokenizes it, a
+:class:`~pipelines.capture.actors.CaptureShardActor` pool captures it and writes the shard atomically
+(hidden states never travel through the object store). A re-run keeps every shard whose file is
+complete, verified and made for the same conversations and settings, rewrites the others, and writes
+``capture_meta.json`` then ``manifest.parquet`` last: the manifest exists only for a finished capture.
+
+Shape legend: V target vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from peagle_core import shards
+from peagle_core.storage import bytes_per_token, format_bytes
+from peagle_core.vocab import TOKEN_COUNTS_NAME, save_token_counts
+from pipelines.capture.actors import CaptureShardActor, actor_num_gpus, tokenize_num_cpus
+from pipelines.capture.rows import INPUT_IDS, LOSS_MASK, SAMPLE_ID, conversation_rows
+from pipelines.capture.target import check_backend, resolve_target
+from pipelines.capture.tokenize import DROP_REASONS, count_assistant_tokens, tokenize_shard_tasks
+
+if TYPE_CHECKING:
+    from pipelines.recipe import CaptureConfig, DataConfig, TargetConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CaptureResult:
+    """Outcome of :func:`run_capture`. ``bytes_per_token`` is on-disk size / tokens;
+    ``tokens_per_s`` = tokens captured in this run (reused shards excluded) / wall time of the actor
+    pool including actor start-up (``meta["forward_tokens_per_s"]`` excludes it)."""
+
+    out_dir: Path
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    num_shards: int
+    num_shards_reused: int
+    dropped: dict[str, int]
+    num_truncated: int
+    bytes_per_token: float
+    seconds: float
+    tokens_per_s: float
+    meta: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def run_capture(
+    conversations,
+    target_cfg: TargetConfig,
+    capture_cfg: CaptureConfig,
+    data_cfg: DataConfig,
+    out_dir: str | Path,
+    *,
+    num_cpus_per_worker: float = 1,
+    num_gpus_per_worker: float | None = None,
+    use_ray: bool | None = None,
+) -> CaptureResult:
+    """Materialized capture of ``conversations`` (``datasets.Dataset``, Ray Dataset or list of rows
+    ``{id, messages, ...}``) into ``out_dir``. Resumable: see the module docstring.
+
+    ``use_ray``: two Ray Data stages over shard tasks: ``tokenize_shard_tasks`` (CPU tasks), then a
+    ``CaptureShardActor`` pool (``capture.num_workers`` actors with ``num_cpus_per_worker`` CPUs
+    and ``num_gpus_per_worker`` GPUs each; None = 1 if the Ray cluster has GPUs, else 0); Ray starts
+    locally if ``ray.init`` has not run. With False the same two stages run in-process (a GPU box
+    without Ray). None = Ray when importable.
+
+    Writes ``shard-XXXXX.safetensors``, ``token_counts.safetensors`` ([V] counts of assistant tokens
+    for d2t/t2d), ``capture_meta.json`` and, last, ``manifest.parquet``.
+
+    Raises:
+        ValueError: bad config, no chat template, no conversations, or ``out_dir`` holding a capture made
+            with other settings (all before the target forward).
+    """
+    check_backend(capture_cfg)
+    if use_ray is None:
+        use_ray = importlib.util.find_spec("ray") is not None
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = conversation_rows(conversations)
+    if not rows:
+        raise ValueError("run_capture got no conversations; check data.sources / num_samples")
+    asset, config = resolve_target(target_cfg)
+    layer_ids = target_cfg.resolve_aux_layer_ids(config["num_hidden_layers"])
+    fp = _fingerprint(asset, layer_ids, capture_cfg, data_cfg)
+    tasks = _shard_tasks(rows, capture_cfg.shard_size_samples, out_dir)
+    done, shard_stats = _reuse_shards(out_dir, tasks, fp)
+    num_reused = len(done)
+    pending = [k for k in range(len(tasks)) if k not in done]
+    log.info("capture: %d shards, %d verified and kept, %d to write", len(tasks), num_reused, len(pending))
+
+    t_run = time.perf_counter()
+    actor_args = (str(asset.path), target_cfg.dtype, capture_cfg, layer_ids, data_cfg.max_length_tokens)
+    actor_kwargs = {"out_dir": str(out_dir), "shard_metadata": {"fingerprint": fp}}
+    tokenize_kwargs = {"tokenizer_path": str(asset.path), "max_length_tokens": data_cfg.max_length_tokens,
+                       "on_too_long": capture_cfg.on_too_long}
+    if not pending:
+        written: Iterator[Mapping[str, Any]] = iter(())
+    elif use_ray:
+        written = _capture_with_ray(tasks, pending, actor_args, actor_kwargs, tokenize_kwargs, capture_cfg.num_workers,
+                                    num_cpus_per_worker=num_cpus_per_worker, num_gpus_per_worker=num_gpus_per_worker)
+    else:  # the same two stages, in-process
+        written = _capture_in_process(tasks, pending, actor_args, actor_kwargs, tokenize_kwargs)
+    for row in written:
+        k = int(row["shard_index"])
+        done[k] = json.loads(row["rows"])
+        shard_stats[k] = json.loads(row["stats"])
+        log.info("captured %s (%d samples)", shards.shard_name(k), len(done[k]))
+    run_s = time.perf_counter() - t_run
+
+    meta, disk = _finish(out_dir, tasks, done, shard_stats, pending, run_s, asset=asset, target_cfg=target_cfg,
+                         capture_cfg=capture_cfg, layer_ids=layer_ids, config=config, fingerprint=fp)
+    result = CaptureResult(
+        out_dir=out_dir, num_samples=meta["num_samples"], num_tokens=meta["num_tokens"],
+        num_loss_tokens=meta["num_loss_tokens"], num_shards=len(tasks), num_shards_reused=num_reused,
+        dropped=meta["dropped"], num_truncated=meta["num_truncated"], bytes_per_token=meta["bytes_per_token_on_disk"],
+        seconds=time.perf_counter() - t_start, tokens_per_s=meta["capture_tokens_per_s_this_run"] or 0.0, meta=meta,
+    )
+    log.info(
+        "capture done: %d samples, %d tokens, %s on disk (%.0f B/token), %.0f tokens/s, dropped %s, truncated %d",
+        result.num_samples, result.num_tokens, format_bytes(disk),
+        result.bytes_per_token, result.tokens_per_s, result.dropped, result.num_truncated,
+    )
+    return result
+
+
+def _fingerprint(asset, layer_ids, capture_cfg: CaptureConfig, data_cfg: DataConfig) -> dict[str, Any]:
+    """The settings a shard was captured with (stored in its header): a shard is reused only under the
+    same. ``asset``: the target's ``TargetAsset`` (its tokenizer's chat template is part of the settings).
+
+    Raises:
+        ValueError: the target tokenizer has no chat template.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(asset.path))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"target tokenizer at {asset.path} has no chat_template")
+    return {
+        "target_sha256": asset.sha256,
+        "aux_layer_ids": list(layer_ids),
+        "dtype": capture_cfg.dtype,
+        "max_length_tokens": data_cfg.max_length_tokens,
+        "on_too_long": capture_cfg.on_too_long,
+        "shard_size_samples": capture_cfg.shard_size_samples,
+        "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
+    }
+
+
+def _shard_tasks(rows: list[dict[str, Any]], size: int, out_dir: Path) -> list[list[dict[str, Any]]]:
+    """``rows`` cut into shard tasks of ``size`` conversations, in input order.
+
+    Raises:
+        ValueError: ``out_dir`` holds shards beyond this input's (an earlier, larger run: not ours to keep).
+    """
+    tasks = [rows[i:i + size] for i in range(0, len(rows), size)]
+    for k in range(len(tasks), 10**5):
+        extra = out_dir / shards.shard_name(k)
+        if not extra.exists():
+            break
+        raise ValueError(f"{extra} is beyond the {len(tasks)} shards of this input; use a new out_dir")
+    return tasks
+
+
+def _reuse_shards(out_dir: Path, tasks: list[list[dict[str, Any]]],
+                  fingerprint: dict[str, Any]) -> tuple[dict[int, list[dict]], dict[int, dict]]:
+    """``(manifest rows, stats)`` by shard index of the shards on disk that can be kept; then removes the
+    manifest (a manifest marks a finished capture: not yet) and temp files of interrupted writes.
+
+    Raises:
+        ValueError: a shard made with other settings (see :func:`_reusable_shard`).
+    """
+    done: dict[int, list[dict]] = {}
+    shard_stats: dict[int, dict] = {}
+    for k, task in enumerate(tasks):
+        path = out_dir / shards.shard_name(k)
+        reused = _reusable_shard(path, fingerprint, [r[SAMPLE_ID] for r in task])
+        if reused is not None:
+            done[k] = reused
+            shard_stats[k] = json.loads(shards.shard_header(path).get("stats", "{}"))
+    (out_dir / shards.MANIFEST_NAME).unlink(missing_ok=True)
+    for stray in out_dir.glob(".shard-*.tmp"):
+        stray.unlink()  # an interrupted write
+    return done, shard_stats
+
+
+def _reusable_shard(path: Path, fingerprint: dict[str, Any], conversation_ids: list[str]) -> list[dict] | None:
+    """Manifest rows of an existing shard if it is complete, verified and made for exactly these
+    conversations and settings; None if absent or stale/corrupt (then it is rewritten).
+
+    Raises:
+        ValueError: the shard was made with other settings (another target, layers, dtype...):
+            a different capture lives in this directory; nothing is overwritten.
+    """
+    if not path.exists():
+        return None
+    try:
+        header = shards.shard_header(path)
+        got = json.loads(header.get("fingerprint", "null"))
+        if got != fingerprint:
+            diff = {k: (got or {}).get(k) for k in fingerprint if (got or {}).get(k) != fingerprint[k]}
+            raise ValueError(
+                f"{path} was captured with other settings ({diff} vs {fingerprint}); use a new out_dir or "
+                "delete the old capture"
+            )
+        if json.loads(header.get("conversation_ids", "[]")) != conversation_ids:
+            log.warning("%s holds other conversations (input order changed); rewriting it", path.name)
+            return None
+        return shards.read_shard(path, verify=True).rows()
+    except shards.ShardError as e:
+        log.warning("rewriting %s: %s", path.name, e)
+        return None
+
+
+def _capture_in_process(tasks, pending: list[int], actor_args: tuple, actor_kwargs: dict[str, Any],
+                        tokenize_kwargs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The two stages without Ray, one shard task after another: one result row per shard written."""
+    import pyarrow as pa
+
+    worker = CaptureShardActor(*actor_args, **actor_kwargs)
+    for k in pending:
+        task = pa.table({"shard_index": [k], "conversations": [json.dumps(tasks[k])]})
+        res = worker(tokenize_shard_tasks(task, **tokenize_kwargs))
+        yield {key: v[0] for key, v in res.items()}
+
+
+def _capture_with_ray(tasks, pending: list[int], actor_args: tuple, actor_kwargs: dict[str, Any],
+                      tokenize_kwargs: dict[str, Any], num_workers: int, *, num_cpus_per_worker: float,
+                      num_gpus_per_worker: float | None) -> Iterator[dict[str, Any]]:
+    """The two stages as Ray Data ``map_batches`` (CPU tokenize tasks, then a ``CaptureShardActor``
+    pool of at most ``num_workers``): one result row per shard written, in completion order."""
+    import ray
+
+    num_workers = max(1, min(num_workers, len(pending)))
+    ds = ray.data.from_items(
+        [{"shard_index": k, "conversations": json.dumps(tasks[k])} for k in pending],
+        override_num_blocks=len(pending),
+    )
+    num_gpus = actor_num_gpus(num_gpus_per_worker)
+    tokenized = ds.map_batches(tokenize_shard_tasks, fn_kwargs=tokenize_kwargs, batch_size=1,
+                               batch_format="pyarrow",
+                               num_cpus=tokenize_num_cpus(num_gpus, num_cpus_per_worker, num_workers))
+    out = tokenized.map_batches(
+        CaptureShardActor,
+        fn_constructor_args=actor_args,
+        fn_constructor_kwargs={**actor_kwargs, "num_threads": max(1, int(num_cpus_per_worker))},
+        compute=ray.data.ActorPoolStrategy(size=num_workers),
+        batch_size=1,
+        batch_format="pyarrow",
+        num_cpus=num_cpus_per_worker,
+        num_gpus=num_gpus,
+    )
+    yield from out.iter_rows()
+
+
+def _shard_tokens(out_dir: Path, manifest_rows: Sequence[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``{input_ids, loss_mask}`` of each shard (all its samples concatenated), read lazily: only these
+    two tensors of one shard are in memory at a time."""
+    from safetensors import safe_open
+
+    for name in dict.fromkeys(r["shard"] for r in manifest_rows):
+        with safe_open(str(out_dir / name), framework="pt") as f:
+            yield {INPUT_IDS: f.get_tensor(INPUT_IDS), LOSS_MASK: f.get_tensor(LOSS_MASK)}
+
+
+def _finish(out_dir: Path, tasks, done: dict[int, list[dict]], shard_stats: dict[int, dict], pending: list[int],
+            run_s: float, *, asset, target_cfg: TargetConfig, capture_cfg: CaptureConfig, layer_ids,
+            config: dict[str, Any], fingerprint: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Write ``token_counts.safetensors``, ``capture_meta.json`` and, last, the manifest of a capture
+    whose shards are all on disk; returns the meta (sizes, drops, throughput of this run) and the
+    shards' bytes on disk."""
+    manifest_rows = [r for k in range(len(tasks)) for r in done[k]]
+    totals: Counter = Counter()
+    for s in shard_stats.values():
+        totals.update({k: v for k, v in s.items() if isinstance(v, int)})
+    new_tokens = sum(shard_stats[k].get("num_tokens", 0) for k in pending)
+    forward_s = sum(shard_stats[k].get("forward_ms", 0) for k in pending) / 1000
+    num_tokens = sum(r["length"] for r in manifest_rows)
+    disk = sum((out_dir / shards.shard_name(k)).stat().st_size for k in range(len(tasks)))
+    hidden_size, vocab_size = int(config["hidden_size"]), int(config["vocab_size"])
+    counts = count_assistant_tokens(_shard_tokens(out_dir, manifest_rows), vocab_size)
+    save_token_counts(out_dir / TOKEN_COUNTS_NAME, counts,
+                      {"target_sha256": asset.sha256, "num_tokens": int(counts.sum())})
+    meta = {
+        "target_path": str(asset.path),
+        "target_sha256": asset.sha256,
+        "target_model": target_cfg.model,
+        "target_dtype": target_cfg.dtype,
+        "aux_layer_ids": list(layer_ids),
+        "aux_layer_semantics": "vLLM: input of decoder layer i = HF hidden_states[i]",
+        "dtype": capture_cfg.dtype,
+        "hidden_size": hidden_size,
+        "aux_width": len(layer_ids) * hidden_size,
+        "vocab_size": vocab_size,
+        "final_hidden": "after the target's final norm: target logits = lm_head(final_hidden)",
+        "bytes_per_token": bytes_per_token(hidden_size, capture_cfg.dtype, len(layer_ids)),
+        "bytes_per_token_on_disk": disk / max(num_tokens, 1),
+        "num_conversations": sum(len(t) for t in tasks),
+        "num_samples": len(manifest_rows),
+        "num_tokens": num_tokens,
+        "num_loss_tokens": int(totals.get("num_loss_tokens", 0)),
+        "num_shards": len(tasks),
+        "num_truncated": int(totals.get("truncated", 0)),
+        "dropped": {r: totals.get(f"dropped_{r}", 0) for r in DROP_REASONS},
+        "fingerprint": fingerprint,
+        "capture_tokens_per_s_this_run": new_tokens / run_s if pending and run_s > 0 else None,
+        # tokens / time in the model step (batching, forward, copy to host, validate), summed over actors
+        "forward_tokens_per_s": new_tokens / forward_s if forward_s > 0 else None,
+    }
+    shards.write_capture_meta(out_dir, meta)
+    shards.write_manifest(out_dir, manifest_rows)  # last: marks the capture finished
+    return meta, disk
