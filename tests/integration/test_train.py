@@ -54,6 +54,17 @@ def ray_local():
     ray.shutdown()
 
 
+class FailAfterStep(T.TrainCallback):
+    """Simulated crash: raises on every worker once the checkpoint of step >= ``step`` is complete (reported)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_checkpoint(self, step: int, metrics: dict) -> None:
+        if step >= self.step:
+            raise RuntimeError(f"fail_after_step={self.step}: simulated failure at step {step}")
+
+
 def configs(**kw):
     base = {"method": "peagle", "num_epochs": 20, "max_steps": 8, "lr": 2e-3, "warmup_steps": 2,
             "batch_tokens": 320, "num_workers": 2, "checkpoint_every_steps": 4, "num_partitions": 2,
@@ -66,8 +77,9 @@ def configs(**kw):
 def run(capture, tmp_path, name, training_kw=None, **kw):
     from pipelines.capture import captured_dataset
 
-    return T.run_train(configs(**(training_kw or {})), captured_dataset(capture), tmp_path / f"out-{name}",
-                       capture_dir=capture, run_name=name, storage_path=tmp_path / "ray_results",
+    plan = T.plan_from_capture(*configs(**(training_kw or {})), capture)
+    return T.run_train(plan, captured_dataset(capture), tmp_path / f"out-{name}",
+                       run_name=name, storage_path=tmp_path / "ray_results",
                        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", log_every_steps=2,
                        export_dtype="float32", **kw)
 
@@ -76,7 +88,7 @@ def test_train_kill_resume_loss_decreases_and_export(capture, ray_local, tmp_pat
     """Run 1 (2 workers) is killed right after its step-4 checkpoint; run 2 (same run name and storage)
     resumes there with the optimizer state restored, finishes at step 8 and exports the head."""
     with pytest.raises(Exception, match="fail_after_step"):
-        run(capture, tmp_path, "peagle", debug={"fail_after_step": 4})
+        run(capture, tmp_path, "peagle", callbacks=[FailAfterStep(4)])
     ck4 = tmp_path / "ray_results" / "peagle" / "checkpoint_00000004"
     state4 = json.loads((ck4 / T.STATE_FILE).read_text())
     assert state4["step"] == 4 and state4["world_size"] == 2

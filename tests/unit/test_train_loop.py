@@ -1,4 +1,4 @@
-"""The plain (Ray-free) training loop of pipelines/train.py: schedule, packing position, resume."""
+"""The plain (Ray-free) training loop of pipelines/train/: schedule, packing position, resume."""
 
 import itertools
 import math
@@ -9,9 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from peagle_core.drafter import DrafterConfig, Eagle3Drafter
-from peagle_core.objective import pack_samples
+from peagle_core.batch import pack_samples
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_config import DrafterConfig
+from peagle_core.vocab import count_token_ids, vocab_mapping_from_counts
 from pipelines import train as T
+from pipelines.capture import count_assistant_tokens
+from pipelines.recipe import DrafterSpec, TargetConfig, TrainingConfig
 
 from .conftest import HIDDEN, MASK_ID, VOCAB, tiny_target_config
 
@@ -20,10 +24,16 @@ pytestmark = pytest.mark.unit
 
 class StandInObjective:
     """Next-token distillation at depth 0 with a random row subsample (exercises the RNG the
-    trainer must checkpoint); the interface of ``peagle_core.objective`` objectives."""
+    trainer must checkpoint); the interface of ``peagle_core.objectives.base.Objective``."""
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+
+    def rng_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
 
     def forward_backward(self, drafter, batch, *, target_lm_head, loss_scale_denominator=None, no_sync=None,
                          elements=None):
@@ -67,22 +77,36 @@ def make_drafter(draft_vocab_size=None) -> Eagle3Drafter:
     return Eagle3Drafter(cfg)
 
 
-def config(**kw) -> dict:
-    base = {"method": "peagle", "num_epochs": 3, "max_steps": None, "lr": 3e-3, "betas": (0.9, 0.95),
-            "weight_decay": 0.01, "warmup_steps": 2, "batch_tokens": 24, "grad_clip": 1.0,
-            "checkpoint_every_steps": 4, "seed": 0}
-    base.update(kw)
-    return base
+FIELDS = {"method": "peagle", "num_epochs": 3, "max_steps": None, "lr": 3e-3, "betas": (0.9, 0.95),
+          "weight_decay": 0.01, "warmup_steps": 2, "batch_tokens": 24, "grad_clip": 1.0,
+          "checkpoint_every_steps": 4, "seed": 0}
+
+
+def config(*, validate: bool = True, **kw) -> TrainingConfig:
+    """The recipe's training section; ``validate=False`` builds it unchecked (to reach the trainer's own checks)."""
+    fields = FIELDS | kw
+    return TrainingConfig(**fields) if validate else TrainingConfig.model_construct(**fields)
+
+
+class FailAfterStep(T.TrainCallback):
+    """Simulated crash: raises on every rank once the checkpoint of step >= ``step`` is complete."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_checkpoint(self, step: int, metrics: dict) -> None:
+        if step >= self.step:
+            raise RuntimeError(f"fail_after_step={self.step}: simulated failure at step {step}")
 
 
 LM_HEAD = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(7))
 
 
 def train(samples, tmp, **kw):
-    cfg = config(**{k: v for k, v in kw.items() if k in config()})
-    extra = {k: v for k, v in kw.items() if k not in config()}
-    return T.run_training(lambda epoch: iter(samples), make_drafter(), LM_HEAD, StandInObjective(), cfg,
-                          checkpoint_dir=tmp, device="cpu", log_every_steps=1, pack_fn=pack_samples, **extra)
+    cfg = config(**{k: v for k, v in kw.items() if k in FIELDS})
+    extra = {k: v for k, v in kw.items() if k not in FIELDS}
+    return T.train_in_process(lambda epoch: iter(samples), make_drafter(), LM_HEAD, StandInObjective(), cfg,
+                              checkpoint_dir=tmp, device="cpu", log_every_steps=1, pack_fn=pack_samples, **extra)
 
 
 def test_lr_schedule_shape():
@@ -144,14 +168,14 @@ def test_resume_is_exact(tmp_path):
     samples = make_samples(14)  # ~4 batches per epoch: step 4 ends epoch 0 or lands mid epoch 1
     full = train(samples, tmp_path / "a", max_steps=9)
     with pytest.raises(RuntimeError, match="fail_after_step"):
-        train(samples, tmp_path / "b", max_steps=9, fail_after_step=6, checkpoint_every_steps=3)
-    assert T._latest_checkpoint(tmp_path / "b").name == "checkpoint_00000006"
+        train(samples, tmp_path / "b", max_steps=9, callbacks=[FailAfterStep(6)], checkpoint_every_steps=3)
+    assert T.latest_checkpoint(tmp_path / "b").name == "checkpoint_00000006"
     resumed = train(samples, tmp_path / "b", max_steps=9, checkpoint_every_steps=3)
     assert resumed.resumed_from_step == 6 and resumed.step == full.step == 9
     assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in full.history[6:]], rel=1e-6)
 
     def load(ck):
-        d = T._latest_checkpoint(ck)
+        d = T.latest_checkpoint(ck)
         from safetensors.torch import load_file
 
         return (load_file(str(d / T.MODEL_FILE)), torch.load(d / T.OPTIMIZER_FILE, weights_only=True),
@@ -198,7 +222,7 @@ def test_target_weights_and_init(tmp_path):
     assert torch.equal(T.load_target_lm_head(d2), head)
 
     counts = torch.arange(VOCAB, dtype=torch.int64)  # the highest ids are the most frequent
-    d2t, t2d = T.draft_vocab_mapping(counts, 40, always_keep=[0])
+    d2t, t2d = vocab_mapping_from_counts(counts, 40, always_keep=[0])
     drafter = make_drafter(draft_vocab_size=40)
     drafter.set_vocab_mapping(d2t, t2d)
     T.init_drafter_from_target(drafter, embed, head)
@@ -215,15 +239,15 @@ def test_target_weights_and_init(tmp_path):
 
 def test_count_tokens_assistant_only():
     s = [{"input_ids": torch.tensor([1, 2, 2, 3]), "loss_mask": torch.tensor([0, 1, 1, 0])}]
-    c = T.count_tokens(s, 5)
+    c = count_assistant_tokens(s, 5)
     assert c.tolist() == [0, 0, 2, 0, 0]
-    assert T.count_tokens(s, 5, assistant_only=False).tolist() == [0, 1, 2, 1, 0]
+    assert count_token_ids([s[0]["input_ids"]], 5).tolist() == [0, 1, 2, 1, 0]
 
 
 def test_bad_config_raises_before_compute():
     with pytest.raises(ValueError, match="set either"):
-        T.run_training(lambda e: iter([]), make_drafter(), LM_HEAD, StandInObjective(),
-                       config(num_epochs=0, max_steps=None), pack_fn=pack_samples)
+        T.train_in_process(lambda e: iter([]), make_drafter(), LM_HEAD, StandInObjective(),
+                           config(validate=False, num_epochs=0, max_steps=None), pack_fn=pack_samples)
     with pytest.raises(ValueError, match="batch_tokens"):
         T.Trainer(config=config(batch_tokens=1), model=make_drafter(), objective=StandInObjective(),
                   target_lm_head=LM_HEAD, total_steps=5, pack_fn=pack_samples)
@@ -240,17 +264,16 @@ def test_plain_path_does_not_import_ray():
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
 def test_real_objective_loss_decreases(tmp_path, method):
     """The plain loop with peagle_core's objectives (P-EAGLE K=3, S=2 partitions; EAGLE-3 TTT 3 steps)."""
-    from peagle_core.objective import build_objective
+    from peagle_core.objectives import objective_class
 
     training = config(method=method, num_epochs=4, lr=1e-2, cod_ratio=0.8, cod_min_ratio=0.3, num_partitions=2,
                       ttt_steps=3, ttt_decay=0.8, loss="kl", attention="dense")
-    spec = {"num_speculative_tokens": 3}
-    objective = build_objective(method, **T.objective_kwargs(training, spec))
+    objective = objective_class(method)(training.objective_config(num_speculative_tokens=3))
     torch.manual_seed(1)
     cfg = DrafterConfig.from_target(tiny_target_config(), num_hidden_layers=1,
                                     mask_token_id=MASK_ID if method == "peagle" else None)
-    res = T.run_training(lambda e: iter(make_samples(16)), Eagle3Drafter(cfg), LM_HEAD, objective, training,
-                         checkpoint_dir=tmp_path, device="cpu", log_every_steps=4, pack_fn=pack_samples)
+    res = T.train_in_process(lambda e: iter(make_samples(16)), Eagle3Drafter(cfg), LM_HEAD, objective, training,
+                             checkpoint_dir=tmp_path, device="cpu", log_every_steps=4, pack_fn=pack_samples)
     losses = [h["loss"] for h in res.history]
     assert losses[-1] < 0.8 * losses[0], losses
     last = res.history[-1]
@@ -259,22 +282,23 @@ def test_real_objective_loss_decreases(tmp_path, method):
 
 
 def test_run_train_rejects_bad_input_before_any_worker(tmp_path):
-    """Config mistakes raise ValueError naming the field before Ray starts (no ray.init here)."""
+    """Config mistakes raise ValueError naming the field when the driver plans the run, before Ray starts
+    (no ray.init here)."""
     from transformers import LlamaForCausalLM
 
     from peagle_core import shards
 
-    target = tmp_path / "target"
-    LlamaForCausalLM(tiny_target_config()).save_pretrained(target)
-    spec = {"num_layers": 1, "num_speculative_tokens": 3, "mask_token_id": MASK_ID, "draft_vocab_size": None}
-    with pytest.raises(ValueError, match="parallel_strategy='zero3'"):
-        T.run_train((config(), spec), None, tmp_path / "out", target_dir=target, parallel_strategy="zero3")
+    LlamaForCausalLM(tiny_target_config()).save_pretrained(tmp_path / "target")
+    target = TargetConfig(model=str(tmp_path / "target"))
+    spec = DrafterSpec(num_layers=1, num_speculative_tokens=3, mask_token_id=MASK_ID, draft_vocab_size=None)
+    with pytest.raises(ValueError, match="parallel_strategy='zero3'"):  # an unchecked copy of the section
+        T.plan_from_dataset(config().model_copy(update={"parallel_strategy": "zero3"}), spec, target, None)
     with pytest.raises(ValueError, match="mask_token_id"):
-        T.run_train((config(), {**spec, "mask_token_id": None}), None, tmp_path / "out", target_dir=target)
+        T.plan_from_dataset(config(), spec.model_copy(update={"mask_token_id": None}), target, None)
     cap = tmp_path / "capture"
     cap.mkdir()
     shards.write_capture_meta(cap, {"aux_layer_ids": [1, 2, 3], "hidden_size": HIDDEN, "vocab_size": VOCAB})
     shards.write_manifest(cap, [{"sample_id": "a", "shard": "s", "offset": 0, "length": 7, "checksum": "x"}])
     with pytest.raises(ValueError, match=r"aux_layer_ids=\[1, 2, 3\]"):  # the default is (2, 2, 2) for 5 layers
-        T.run_train((config(), spec), None, tmp_path / "out", target_dir=target, capture_dir=cap)
+        T.plan_from_capture(config(), spec, target, cap)
     assert not (tmp_path / "out").exists()

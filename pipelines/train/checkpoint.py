@@ -1,0 +1,219 @@
+"""Training checkpoints: the same files whether the drafter is whole on every rank or FSDP2-sharded.
+
+One directory per checkpoint (under Ray the per-worker directories are merged by ``ray.train.report``)::
+
+    model.safetensors    rank 0: the drafter's full state dict (incl. d2t/t2d buffers)
+    optimizer.pt         rank 0: AdamW state dict (FSDP2: the full one, keyed by parameter name)
+    scheduler.pt         rank 0: LR scheduler state dict
+    trainer_state.json   rank 0: step, counters, world size, strategy, training config, extra state
+    rank_XXXX.pt         every rank: its data position and RNG states
+
+:class:`Checkpointer` handles a model that is whole on every rank (one process, DDP): rank 0 writes
+it. :class:`ShardedCheckpointer` handles an FSDP2-sharded one: saving gathers the full states to
+rank 0 and loading scatters them (collectives: call on every rank). A checkpoint resumes only under
+the strategy that wrote it (FSDP2 optimizer state is keyed by parameter name, DDP's by index).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from peagle_core import fsdp
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+STATE_FILE = "trainer_state.json"
+RANK_FILE = "rank_{rank:04d}.pt"
+_REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE)
+
+__all__ = [
+    "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SCHEDULER_FILE", "STATE_FILE", "Checkpointer", "Restored",
+    "ShardedCheckpointer", "checkpoint_name", "latest_checkpoint", "make_checkpointer", "optimizer_digest",
+    "rng_state", "set_rng_state",
+]
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint of ``step``: ``checkpoint_00000042`` (sorts by step)."""
+    return f"checkpoint_{step:08d}"
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete ``checkpoint_*`` directory under ``root`` (one with ``trainer_state.json``), else None."""
+    found = sorted(p for p in Path(root).glob("checkpoint_*") if (p / STATE_FILE).is_file())
+    return found[-1] if found else None
+
+
+def optimizer_digest(state_dict: dict) -> float:
+    """A float that changes with any AdamW moment: sum over params of ``|exp_avg| + exp_avg_sq``
+    plus step counters (used to check that a resume restored the optimizer)."""
+    total = 0.0
+    for st in state_dict["state"].values():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                total += float(v.double().abs().sum()) if k != "step" else float(v)
+            elif isinstance(v, (int, float)):
+                total += float(v)
+    return total
+
+
+def rng_state() -> dict:
+    """This process's torch (CPU and CUDA) and Python RNG states."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Restored:
+    """What :meth:`Checkpointer.load` read besides the weights: the ``trainer_state.json`` dict and this
+    rank's ``rank_XXXX.pt`` (None when the checkpoint was written by another number of workers: then
+    the epoch ``restart_epoch`` restarts from its beginning)."""
+
+    meta: dict[str, Any]
+    rank_state: dict[str, Any] | None
+    restart_epoch: int = 0
+
+
+class Checkpointer:
+    """Writes and reads checkpoints of a drafter that is whole on every rank (one process or DDP).
+
+    Args:
+        model: the drafter, possibly DDP-wrapped (``model.module``).
+        optimizer, scheduler: saved and restored beside it.
+        rank, world_size: rank 0 writes the shared files; every rank its ``rank_XXXX.pt``.
+        device: where the optimizer state is loaded to.
+    """
+
+    sharded: ClassVar[bool] = False
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, *, rank: int = 0, world_size: int = 1,
+                 device: torch.device | str = "cpu") -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.drafter = getattr(model, "module", model)
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+
+    # -- what differs between the strategies --------------------------------------------------
+
+    def full_optimizer_state(self) -> dict:
+        """The optimizer state dict to save (on every rank)."""
+        return self.optimizer.state_dict()
+
+    def _full_states(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """``(model state on CPU, optimizer state)`` on rank 0, None on the other ranks."""
+        if self.rank != 0:
+            return None
+        model_state = {k: v.detach().cpu().contiguous() for k, v in self.drafter.state_dict().items()}
+        return model_state, self.optimizer.state_dict()
+
+    def _load_states(self, d: Path) -> None:
+        self.drafter.load_state_dict(load_file(str(d / MODEL_FILE), device="cpu"), strict=True)
+        self.optimizer.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location=self.device, weights_only=True))
+
+    # -- the format -----------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike, *, meta: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+        """Write this rank's part of a checkpoint into ``directory``: rank 0 the model (safetensors),
+        optimizer, scheduler and ``trainer_state.json`` (``meta`` plus ``world_size`` and ``sharded``);
+        every rank ``rank_state`` to ``rank_XXXX.pt``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        states = self._full_states()
+        if states is not None:
+            model_state, opt_state = states
+            save_file(model_state, str(d / MODEL_FILE), metadata={"format": "pt"})
+            torch.save(opt_state, d / OPTIMIZER_FILE)
+            torch.save(self.scheduler.state_dict(), d / SCHEDULER_FILE)
+            meta = {**meta, "world_size": self.world_size, "sharded": self.sharded}
+            (d / STATE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        torch.save(rank_state, d / RANK_FILE.format(rank=self.rank))
+        return d
+
+    def load(self, directory: str | os.PathLike) -> Restored:
+        """Restore model, optimizer and scheduler from ``directory``; return its metadata and this
+        rank's state.
+
+        Raises:
+            ValueError: the directory is not a training checkpoint (names the missing file), or it
+                was written under the other parallel strategy.
+        """
+        d = Path(directory)
+        for name in _REQUIRED_FILES:
+            if not (d / name).is_file():
+                raise ValueError(f"{d} is not a training checkpoint: {name} is missing")
+        meta = json.loads((d / STATE_FILE).read_text())
+        self._check_strategy(d, meta)
+        self._load_states(d)
+        self.scheduler.load_state_dict(torch.load(d / SCHEDULER_FILE, weights_only=True))
+        rank_file = d / RANK_FILE.format(rank=self.rank)
+        if rank_file.is_file() and int(meta.get("world_size", 1)) == self.world_size:
+            return Restored(meta, torch.load(rank_file, weights_only=True))
+        log.warning("checkpoint %s was written by %s workers, this run has %d: restarting its epoch "
+                    "from the beginning", d, meta.get("world_size"), self.world_size)
+        other = sorted(d.glob("rank_*.pt"))
+        epoch = int(torch.load(other[0], weights_only=True)["position"]["epoch"]) if other else 0
+        return Restored(meta, None, restart_epoch=epoch)
+
+    def _check_strategy(self, d: Path, meta: dict[str, Any]) -> None:
+        if bool(meta.get("sharded", False)) == self.sharded:
+            return
+        written, now = ("fsdp", "ddp") if meta.get("sharded") else ("ddp", "fsdp")
+        raise ValueError(f"checkpoint {d} was written with parallel_strategy={written!r} "
+                         f"({meta.get('world_size')} workers); this run is {now!r} ({self.world_size} "
+                         f"workers): resume it with parallel_strategy={written!r} and > 1 workers for fsdp, "
+                         "or start a new run (another run_name)")
+
+
+class ShardedCheckpointer(Checkpointer):
+    """Checkpoints of an FSDP2-sharded drafter (``peagle_core.fsdp.shard_drafter``): the same files as
+    :class:`Checkpointer`; the full model and optimizer states are gathered to rank 0 on save and
+    broadcast from it on load, so every rank must call :meth:`save` / :meth:`load`."""
+
+    sharded: ClassVar[bool] = True
+
+    def full_optimizer_state(self) -> dict:
+        """The full optimizer state keyed by parameter name on rank 0 (``{}`` elsewhere; a collective)."""
+        return fsdp.full_optimizer_state_dict(self.model, self.optimizer)
+
+    def _full_states(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        model_state = fsdp.full_model_state_dict(self.model)  # collectives on every rank
+        opt_state = self.full_optimizer_state()
+        return (model_state, opt_state) if self.rank == 0 else None
+
+    def _load_states(self, d: Path) -> None:
+        # rank 0 reads, the helpers broadcast and each rank keeps its shard
+        state = load_file(str(d / MODEL_FILE), device="cpu") if self.rank == 0 else {}
+        fsdp.load_full_model_state_dict(self.model, state)
+        opt_state = torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if self.rank == 0 else {}
+        fsdp.load_full_optimizer_state_dict(self.model, self.optimizer, opt_state)
+
+
+def make_checkpointer(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler: torch.optim.lr_scheduler.LRScheduler, **kw: Any) -> Checkpointer:
+    """:class:`ShardedCheckpointer` for an FSDP2-sharded model, else :class:`Checkpointer` (``kw``: rank,
+    world_size, device)."""
+    cls = ShardedCheckpointer if fsdp.is_sharded(model) else Checkpointer
+    return cls(model, optimizer, scheduler, **kw)

@@ -1,0 +1,115 @@
+"""Training in this process, no Ray (a GPU box, benchmarks, tests): :func:`train_in_process`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peagle_core.batch import pack_samples
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.objectives import Objective
+from pipelines.recipe import TrainingConfig
+from pipelines.train.checkpoint import checkpoint_name, latest_checkpoint
+from pipelines.train.data import PackFn, Sample, estimate_steps_per_epoch, sample_len
+from pipelines.train.loop import TrainCallback, Trainer, TrainState
+from pipelines.train.plan import total_steps
+from pipelines.train.tracking import progress_logger
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TrainResult", "train_in_process"]
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves: final step, the last checkpoint directory and the rank-0 metric history."""
+
+    step: int
+    checkpoint: Path | None
+    history: list[dict]
+    resumed_from_step: int | None
+    state: TrainState
+
+
+def _save_rotating(trainer: Trainer, root: Path, step: int, metrics: dict, num_to_keep: int | None) -> None:
+    """``<root>/checkpoint_<step>`` written atomically (temp dir + rename); the oldest beyond ``num_to_keep`` removed."""
+    final = root / checkpoint_name(step)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=root))
+    trainer.save_checkpoint(tmp, extra_state={"metrics": metrics})
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if num_to_keep:
+        for old in sorted(root.glob("checkpoint_*"))[:-num_to_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def train_in_process(
+    samples_for_epoch: Callable[[int], Iterable[Sample]],
+    drafter: Eagle3Drafter,
+    target_lm_head: torch.Tensor,
+    objective: Objective,
+    config: TrainingConfig,
+    *,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = True,
+    num_to_keep: int | None = 2,
+    steps_per_epoch: int | None = None,
+    device: str | torch.device | None = None,
+    log_every_steps: int = 10,
+    pack_fn: PackFn = pack_samples,
+    on_log: Callable[[int, dict], None] | None = None,
+    callbacks: Sequence[TrainCallback] = (),
+) -> TrainResult:
+    """Train ``drafter`` in this process, no Ray (the benchmark GPU box path).
+
+    Args:
+        samples_for_epoch: ``epoch -> iterable of samples`` (e.g. ``lambda e:
+            peagle_core.shards.iter_samples(capture_dir)``); must give the same order for the same
+            epoch so that a resume skips exactly the samples already trained on.
+        drafter: the head (vocab mapping and target init already applied).
+        target_lm_head: ``[V, Ht]`` (``pipelines.train.target_weights.load_target_lm_head``).
+        objective: a ``peagle_core`` objective.
+        config: the recipe's ``training`` section; the cosine horizon is ``max_steps`` if set, else
+            ``num_epochs * steps_per_epoch`` (``steps_per_epoch`` counted with one pass over
+            epoch 0 when not given).
+        checkpoint_dir: checkpoints go to ``<checkpoint_dir>/checkpoint_<step>``; with ``resume`` the
+            latest one is loaded first.
+        num_to_keep: most recent checkpoints kept (``None``: all).
+        device: default CUDA if available else CPU.
+        on_log: ``f(step, metrics)`` per metric window (default: a progress log line).
+        callbacks: :class:`~pipelines.train.loop.TrainCallback` s, called after each checkpoint.
+
+    Raises:
+        ValueError: neither ``max_steps`` nor ``num_epochs`` gives a positive horizon.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(int(config.seed or 0))
+    steps = total_steps(config, steps_per_epoch, count_steps_per_epoch=lambda: estimate_steps_per_epoch(
+        (sample_len(s) for s in samples_for_epoch(0)), config.batch_tokens))
+    drafter.to(device)
+    root = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+
+    def write_checkpoint(step: int, metrics: dict) -> None:
+        _save_rotating(trainer, root, step, metrics, num_to_keep)
+
+    trainer = Trainer(config=config, model=drafter, objective=objective, target_lm_head=target_lm_head.to(device),
+                      total_steps=steps, device=device, steps_per_epoch=steps_per_epoch,
+                      on_log=on_log or progress_logger(steps),
+                      write_checkpoint=write_checkpoint if root is not None else None, callbacks=callbacks,
+                      log_every_steps=log_every_steps, pack_fn=pack_fn)
+    if resume and root is not None and (latest := latest_checkpoint(root)) is not None:
+        trainer.load_checkpoint(latest)
+        log.info("resumed from %s (step %d)", latest, trainer.state.step)
+    st = trainer.fit(samples_for_epoch)
+    return TrainResult(step=st.step, checkpoint=latest_checkpoint(root) if root else None,
+                       history=st.history, resumed_from_step=st.resumed_from_step, state=st)
