@@ -51,11 +51,16 @@ GIT_DIRTY := $(shell test -z "$$(git status --porcelain --untracked-files=no 2>/
 RUNTIME_ENV := {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "mlruns", "*.db", "outputs", ".whl", ".carry"], "env_vars": {"PEAGLE_GIT_SHA": "$(GIT_SHA)", "PEAGLE_GIT_DIRTY": "$(GIT_DIRTY)"}}
 JOB_ARGS ?=
 
+# The job is `peagle run` (quiet: stage lines, one progress bar per long stage, the summary; add
+# JOB_ARGS=--verbose for Ray and vLLM output). The `ray job submit` client's own INFO chatter (upload,
+# "next steps") is hidden; its success/failure lines stay.
+QUIET_RAY_CLI := grep -v --line-buffered -E '^[0-9-]+ [0-9:,]+[[:space:]]+INFO (cli|packaging|dashboard_sdk|sdk|job_manager)\.py:[0-9]+ --' || true
+
 demo: setup
 	$(VPY) -m pipelines.local_ray start --temp-dir $(RAY_TMP) --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
 	eval "$$($(VPY) -m pipelines.local_ray env --temp-dir $(RAY_TMP))"; \
 	$(VENV)/bin/ray job submit --address "$$RAY_ADDRESS" --working-dir . --runtime-env-json '$(RUNTIME_ENV)' \
-	  -- python -m ray_jobs.pipeline --config $(RECIPE) $(JOB_ARGS)
+	  -- python -m ray_jobs.pipeline --config $(RECIPE) $(JOB_ARGS) 2>&1 | { $(QUIET_RAY_CLI); }
 	@echo "Endpoint left up (curl line above). Ray dashboard: http://127.0.0.1:$(RAY_DASHBOARD_PORT). Stop: make demo-stop"
 
 # Stop what `make demo` started: only the processes of its own Ray head (never other clusters).

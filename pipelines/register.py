@@ -34,12 +34,10 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from pipelines import settings
-from pipelines.recipe import RegistryConfig
+from pipelines.mlflow_params import flatten
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +85,6 @@ def _experiment_id(client, name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-
-
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out |= _flatten(v, key + ".")
-        else:
-            out[key] = v
-    return out
 
 
 def _param_value(v: Any) -> str:
@@ -180,7 +167,7 @@ def log_run(
             else:
                 cfg_dict = dict(config)
                 text = json.dumps(cfg_dict, indent=2, default=str)
-            params |= {k: v for k, v in _flatten(cfg_dict).items()}
+            params |= {k: v for k, v in flatten(cfg_dict).items()}
             (tmp_p / "config").mkdir()
             (tmp_p / "config" / "recipe.yaml").write_text(text)
         rows = [dict(r) for r in eval_table]
@@ -581,83 +568,8 @@ def list_versions(model_name: str | None = None, *, tracking_uri: str | None = N
     return rows
 
 
-# ---------------------------------------------------------------------------------------------- CLI
-
-registry_app = typer.Typer(help="MLflow model registry of peagle heads (aliases champion / challenger).",
-                           no_args_is_help=True)
-_URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///$PEAGLE_HOME/mlflow.db)."
-
-
-URIOpt = Annotated[str | None, typer.Option(help=_URI_HELP)]
-
-
-@registry_app.command("list")
-def list_cmd(
-    model_name: Annotated[str | None, typer.Argument(help="Registered model; all when omitted.")] = None,
-    tracking_uri: URIOpt = None,
-) -> None:
-    """List registered head versions with aliases and acceptance lengths."""
-    from rich.console import Console
-    from rich.table import Table
-
-    rows = list_versions(model_name, tracking_uri=tracking_uri)
-    table = Table(title=f"peagle registry ({settings.tracking_uri(tracking_uri)})")
-    cols = ["name", "version", "aliases", "method", "eval_set", "K", "acceptance_length", "promotion_decision"]
-    for c in cols:
-        table.add_column(c)
-    for r in rows:
-        table.add_row(*[str(r[c] or "") for c in cols])
-    Console().print(table)
-
-
-@registry_app.command("promote")
-def promote_cmd(
-    model_name: Annotated[str, typer.Argument(help="Registered model, e.g. peagle-smollm2-135m-instruct.")],
-    version: Annotated[str | None, typer.Option(help="Version to promote (default: the challenger).")] = None,
-    force: Annotated[bool, typer.Option(help="Skip the AL gate.")] = False,
-    k: Annotated[int | None, typer.Option(
-        "--k", help="Gate K (default: RegistryConfig.gate_num_speculative_tokens).")] = None,
-    margin: Annotated[float | None, typer.Option(
-        help="Gate margin in AL units (default: RegistryConfig.promote_margin).")] = None,
-    tracking_uri: URIOpt = None,
-) -> None:
-    """Run the promotion gate on a version (or force it) and print the decision."""
-    defaults = RegistryConfig()
-    if force:
-        if version is None:
-            version = str(get_client(tracking_uri).get_model_version_by_alias(model_name, CHALLENGER).version)
-        d = promote(model_name, version, reason="forced by `peagle registry promote --force`",
-                    tracking_uri=tracking_uri)
-    else:
-        d = maybe_promote(model_name, version, K=k or defaults.gate_num_speculative_tokens,
-                          promote_margin=defaults.promote_margin if margin is None else margin,
-                          tracking_uri=tracking_uri)
-    typer.echo(f"{'PROMOTED' if d.promoted else 'KEPT'} champion=v{d.champion_version}: {d.reason}")
-
-
-@registry_app.command("rollback")
-def rollback_cmd(
-    model_name: Annotated[str, typer.Argument(help="Registered model.")],
-    tracking_uri: URIOpt = None,
-) -> None:
-    """Move champion back to the previous champion."""
-    mv = rollback(model_name, tracking_uri=tracking_uri)
-    typer.echo(f"champion=v{mv.version}")
-
-
-@registry_app.command("download")
-def download_cmd(
-    ref: Annotated[str, typer.Argument(help="NAME@ALIAS, e.g. peagle-smollm2-135m-instruct@champion.")],
-    dst: Annotated[Path, typer.Argument(help="Destination head directory (replaced after verification).")],
-    tracking_uri: URIOpt = None,
-) -> None:
-    """Download a head by alias and verify its checksums and contract."""
-    out = download(ref, dst, tracking_uri=tracking_uri)
-    typer.echo(str(out))
-
-
 __all__ = [
     "CHALLENGER", "CHAMPION", "PromotionDecision", "download", "get_client", "list_versions", "log_run",
     "manifest_hash", "maybe_promote", "parse_model_ref", "promote", "register_head",
-    "registry_app", "rollback",
+    "rollback",
 ]

@@ -1,4 +1,5 @@
-"""The main job: ``python -m ray_jobs.pipeline --config FILE [--force] [--set section.field=value]``.
+"""The main job: ``python -m ray_jobs.pipeline --config FILE [--force] [--set section.field=value] [--run-dir DIR]
+[--verbose]``, i.e. ``peagle run --config FILE``.
 
 Runs regenerate → capture → train → evaluate → register → serve from one recipe (see
 pipelines/pipeline.py), e.g. on a cluster::
@@ -10,9 +11,8 @@ Prints stage timings and a summary (AL and tokens/s vs no speculation, MLflow ru
 version, endpoint URL + curl line); the Serve app stays up after the job ends.
 """
 
-import sys
-
-from pipelines.pipeline import main
+from pipelines.cli.run import stage_job
+from pipelines.stages import STAGES
 
 if __name__ == "__main__":  # vLLM spawns processes: no work at import time
-    sys.exit(main(prog="ray_jobs.pipeline"))
+    stage_job(STAGES, prog="ray_jobs.pipeline")

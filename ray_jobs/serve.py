@@ -1,12 +1,11 @@
-"""`python -m ray_jobs.serve --config FILE [--force] [--set section.field=value]`: the serve stage alone.
+"""`python -m ray_jobs.serve --config FILE [--force] [--set section.field=value] [--run-dir DIR] [--verbose]`:
+the serve stage alone, i.e. `peagle run --config FILE --stage serve`.
 
 Reads the upstream stage's outputs from the run directory (`$PEAGLE_HOME/runs/<recipe name>`);
 skips when its own outputs are current unless --force. See pipelines/pipeline.py.
 """
 
-import sys
-
-from pipelines.pipeline import main
+from pipelines.cli.run import stage_job
 
 if __name__ == "__main__":
-    sys.exit(main(stages=["serve"], prog="ray_jobs.serve"))
+    stage_job(["serve"], prog="ray_jobs.serve")

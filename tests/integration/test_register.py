@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from peagle_core.contract import HeadContractError, export_head
-from peagle_core.drafter import DrafterConfig, Eagle3Drafter
+from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_config import DrafterConfig
 from pipelines import register as reg
 from pipelines import settings
 

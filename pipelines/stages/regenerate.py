@@ -1,0 +1,67 @@
+"""Stage ``regenerate``: the recipe's prompt sources -> the target's own answers (``pipelines.regenerate``).
+
+Writes ``regenerate/conversations.jsonl`` (train split) and ``regenerate/heldout_ids.json`` (the
+held-out prompt ids). With ``regenerate.enabled: false`` the sources' own answers are written as is.
+Key: target (minus ``aux_layer_ids``, which do not change the text), data, regenerate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, write_json
+
+
+@dataclass
+class RegenerateOutput(StageOutput):
+    """``path``: the conversations JSONL; engine statistics when ``regenerated``."""
+
+    path: str
+    num_conversations: int
+    regenerated: bool
+    num_turns: int | None = field(default=None, metadata=OMIT_IF_NONE)
+    num_generated_tokens: int | None = field(default=None, metadata=OMIT_IF_NONE)
+    tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    wall_tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
+
+    def rows(self) -> list[dict]:
+        """The conversations (``id, messages, source``, ...) in file order."""
+        return [json.loads(line) for line in Path(self.path).read_text().splitlines() if line.strip()]
+
+
+class RegenerateStage(Stage):
+    name = "regenerate"
+    Output = RegenerateOutput
+
+    @staticmethod
+    def sections(recipe):
+        # aux layer ids do not change the regenerated text: they key the capture only
+        return (recipe.target.model_dump(mode="json", exclude={"aux_layer_ids"}), recipe.data, recipe.regenerate)
+
+    def run(self) -> RegenerateOutput:
+        from pipelines.prompts import load_prompt_dataset, train_eval_split
+        from pipelines.regenerate import run_regenerate
+
+        r = self.recipe
+        train, heldout = train_eval_split(load_prompt_dataset(r.data), r.data.eval_fraction, r.data.seed)
+        out = self.dir / "conversations.jsonl"
+        write_json(self.dir / "heldout_ids.json", [str(i) for i in heldout["id"]])
+        if not r.regenerate.enabled:
+            rows = train.to_list()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("".join(json.dumps({k: x[k] for k in ("id", "messages", "source")}) + "\n" for x in rows))
+            return RegenerateOutput(path=str(out), num_conversations=len(rows), regenerated=False)
+        res = run_regenerate(train, r.target, r.regenerate, r.data, out_path=out,
+                             num_cpus_per_worker=cpus_per_worker(r.regenerate.num_workers),
+                             engine_kwargs=dict(self.ctx.engine.vllm_kwargs))
+        self.ctx.say(f"{len(res.rows)} conversations, {res.num_turns} turns, {res.num_generated_tokens} tokens, "
+                     f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)")
+        return RegenerateOutput(path=str(out), num_conversations=len(res.rows), regenerated=True,
+                                num_turns=res.num_turns, num_generated_tokens=res.num_generated_tokens,
+                                tokens_per_s=res.tokens_per_s, wall_tokens_per_s=res.wall_tokens_per_s)
+
+    def is_valid(self, out: RegenerateOutput) -> bool:
+        p = Path(out.path)
+        return p.is_file() and sum(1 for _ in p.open()) == out.num_conversations > 0

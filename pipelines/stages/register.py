@@ -1,0 +1,101 @@
+"""Stage ``register``: log the run to MLflow, register the head, run the promotion gate (``pipelines.register``).
+
+One MLflow run per pipeline run (experiment ``peagle``: resolved recipe, training curves, eval
+table, stage timings, data-manifest hash); the head becomes a new model version (alias
+``challenger``) tagged with this stage's key, and the gate moves ``champion`` only when its AL at
+``registry.gate_num_speculative_tokens`` beats the champion's. Key: registry section.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipelines.stages.base import Stage, StageOutput
+from pipelines.stages.capture import CaptureOutput
+from pipelines.stages.evaluate import EvaluateOutput
+from pipelines.stages.train import TrainOutput
+
+
+@dataclass
+class RegisterOutput(StageOutput):
+    """The registered version and the gate's decision."""
+
+    model_name: str
+    version: str
+    run_id: str
+    tracking_uri: str
+    promoted: bool
+    reason: str
+    champion_version: str | None = None
+
+
+class RegisterStage(Stage):
+    name = "register"
+    Output = RegisterOutput
+
+    @staticmethod
+    def check(recipe) -> None:
+        gate_K, sweep = recipe.registry.gate_num_speculative_tokens, recipe.evaluation.num_speculative_tokens_sweep
+        if gate_K not in sweep:
+            raise ValueError(f"registry.gate_num_speculative_tokens={gate_K} is not in "
+                             f"evaluation.num_speculative_tokens_sweep={sweep}: the gate compares "
+                             "ALs measured at its K; add it to the sweep")
+
+    @staticmethod
+    def sections(recipe):
+        return (recipe.registry,)
+
+    def run(self) -> RegisterOutput:
+        from pipelines import register as reg
+        from pipelines.capture import resolve_target
+
+        r, uri, name = self.recipe, self.ctx.tracking_uri, self.ctx.model_name
+        train, ev = self.ctx.upstream(TrainOutput), self.ctx.upstream(EvaluateOutput)
+        method, gate_K = r.training.method, r.registry.gate_num_speculative_tokens
+        al_by_K = ev.al_by_K(method, min(r.evaluation.concurrency_sweep))
+        run_id = self._log_run(train, ev)
+        mv = reg.register_head(
+            train.head_dir, model_name=name, eval_al=al_by_K[gate_K], K=gate_K, eval_set=ev.eval_set,
+            run_id=run_id, al_by_K=al_by_K, K_best={int(c): int(k) for c, k in (ev.best_K or {}).get(method, {}).items()},
+            target=r.target.model, target_config=resolve_target(r.target)[1], parallel_drafting=method == "peagle",
+            tags={"peagle.pipeline_key": self.ctx.key(self.name), "peagle.recipe": r.name}, tracking_uri=uri)
+        decision = reg.maybe_promote(name, mv.version, K=gate_K, promote_margin=r.registry.promote_margin,
+                                     eval_set=ev.eval_set, tracking_uri=uri)
+        reg.get_client(uri).set_terminated(run_id)
+        self.ctx.say(f"{name} v{mv.version} (AL {al_by_K[gate_K]:.3f} at K={gate_K} on {ev.eval_set}); "
+                     f"gate: {decision.reason}")
+        return RegisterOutput(model_name=name, version=str(mv.version), run_id=run_id, tracking_uri=uri,
+                              promoted=decision.promoted, reason=decision.reason,
+                              champion_version=decision.champion_version)
+
+    def _log_run(self, train: TrainOutput, ev: EvaluateOutput) -> str:
+        """The pipeline's MLflow run: recipe, curves, eval table, data manifest, stage timings."""
+        from pipelines import register as reg
+
+        r, uri = self.recipe, self.ctx.tracking_uri
+        run_id = reg.log_run(
+            config=r, training_curves=train.history or [], eval_table=ev.rows,
+            data_manifest=self.ctx.upstream(CaptureOutput).manifest(),
+            artifacts={"evaluate": str(self.ctx.stage_dir("evaluate"))}, run_name=r.name,
+            tags={"peagle.recipe": r.name, "peagle.pipeline_key": self.ctx.key(self.name),
+                  "peagle.train_mlflow_run": str(train.mlflow_run_id or "")},
+            tracking_uri=uri)
+        timings = {f"stage_seconds.{n}": rec.seconds for n, rec in self.ctx.records.items() if rec.status == "ran"}
+        if timings:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            reg.get_client(uri).log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in timings.items()])
+        return run_id
+
+    def is_valid(self, out: RegisterOutput) -> bool:
+        from pipelines.register import get_client
+
+        mv = get_client(out.tracking_uri).get_model_version(out.model_name, out.version)
+        return (mv.tags or {}).get("peagle.pipeline_key") == self.ctx.key(self.name)
+
+    def summary(self, out: RegisterOutput) -> tuple[str, dict[str, Any]]:
+        return "mlflow", {"tracking_uri": out.tracking_uri, "run_id": out.run_id, "model_name": out.model_name,
+                          "version": out.version, "promoted": out.promoted, "champion_version": out.champion_version}

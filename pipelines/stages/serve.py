@@ -1,0 +1,137 @@
+"""Stage ``serve``: deploy the champion head behind an OpenAI endpoint on Ray Serve LLM (``pipelines.serve``).
+
+Deploys the Serve application ``settings.SERVE_APP_NAME`` (the head alias pinned to its version),
+then sends one chat request as a smoke test; the app stays up after the job ends. Current when the
+app is RUNNING with the version the alias points at now. Key: serving section.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines import settings
+from pipelines.stages.base import RunContext, Stage, StageOutput
+from pipelines.stages.register import RegisterOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeOutput(StageOutput):
+    """The endpoint: ``url`` (``/v1`` OpenAI API), served ``model_id`` and pinned ``head`` reference."""
+
+    url: str
+    model_id: str
+    head: str
+    registered: str
+    smoke_answer: str
+    api_key_env: str | None = None
+
+    def curl(self) -> str:
+        """A copy-paste chat request against the endpoint."""
+        return curl_line(self.url, self.model_id, self.api_key_env)
+
+
+class ServeStage(Stage):
+    name = "serve"
+    Output = ServeOutput
+
+    @staticmethod
+    def sections(recipe):
+        return (recipe.serving,)
+
+    def before_run(self) -> None:
+        """Serve replaces its own app: nothing to free."""
+
+    def run(self) -> ServeOutput:
+        from pipelines.serve import ServeAppArgs, build_app, pin_head_ref
+
+        serve = _ray_serve()
+
+        r, s, eng = self.recipe, self.recipe.serving, self.ctx.engine
+        registered = self.ctx.upstream(RegisterOutput).version
+        args = ServeAppArgs.from_recipe(
+            r, tracking_uri=self.ctx.tracking_uri, model_id=Path(r.target.model.rstrip("/")).name,
+            engine_kwargs={"max_model_len": max(1024, r.data.max_length_tokens)} | eng.vllm_kwargs,
+            accelerator=eng.accelerator, **eng.serve_resources)
+        serve.start(http_options={"host": s.host, "port": s.port})
+        serve.run(build_app(args), name=settings.SERVE_APP_NAME, route_prefix="/", blocking=False)
+        url = f"http://{s.host}:{s.port}"
+        answer = chat_once(url, args.resolved_model_id(), api_key_env=s.api_key_env)
+        served = pin_head_ref(args.head, self.ctx.tracking_uri)
+        self.ctx.say(f"{url} serves {args.resolved_model_id()} + {served} (K={s.num_speculative_tokens}); "
+                     f"smoke answer: {answer!r}")
+        return ServeOutput(url=url, model_id=args.resolved_model_id(), head=served, registered=registered,
+                           smoke_answer=answer, api_key_env=s.api_key_env)
+
+    def is_valid(self, out: ServeOutput) -> bool:
+        from pipelines.serve import pin_head_ref
+
+        app = _ray_serve().status().applications.get(settings.SERVE_APP_NAME)
+        current = pin_head_ref(f"models:/{self.ctx.model_name}@{self.recipe.serving.head_alias}",
+                               self.ctx.tracking_uri)
+        return app is not None and str(app.status) in ("RUNNING", "ApplicationStatus.RUNNING") and out.head == current
+
+    def summary(self, out: ServeOutput) -> tuple[str, dict[str, Any]]:
+        return "endpoint", {"url": out.url, "model_id": out.model_id, "head": out.head, "curl": out.curl()}
+
+
+def delete_app_on_cpu(ctx: RunContext) -> None:
+    """A running demo app holds ~2 CPUs of a laptop cluster: delete it before a compute stage runs."""
+    if ctx.engine.use_gpu:
+        return
+    try:
+        serve = _ray_serve()
+        if settings.SERVE_APP_NAME in serve.status().applications:
+            ctx.say(f"deleting the running Serve app {settings.SERVE_APP_NAME!r} to free CPUs for compute stages")
+            serve.delete(settings.SERVE_APP_NAME)
+    except Exception as e:  # noqa: BLE001 - no Serve controller is fine
+        log.debug("no Serve app to delete: %s", e)
+
+
+def _ray_serve():
+    """``ray.serve``, its logger kept quiet (importing it sets the logger to INFO)."""
+    from ray import serve
+
+    from pipelines.console import quiet_loggers
+
+    quiet_loggers()
+    return serve
+
+
+def curl_line(url: str, model_id: str, api_key_env: str | None = None) -> str:
+    """``curl`` of one chat request (the API key read from ``$api_key_env`` when set)."""
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Write a Python function that "
+                                                        "reverses a string."}], "max_tokens": 64, "temperature": 0})
+    auth = f" -H \"Authorization: Bearer ${api_key_env}\"" if api_key_env else ""
+    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+def chat_once(url: str, model_id: str, *, api_key_env: str | None = None, timeout_s: float = 300.0) -> str:
+    """One greedy chat request to the OpenAI endpoint (retried until ``timeout_s``); returns the answer.
+
+    Raises:
+        RuntimeError: no successful answer within ``timeout_s``.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
+    body = {"model": model_id, "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 16,
+            "temperature": 0}
+    deadline, last = time.time() + timeout_s, None
+    while time.time() < deadline:
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+            if r.status_code == 200:
+                return r.json()["choices"][0]["message"]["content"]
+            last = f"HTTP {r.status_code}: {r.text[:300]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(3)
+    raise RuntimeError(f"{url} did not answer a chat request within {timeout_s:.0f}s (last: {last})")

@@ -1,0 +1,119 @@
+"""Stage ``train``: captured hidden states -> an exported head (``pipelines.train.run_train`` on Ray Train).
+
+Writes ``train/head/`` (the exported head) and Ray Train checkpoints under ``ray_results/`` (run
+name ``<recipe>-<key[:10]>``: an interrupted run resumes from its latest checkpoint). Streaming
+capture: the dataset is ``capture_stream`` over the regenerated rows and the epoch length comes
+from the plan (``pipelines.train.plan_from_conversations``: the conversations tokenized once).
+Key: drafter + training sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipelines import settings
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, tree_bytes
+from pipelines.stages.capture import CaptureOutput
+from pipelines.stages.regenerate import RegenerateOutput
+
+
+@dataclass
+class TrainOutput(StageOutput):
+    """``head_dir``: the exported head; ``history``: rank-0 metric rows; ``stream``: the streaming
+    epoch length (``{"steps_per_epoch": n}``, empty when materialized)."""
+
+    head_dir: str
+    step: int
+    resumed_from_step: int | None = None
+    checkpoint: str | None = None
+    mlflow_run_id: str | None = None
+    history: list[dict] = field(default_factory=list)
+    bytes_written_run_dir: int = 0
+    streaming: bool = False
+    hidden_state_bytes_on_disk: int | None = None
+    stream: dict[str, Any] | None = field(default=None, metadata=OMIT_IF_NONE)
+
+
+class TrainStage(Stage):
+    name = "train"
+    Output = TrainOutput
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self._stream_num_tokens: int | None = None  # set by run from the plan (for the summary's estimate)
+
+    @staticmethod
+    def sections(recipe):
+        return (recipe.drafter, recipe.training)
+
+    def run(self) -> TrainOutput:
+        import ray.data
+
+        from pipelines.capture import captured_dataset
+        from pipelines.train import plan_from_capture, plan_from_conversations, run_train
+
+        r = self.recipe
+        cap = self.ctx.upstream(CaptureOutput)
+        before = tree_bytes(self.ctx.run_dir)
+        if cap.streaming:
+            from pipelines.capture import capture_stream
+
+            rows = self.ctx.upstream(RegenerateOutput).rows()
+            items = [{"id": x["id"], "messages": x["messages"]} for x in rows]
+            # no manifest: the plan tokenizes the conversations (no target forward) for lengths and counts
+            plan = plan_from_conversations(r.training, r.drafter, r.target, items,
+                                           max_length_tokens=r.data.max_length_tokens,
+                                           on_too_long=r.capture.on_too_long)
+            self._stream_num_tokens = plan.num_tokens
+            dataset = capture_stream(ray.data.from_items(items), r.target, r.capture, r.data,
+                                     num_cpus_per_worker=cpus_per_worker(r.capture.num_workers))
+        else:
+            plan = plan_from_capture(r.training, r.drafter, r.target, cap.capture_dir)
+            dataset = captured_dataset(cap.capture_dir)
+        from pipelines.stages.train_progress import train_progress
+
+        with train_progress(plan.total_steps) as callbacks:
+            res = run_train(plan, dataset, self.dir, run_name=f"{r.name}-{self.ctx.key(self.name)[:10]}",
+                            storage_path=self.ctx.run_dir / "ray_results", mlflow_tracking_uri=self.ctx.tracking_uri,
+                            mlflow_experiment=settings.TRAIN_EXPERIMENT, export_dtype=self.ctx.engine.export_dtype,
+                            recipe_text=r.dump_resolved(), callbacks=callbacks)
+        history = (res.return_value or {}).get("history") or []
+        last = history[-1] if history else {}
+        resumed = f" (resumed from {res.resumed_from_step})" if res.resumed_from_step else ""
+        self.ctx.say(f"{res.step} steps{resumed}, last {_fmt_metrics(last)}; head {res.head_dir}")
+        return TrainOutput(
+            head_dir=str(res.head_dir), step=res.step, resumed_from_step=res.resumed_from_step,
+            checkpoint=res.checkpoint_path, mlflow_run_id=res.mlflow_run_id, history=history,
+            bytes_written_run_dir=tree_bytes(self.ctx.run_dir) - before, streaming=cap.streaming,
+            hidden_state_bytes_on_disk=0 if cap.streaming else cap.bytes_on_disk,
+            stream={"steps_per_epoch": plan.steps_per_epoch} if cap.streaming else {})
+
+    # ------------------------------------------------------------------------------------------
+
+    def is_valid(self, out: TrainOutput) -> bool:
+        from peagle_core.contract import validate_head, verify_checksums
+
+        head = Path(out.head_dir)
+        verify_checksums(head)
+        validate_head(head, parallel_drafting=self.recipe.training.method == "peagle")
+        return True
+
+    def summary(self, out: TrainOutput) -> tuple[str, dict[str, Any]]:
+        s = {"step": out.step, "head_dir": out.head_dir, "bytes_written_run_dir": out.bytes_written_run_dir,
+             "streaming": out.streaming, "hidden_state_bytes_on_disk": out.hidden_state_bytes_on_disk,
+             "mlflow_run_id": out.mlflow_run_id}
+        if out.streaming and self._stream_num_tokens is not None:
+            from peagle_core.storage import bytes_per_token
+            from pipelines.capture import resolve_target
+
+            hidden_size = int(resolve_target(self.recipe.target)[1]["hidden_size"])
+            s["materialized_capture_bytes_estimate"] = self._stream_num_tokens * bytes_per_token(
+                hidden_size, self.recipe.capture.dtype)
+        return "train", s
+
+
+def _fmt_metrics(m: dict) -> str:
+    keys = [k for k in m if k in ("loss", "acc_depth0", "acc_depth1", "acc_depth4", "lr") or k.startswith("acc_d")]
+    return ", ".join(f"{k}={m[k]:.4g}" for k in keys[:8] if isinstance(m.get(k), (int, float))) or "-"

@@ -1,0 +1,67 @@
+"""The train stage's progress bar: Ray Train runs in worker processes, so rank 0 sends the step of each
+checkpoint to the driver through a Ray queue and a driver thread advances the bar.
+
+Imported by :meth:`pipelines.stages.train.TrainStage.run` only (it imports torch via the train loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from pipelines.train.loop import TrainCallback
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5
+
+
+class StepReporter(TrainCallback):
+    """Puts each checkpoint's step on ``queue`` (rank 0 only); never fails the training."""
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+
+    def on_checkpoint(self, step: int, metrics: dict[str, float]) -> None:
+        import ray.train
+
+        if ray.train.get_context().get_world_rank() != 0:
+            return
+        try:
+            self.queue.put_nowait(int(step))
+        except Exception as e:  # noqa: BLE001 - a lost progress update must not stop training
+            log.debug("progress update of step %d lost: %s", step, e)
+
+
+@contextmanager
+def train_progress(total_steps: int) -> Iterator[list[TrainCallback]]:
+    """A progress bar over ``total_steps`` while the body runs ``run_train(..., callbacks=<yielded>)``."""
+    from ray.util.queue import Empty, Queue
+
+    from pipelines.console import progress
+
+    queue = Queue(actor_options={"num_cpus": 0})
+    stop = threading.Event()
+    with progress("train", total=total_steps, unit="steps") as advance:
+
+        def pump() -> None:
+            done = 0
+            while True:
+                try:
+                    step = queue.get(timeout=POLL_S)
+                except Empty:
+                    if stop.is_set():
+                        return
+                    continue
+                advance(max(0, step - done))
+                done = max(done, step)
+
+        thread = threading.Thread(target=pump, name="peagle-train-progress", daemon=True)
+        thread.start()
+        try:
+            yield [StepReporter(queue)]
+        finally:
+            stop.set()
+            thread.join()
+            queue.shutdown()

@@ -1,0 +1,196 @@
+"""The stage framework without Ray: keys, typed outputs, skipping, upstream reads and the summary."""
+
+import io
+import json
+
+import pytest
+
+from pipelines.pipeline import PipelineRun, print_summary
+from pipelines.recipe import load_recipe
+from pipelines.stages import STAGE_TYPES, STAGES
+from pipelines.stages.base import STAGE_FILE, StageRecord, engine_settings
+from pipelines.stages.capture import CaptureOutput
+from pipelines.stages.evaluate import EvaluateOutput
+from pipelines.stages.regenerate import RegenerateOutput
+from pipelines.stages.register import RegisterOutput
+from pipelines.stages.serve import ServeOutput
+from pipelines.stages.train import TrainOutput
+from tests.conftest import CONFIGS
+
+pytestmark = pytest.mark.unit
+
+# Stage keys of the committed recipes, computed with the pipeline before stages became objects
+# (commit e35a825, pipelines/pipeline.py PipelineRun.key). A changed value invalidates every run
+# directory made with that recipe: change a key only on purpose.
+KEYS = {
+    "smollm2-135m-ci.yaml": {
+        "regenerate": "96020e7203fd45259d5bd46273f046417f474539ac60f6abe5abb7f673e8adca",
+        "capture": "40725644328e5abb28cc7e99a3649e53d348f635639cb4e8092b23330125bbf4",
+        "train": "9d21543544d632fde908fd1529b397071f106f19c6b768710052a33aa300f7fa",
+        "evaluate": "8512f8d191c5de9bc26e9b1823ec9e41b4283d2d91c3e7ef8ca5aa7a2e39927b",
+        "register": "be649016439d74bd64dd32e9e6bce378843e2947ca73f8a2b6bccaac32ff065c",
+        "serve": "d4c6d6a2501f647c75dec327b20f8fa97d9329f8ae7ebfe9bc676c0f869f2ae1",
+    },
+    "smollm2-135m-cpu.yaml": {
+        "regenerate": "c67b34b473425fe61f37cafa4849aa1b25acc51c25b14ab4bcfcaf5bd17acd1b",
+        "capture": "2e9af589227c8c4b7d82a0c0879618e7505f800bc50442b9b3b32f80482ac16f",
+        "train": "cb5de443ba549d710772ede662ee358e6cc0c72685ebc01319d68db1f9a33744",
+        "evaluate": "d1a635df1fe4b394651c689ab1edbe967453f70ab0bd4bfa1a9eb2262336dcac",
+        "register": "a4d276c3ffe29f55499b17fa5e946d318544b7a494ec0f27926efb6fac75720d",
+        "serve": "01b6ec20f660760f6684679f3f4ce9bb4f406bd3fe6e5fdf7742f37c4086116a",
+    },
+    "smollm2-135m-gpu.yaml": {
+        "regenerate": "92bf454e78435fc66b56d2e625c03efd3d0d1629b778519babf792fe338340a3",
+        "capture": "78d10b5a0ca1851f985a0d1228c777beebb9e7fcf76ced127a850b341bcd828a",
+        "train": "304b108871c1c731df292c1cfc94c87f4f01395eae2a9300595e476cfc633cd9",
+        "evaluate": "830cbdb4173ce759d8a0e37854217a5058808c04596cf7c7ec795d662cea58f2",
+        "register": "09b93e62ba745854e1a73f85413e1f1fad1dd2605874ead36e67c1f0fa9e6455",
+        "serve": "67ee5560dbc99618c77d8516d46baefb61da1dd9cc2a5fda6ba7df353a656814",
+    },
+}
+
+
+@pytest.fixture
+def ci_recipe():
+    return load_recipe(CONFIGS / "smollm2-135m-ci.yaml")
+
+
+@pytest.mark.parametrize("config", sorted(KEYS))
+def test_stage_keys_unchanged(config, tmp_path):
+    run = PipelineRun(load_recipe(CONFIGS / config), run_dir=tmp_path)
+    assert {s: run.key(s) for s in STAGES} == KEYS[config]
+
+
+def test_key_follows_upstream_sections(ci_recipe, tmp_path):
+    base = PipelineRun(ci_recipe, run_dir=tmp_path)
+    changed = PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["training.lr=0.001"]), run_dir=tmp_path)
+    same, moved = STAGES[:STAGES.index("train")], STAGES[STAGES.index("train"):]
+    assert all(base.key(s) == changed.key(s) for s in same)
+    assert all(base.key(s) != changed.key(s) for s in moved)
+
+
+SAMPLES = [
+    RegenerateOutput(path="/r/conversations.jsonl", num_conversations=14, regenerated=True, num_turns=14,
+                     num_generated_tokens=751, tokens_per_s=8.8, wall_tokens_per_s=7.9),
+    RegenerateOutput(path="/r/conversations.jsonl", num_conversations=14, regenerated=False),
+    CaptureOutput(streaming=False, capture_dir="/r/capture/40725644328e", num_samples=14, num_tokens=1774,
+                  num_loss_tokens=762, num_shards=2, bytes_on_disk=16759593, bytes_per_token=9223.0,
+                  tokens_per_s=55.0, dropped={"too_long": 0}, num_truncated=0),
+    CaptureOutput(streaming=True, num_conversations=14),
+    TrainOutput(head_dir="/r/train/head", step=10, checkpoint="/r/ray_results/x/checkpoint_00000010",
+                history=[{"step": 10, "loss": 10.4}], bytes_written_run_dir=123, streaming=False,
+                hidden_state_bytes_on_disk=16759593, stream={}),
+    EvaluateOutput(table="/r/evaluate/table.json", rows=[{"method": "peagle", "K": 3, "acceptance_length": 1.2}],
+                   eval_set="humaneval", best_K={"peagle": {"1": 3}}, plots={"al_vs_K": "/r/evaluate/al.png"}),
+    RegisterOutput(model_name="peagle-x", version="1", run_id="abc", tracking_uri="sqlite:////x.db", promoted=True,
+                   reason="no champion yet", champion_version="1"),
+    ServeOutput(url="http://127.0.0.1:8000", model_id="x", head="models:/peagle-x/1", registered="1",
+                smoke_answer="4", api_key_env=None),
+]
+
+
+@pytest.mark.parametrize("out", SAMPLES, ids=lambda o: type(o).__name__)
+def test_output_json_round_trip(out):
+    data = json.loads(json.dumps(out.to_json()))
+    assert type(out).from_json(data) == out
+    assert type(out).from_json(data | {"added_by_a_later_version": 1}) == out
+
+
+def test_outputs_read_records_of_the_old_pipeline():
+    # outputs dicts exactly as the pipeline wrote them before stages became objects
+    regen = {"path": "/r/c.jsonl", "num_conversations": 14, "regenerated": False}
+    assert RegenerateOutput.from_json(regen).to_json() == regen
+    cap = {"streaming": True, "num_conversations": 14}
+    assert CaptureOutput.from_json(cap).to_json() == cap
+    train = {"head_dir": "/h", "step": 10, "resumed_from_step": None, "checkpoint": None, "mlflow_run_id": None,
+             "history": [], "bytes_written_run_dir": 5, "streaming": True, "hidden_state_bytes_on_disk": 0,
+             "stream": {"steps_per_epoch": 2}}
+    assert TrainOutput.from_json(train).to_json() == train
+    with pytest.raises(TypeError):
+        TrainOutput.from_json({"step": 10})  # no head_dir: an incompatible record
+
+
+def test_every_stage_declares_an_output():
+    assert STAGES == ("regenerate", "capture", "train", "evaluate", "register", "serve")
+    assert len({t.Output for t in STAGE_TYPES}) == len(STAGE_TYPES)
+
+
+def test_unknown_stage_name(ci_recipe, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown stage\(s\) \['trian'\]; stages are \['regenerate'"):
+        PipelineRun(ci_recipe, run_dir=tmp_path, stages=["trian"])
+
+
+def test_recipe_checks_before_compute(tmp_path):
+    bad = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["registry.gate_num_speculative_tokens=5"])
+    with pytest.raises(ValueError, match="gate_num_speculative_tokens=5 is not in"):
+        PipelineRun(bad, run_dir=tmp_path)
+    bad = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["evaluation.methods=[none]"])
+    with pytest.raises(ValueError, match="does not measure the trained head"):
+        PipelineRun(bad, run_dir=tmp_path)
+
+
+def test_engine_settings_cpu_and_gpu(ci_recipe):
+    cpu = engine_settings(ci_recipe)
+    assert not cpu.use_gpu and cpu.accelerator == "cpu" and cpu.export_dtype == "float32"
+    assert cpu.vllm_kwargs == {"enforce_eager": True, "gpu_memory_utilization": 0.25}
+    gpu = engine_settings(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["training.use_gpu=true"]))
+    assert gpu.use_gpu and gpu.vllm_kwargs == {} and gpu.export_dtype == "bfloat16" and not gpu.serve_resources
+
+
+def _record_regenerate(run: PipelineRun, num_lines: int, key: str | None = None) -> RegenerateOutput:
+    d = run.stage_dir("regenerate")
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "conversations.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "messages": [], "source": "t"}) + "\n" for i in range(num_lines)))
+    out = RegenerateOutput(path=str(path), num_conversations=num_lines, regenerated=False)
+    rec = StageRecord("regenerate", "ran", 1.5, key or run.key("regenerate"), out)
+    (d / STAGE_FILE).write_text(json.dumps(rec.to_json()))
+    return out
+
+
+def test_upstream_reads_a_current_record(ci_recipe, tmp_path):
+    run = PipelineRun(ci_recipe, run_dir=tmp_path, stages=["capture"])
+    out = _record_regenerate(run, 3)
+    assert json.loads((tmp_path / "regenerate" / STAGE_FILE).read_text()).keys() == {
+        "name", "status", "seconds", "key", "outputs"}
+    assert run.upstream(RegenerateOutput) == out
+    assert [r["id"] for r in out.rows()] == ["0", "1", "2"]
+
+
+def test_upstream_refuses_a_stale_or_broken_record(ci_recipe, tmp_path):
+    run = PipelineRun(ci_recipe, run_dir=tmp_path, stages=["capture"])
+    _record_regenerate(run, 3, key="0" * 64)  # made with another recipe
+    with pytest.raises(ValueError, match="stage 'regenerate' has no current outputs.*--stage regenerate"):
+        run.upstream(RegenerateOutput)
+    (tmp_path / "regenerate" / STAGE_FILE).unlink()
+    (tmp_path / "regenerate" / "conversations.jsonl").unlink()
+    out = _record_regenerate(run, 3)
+    with open(out.path, "a") as f:
+        f.write("{}\n")  # the file no longer matches the record: re-run
+    with pytest.raises(ValueError, match="no current outputs"):
+        run.upstream(RegenerateOutput)
+
+
+def test_summary_and_its_table(ci_recipe, tmp_path):
+    run = PipelineRun(ci_recipe, run_dir=tmp_path)
+    rows = [{"method": "none", "K": 0, "concurrency": 1, "acceptance_length": 1.0, "tokens_per_s": 12.8},
+            {"method": "peagle", "K": 3, "concurrency": 1, "acceptance_length": 1.27, "tokens_per_s": 15.0}]
+    run.records = {
+        "evaluate": StageRecord("evaluate", "ran", 151.5, run.key("evaluate"),
+                                EvaluateOutput(table="t.json", rows=rows, eval_set="humaneval")),
+        "register": StageRecord("register", "skipped", 0.0, run.key("register"), SAMPLES[6]),
+        "serve": StageRecord("serve", "ran", 88.0, run.key("serve"), SAMPLES[7]),
+    }
+    s = run.summary(240.0)
+    assert s["stages"] == {"evaluate": {"status": "ran", "seconds": 151.5},
+                           "register": {"status": "skipped", "seconds": 0.0}, "serve": {"status": "ran", "seconds": 88.0}}
+    assert s["eval"]["per_K"][3]["acceptance_length"] == 1.27 and s["eval"]["eval_set"] == "humaneval"
+    assert s["mlflow"]["version"] == "1" and s["mlflow"]["run_id"] == "abc"
+    assert s["endpoint"]["url"] == "http://127.0.0.1:8000" and s["endpoint"]["curl"].startswith("curl -s http")
+    from rich.console import Console
+
+    buf = io.StringIO()
+    print_summary(json.loads(json.dumps(s)), Console(file=buf, width=80))
+    text = buf.getvalue()
+    assert s["endpoint"]["curl"] in text.splitlines()[-1]  # whole, on one line, copyable
+    assert "1.270" in text and "serve" in text and "peagle-x v1 (champion)" in text
