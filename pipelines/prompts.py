@@ -8,14 +8,30 @@ Sources (``pipelines.recipe.SourceConfig.kind``):
 - ``sharegpt``: the packaged ShareGPT V3 file (``{"id", "conversations": [{"from", "value"}]}``;
   ``human``/``user`` -> user, ``gpt``/``chatgpt``/``bing``/``bard``/``assistant`` -> assistant).
 - ``humaneval``: the packaged HumanEval problems; each ``prompt`` becomes one user turn, id = task_id.
+- ``mtbench``: MT-Bench's 80 packaged questions; the first of each question's two turns becomes one
+  user turn, id = ``mtbench/<question_id>`` (two-turn evaluation: ``pipelines.evaluate.load_eval_prompts``).
 - ``sharegpt_file``: a user ShareGPT JSON array or JSONL file.
 - ``openai_jsonl``: a user JSONL file of ``{"messages": [{"role", "content"}], "id"?}``.
+- ``self_instruct``: prompts written by the target itself (``pipelines.selfinstruct``). They need the
+  target's engine, so :func:`load_conversations` refuses them; :func:`load_prompt_dataset` takes them
+  from its ``write_prompts`` callable (the regenerate stage passes
+  ``pipelines.selfinstruct.SelfInstructWriter``) and raises ``ValueError`` without one.
 
 Every file is read as raw JSON lines with ``datasets.load_dataset("text", ...)`` (a JSON array is
 first rewritten as JSONL once, under ``$PEAGLE_HOME/data``), so a row with odd types cannot break
 Arrow's schema inference and every malformed row is reported with its index (0-based position in the
 file: line number - 1 for JSONL, array position for JSON). Per ``on_bad_row``, malformed rows are
 skipped (counted, logged with a warning) or raise ``ValueError``.
+
+ShareGPT rows (both ShareGPT kinds) that start with assistant turns (the V3 "split" variant cuts long
+conversations into chunks, and a chunk may open on an answer) lose those leading assistant turns and
+are kept; the number of rows trimmed so is logged. Exact-duplicate conversations of a source (same
+messages) are dropped and counted; a repeated id of a different conversation gets a ``~<n>`` suffix
+(ids must be unique downstream).
+
+Mixing (:func:`load_prompt_dataset`): without ``weight`` on the sources they are concatenated and
+``data.num_samples`` is drawn from the union; with weights each source supplies its share of
+``data.num_samples`` (largest-remainder rounding), then the mix is shuffled (all with ``data.seed``).
 """
 
 from __future__ import annotations
@@ -27,6 +43,7 @@ import os
 import re
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SHAREGPT_KINDS = ("sharegpt", "sharegpt_file")
 ROLE_ALIASES = {
     "system": "system",
     "human": "user",
@@ -66,7 +84,14 @@ class BadRow(ValueError):
 # ---------------------------------------------------------------------------------------------- rows
 
 
-def _check_messages(messages: Any, index: int, source: str, role_key: str, content_key: str) -> list[dict]:
+def _check_messages(
+    messages: Any, index: int, source: str, role_key: str, content_key: str, drop_leading_assistant: bool = False,
+) -> tuple[list[dict], int]:
+    """(normalized messages, number of leading assistant turns dropped).
+
+    ``drop_leading_assistant``: assistant turns before the first user turn (after an optional system
+    turn) are dropped instead of failing the row.
+    """
     where = f"{source} row {index}"
     if not isinstance(messages, list) or not messages:
         raise BadRow(f"{where}: no turns (expected a non-empty list of messages)", "no turns")
@@ -85,6 +110,14 @@ def _check_messages(messages: Any, index: int, source: str, role_key: str, conte
         if not content.strip():
             raise BadRow(f"{where}: turn {j} ({role}) is empty", "empty turn")
         out.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+    num_dropped = 0
+    if drop_leading_assistant:
+        start = 1 if out[0]["role"] == "system" else 0
+        while start + num_dropped < len(out) and out[start + num_dropped]["role"] == "assistant":
+            num_dropped += 1
+        if num_dropped and start + num_dropped == len(out):
+            raise BadRow(f"{where}: only assistant turns (no user turn to answer)", "no user turn")
+        out = out[:start] + out[start + num_dropped:]
     roles = [m["role"] for m in out]
     body = roles[1:] if roles[0] == "system" else roles
     if not body:
@@ -92,13 +125,13 @@ def _check_messages(messages: Any, index: int, source: str, role_key: str, conte
     for j, role in enumerate(body):
         want = "user" if j % 2 == 0 else "assistant"
         if role != want:
-            pos = j + (len(roles) - len(body))
+            pos = j + (len(roles) - len(body)) + num_dropped  # index in the row as given
             raise BadRow(
                 f"{where}: wrong role order {_short(roles)}: turn {pos} is {role!r}, expected {want!r} "
                 "(system optional first, then user/assistant alternating, starting with user)",
                 "wrong role order",
             )
-    return out
+    return out, num_dropped
 
 
 def _short(roles: list[str], n: int = 4) -> str:
@@ -109,12 +142,17 @@ def normalize_row(row: Any, index: int, source: str) -> dict[str, Any]:
     """Normalize one raw row of ``source`` (a SourceConfig kind) to ``{id, messages, source}``.
 
     ``row``: the parsed JSON object, or a JSON string (one line of a file). ``index``: its 0-based
-    position, used in ids and error messages.
+    position, used in ids and error messages. ShareGPT rows lose leading assistant turns (module doc).
 
     Raises:
         BadRow (a ValueError): the row is malformed (not JSON / not an object, missing or unknown
             roles, empty turns, non-string content, wrong role order); the message names the row index.
     """
+    return _normalize(row, index, source)[0]
+
+
+def _normalize(row: Any, index: int, source: str) -> tuple[dict[str, Any], int]:
+    """:func:`normalize_row` plus the number of leading assistant turns it dropped."""
     kind = source.split(":", 1)[0]
     if isinstance(row, str):
         try:
@@ -124,41 +162,54 @@ def normalize_row(row: Any, index: int, source: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise BadRow(f"{source} row {index}: expected a JSON object, got {type(row).__name__}", "not an object")
 
-    if kind in ("sharegpt", "sharegpt_file"):
+    num_dropped = 0
+    if kind in SHAREGPT_KINDS:
         if "conversations" not in row:
             raise BadRow(f"{source} row {index}: no 'conversations' field (ShareGPT rows are "
                          "{id, conversations: [{from, value}]})", "missing conversations")
-        messages = _check_messages(row["conversations"], index, source, "from", "value")
+        messages, num_dropped = _check_messages(row["conversations"], index, source, "from", "value",
+                                                drop_leading_assistant=True)
     elif kind == "openai_jsonl":
         if "messages" not in row:
             raise BadRow(f"{source} row {index}: no 'messages' field (expected {{messages: [{{role, content}}]}})", "missing messages")
-        messages = _check_messages(row["messages"], index, source, "role", "content")
+        messages, _ = _check_messages(row["messages"], index, source, "role", "content")
     elif kind == "humaneval":
         prompt = row.get("prompt")
-        messages = _check_messages([{"role": "user", "content": prompt}], index, source, "role", "content")
+        messages, _ = _check_messages([{"role": "user", "content": prompt}], index, source, "role", "content")
         row = {"id": row.get("task_id")}
+    elif kind == "mtbench":
+        turns = row.get("turns")
+        if not isinstance(turns, list) or not turns:
+            raise BadRow(f"{source} row {index}: no 'turns' list (MT-Bench rows are {{question_id, turns}})",
+                         "missing turns")
+        messages, _ = _check_messages([{"role": "user", "content": turns[0]}], index, source, "role", "content")
+        qid = row.get("question_id")
+        row = {"id": None if qid is None else f"mtbench/{qid}"}
     else:
         raise ValueError(f"unknown source kind {kind!r}")
     rid = row.get("id")
     rid = f"{source}-{index}" if rid is None or rid == "" else str(rid)
-    return {"id": rid, "messages": messages, "source": source}
+    return {"id": rid, "messages": messages, "source": source}, num_dropped
 
 
 def _normalize_batch(batch: dict[str, list], indices: list[int], source: str) -> dict[str, list]:
-    out: dict[str, list] = {"id": [], "messages": [], "source": [], "error": [], "reason": []}
+    out: dict[str, list] = {"id": [], "messages": [], "source": [], "error": [], "reason": [], "leading_dropped": [],
+                            "key": []}
     for line, index in zip(batch["text"], indices):
         if not line.strip():  # blank lines of a JSONL file are not rows
             continue
         try:
-            norm = normalize_row(line, index, source)
+            norm, num_dropped = _normalize(line, index, source)
             err, reason = "", ""
         except BadRow as e:
-            norm = {"id": f"{source}-{index}", "messages": [], "source": source}
+            norm, num_dropped = {"id": f"{source}-{index}", "messages": [], "source": source}, 0
             err, reason = str(e), e.reason
         for k in ("id", "messages", "source"):
             out[k].append(norm[k])
         out["error"].append(err)
         out["reason"].append(reason)
+        out["leading_dropped"].append(num_dropped)
+        out["key"].append(hashlib.sha1(json.dumps(norm["messages"], ensure_ascii=False).encode()).hexdigest())
     return out
 
 
@@ -238,16 +289,28 @@ def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
     """(file, source label) of a source. Packaged kinds resolve inside their packages.
 
     Raises:
-        ValueError: a user file that does not exist.
+        ValueError: a user file that does not exist; a self_instruct source (it has no file).
     """
     if source_cfg.kind == "sharegpt":
         return assets.sharegpt_path(), "sharegpt"
     if source_cfg.kind == "humaneval":
         return assets.humaneval_path(), "humaneval"
+    if source_cfg.kind == "mtbench":
+        return assets.mtbench_path(), "mtbench"
+    if source_cfg.kind == "self_instruct":
+        raise ValueError(SELF_INSTRUCT_NEEDS_ENGINE)
     path = source_cfg.resolved_path()
     if path is None or not path.is_file():
         raise ValueError(f"source {source_cfg.kind} path={source_cfg.path!r} is not a file; fix data.sources[].path")
     return path, f"{source_cfg.kind}:{path.name}"
+
+
+SELF_INSTRUCT_NEEDS_ENGINE = (
+    "a self_instruct source has no file: its prompts are written by the target, so they need an engine. Load "
+    "the sources with load_prompt_dataset(data, write_prompts=pipelines.selfinstruct.SelfInstructWriter(target, "
+    "regenerate, data)) (the regenerate stage does), or generate them with "
+    "pipelines.selfinstruct.generate_prompts(engine, source.self_instruct)"
+)
 
 
 # ---------------------------------------------------------------------------------------------- datasets
@@ -258,12 +321,15 @@ def load_conversations(
 ) -> datasets.Dataset:
     """Load one source as a normalized ``datasets.Dataset`` (columns id, messages, source).
 
-    ``source_cfg.num_samples`` (if set) draws that many conversations deterministically (``seed``)
-    after malformed rows are removed. Datasets' Arrow cache lives under ``$PEAGLE_HOME/hf-datasets``.
+    Malformed rows are skipped or fail (``on_bad_row``), exact-duplicate conversations dropped, repeated
+    ids made unique (all counted in the log). ``source_cfg.num_samples`` (if set) draws that many
+    conversations deterministically (``seed``) after that. Datasets' Arrow cache lives under
+    ``$PEAGLE_HOME/hf-datasets``.
 
     Raises:
-        ValueError: a missing file; with ``on_bad_row="fail"`` the first malformed rows (with their
-            indices); with ``"skip"`` only if no row is usable.
+        ValueError: a missing file; a self_instruct source (needs an engine: :func:`load_prompt_dataset`);
+            with ``on_bad_row="fail"`` the first malformed rows (with their indices); with ``"skip"`` only
+            if no row is usable.
     """
     import datasets
 
@@ -296,14 +362,51 @@ def load_conversations(
                 f"  {report}"
             )
         log.warning("skipped %d malformed row(s) of %d in %s:\n  %s", len(bad), len(ds), path, report)
-    good = ds.filter(lambda e: not e, input_columns="error").remove_columns(["error", "reason"])
+    good = ds.filter(lambda e: not e, input_columns="error")
     if len(good) == 0:
         raise ValueError(f"no usable conversations in {path} ({len(bad)} malformed rows)")
+    trimmed = [n for n in good["leading_dropped"] if n]
+    if trimmed:
+        log.info("kept %d conversation(s) of %s that started with assistant turns by dropping their %d leading "
+                 "assistant turn(s)", len(trimmed), label, sum(trimmed))
+    good = _drop_duplicates(good, label).remove_columns(["error", "reason", "leading_dropped", "key"])
+    log.info("%s: %d rows, %d malformed, %d usable conversations", label, len(ds), len(bad), len(good))
+    return finish_source(good, source_cfg, label, seed)
+
+
+def _drop_duplicates(ds: datasets.Dataset, label: str) -> datasets.Dataset:
+    """Rows of ``ds`` (with a ``key`` column: hash of the messages) minus exact-duplicate conversations
+    (first kept), with repeated ids of different conversations suffixed ``~1``, ``~2``, ... ."""
+    seen: set[str] = set()
+    keep = []
+    for i, key in enumerate(ds["key"]):
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    if len(keep) < len(ds):
+        log.info("dropped %d exact-duplicate conversation(s) of %s", len(ds) - len(keep), label)
+        ds = ds.select(keep).flatten_indices()
+    ids = ds["id"]
+    counts: Counter = Counter()
+    unique = []
+    for rid in ids:
+        unique.append(rid if counts[rid] == 0 else f"{rid}~{counts[rid]}")
+        counts[rid] += 1
+    if unique != ids:
+        log.info("%d repeated id(s) of different conversations in %s made unique with a ~<n> suffix",
+                 sum(a != b for a, b in zip(unique, ids)), label)
+        ds = ds.map(lambda _, idx: {"id": unique[idx]}, with_indices=True, input_columns="id",
+                    desc=f"unique ids {label}")
+    return ds
+
+
+def finish_source(ds: datasets.Dataset, source_cfg: SourceConfig, label: str, seed: int) -> datasets.Dataset:
+    """The per-source steps after loading: ``filter_regex``, then ``num_samples`` drawn with ``seed``."""
     if source_cfg.filter_regex:
-        good = filter_first_user_turn(good, source_cfg.filter_regex, label)
+        ds = filter_first_user_turn(ds, source_cfg.filter_regex, label)
     if source_cfg.num_samples is not None:
-        good = sample(good, source_cfg.num_samples, seed)
-    return good
+        ds = sample(ds, source_cfg.num_samples, seed)
+    return ds
 
 
 def filter_first_user_turn(ds: datasets.Dataset, pattern: str, label: str = "source") -> datasets.Dataset:
@@ -347,11 +450,99 @@ def train_eval_split(ds: datasets.Dataset, eval_fraction: float, seed: int) -> t
     return split["train"], split["test"]
 
 
-def load_prompt_dataset(data: DataConfig, home: Path | None = None) -> datasets.Dataset:
-    """All of ``data.sources`` normalized and concatenated, then ``data.num_samples`` drawn
-    deterministically (``data.seed``)."""
+# ---------------------------------------------------------------------------------------------- mixing
+
+
+PromptWriter = Callable[["SourceConfig"], Sequence[dict]]
+
+
+def load_prompt_dataset(
+    data: DataConfig, home: Path | None = None, *, write_prompts: PromptWriter | None = None,
+) -> datasets.Dataset:
+    """All of ``data.sources`` normalized and mixed (module doc: concatenation, or weighted shares),
+    ``data.num_samples`` drawn deterministically (``data.seed``).
+
+    ``write_prompts``: called once per self_instruct source with its SourceConfig, returns its prompt
+    rows ``{id, messages, source}`` (:class:`pipelines.selfinstruct.SelfInstructWriter`).
+
+    Raises:
+        ValueError: a self_instruct source without ``write_prompts``; every error of
+            :func:`load_conversations`.
+    """
+    if write_prompts is None and any(s.kind == "self_instruct" for s in data.sources):
+        raise ValueError(SELF_INSTRUCT_NEEDS_ENGINE)
+    parts = []
+    for s in data.sources:
+        if s.kind == "self_instruct":
+            parts.append(finish_source(rows_dataset(write_prompts(s)), s, "self_instruct", data.seed))
+        else:
+            parts.append(load_conversations(s, data.on_bad_row, home, data.seed))
+    weights = [s.weight for s in data.sources]
+    if any(w is None for w in weights):
+        return sample(_concatenate(parts), data.num_samples, data.seed)
+    return mix_weighted(parts, weights, data.num_samples, data.seed)
+
+
+def rows_dataset(rows: Sequence[dict]) -> datasets.Dataset:
+    """Rows ``{id, messages: [{role, content}], source}`` as a Dataset with the normalized columns.
+
+    Raises:
+        ValueError: no rows.
+    """
     import datasets
 
-    parts = [load_conversations(s, data.on_bad_row, home, data.seed) for s in data.sources]
-    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    return sample(ds, data.num_samples, data.seed)
+    if not rows:
+        raise ValueError("no prompt rows to load (a self_instruct source kept none: loosen its filters or raise "
+                         "num_prompts)")
+    return datasets.Dataset.from_dict({
+        "id": [str(r["id"]) for r in rows],
+        "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] for r in rows],
+        "source": [str(r.get("source", "")) for r in rows],
+    })
+
+
+def _concatenate(parts: list[datasets.Dataset]) -> datasets.Dataset:
+    import datasets
+
+    if len(parts) == 1:
+        return parts[0]
+    return datasets.concatenate_datasets([p if p.features == parts[0].features else p.cast(parts[0].features)
+                                          for p in parts])
+
+
+def weighted_quotas(sizes: Sequence[int], weights: Sequence[float], num_samples: int | None) -> list[int]:
+    """Rows to draw from each source: ``num_samples`` split by ``weights`` with largest-remainder
+    rounding (the quotas sum to ``num_samples``; ties go to the earlier source), each capped at the
+    source's size (with a warning). ``num_samples=None``: the largest total that every source can
+    supply at these shares.
+
+    Raises:
+        ValueError: a weight <= 0, or lengths differ.
+    """
+    if len(sizes) != len(weights) or any(w <= 0 for w in weights):
+        raise ValueError(f"weights {list(weights)} must be positive, one per source ({len(sizes)})")
+    total_w = float(sum(weights))
+    shares = [w / total_w for w in weights]
+    if num_samples is None:
+        num_samples = int(min(n / p for n, p in zip(sizes, shares)) + 1e-9)
+    exact = [num_samples * p for p in shares]
+    quotas = [int(x) for x in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - quotas[i]), i))
+    for i in by_remainder[: num_samples - sum(quotas)]:
+        quotas[i] += 1
+    for i, (q, n) in enumerate(zip(quotas, sizes)):
+        if q > n:
+            log.warning("source %d has %d usable conversations, fewer than its weighted share %d; using all of "
+                        "them (the mix holds fewer than data.num_samples)", i, n, q)
+            quotas[i] = n
+    return quotas
+
+
+def mix_weighted(parts: list[datasets.Dataset], weights: Sequence[float], num_samples: int | None,
+                 seed: int) -> datasets.Dataset:
+    """Each part's weighted share (:func:`weighted_quotas`) drawn with ``seed``, concatenated and shuffled."""
+    quotas = weighted_quotas([len(p) for p in parts], weights, num_samples)
+    log.info("weighted mix of %d sources: %s conversations (of %s usable)", len(parts), quotas,
+             [len(p) for p in parts])
+    drawn = [sample(p, q, seed) for p, q in zip(parts, quotas) if q > 0]
+    return _concatenate(drawn).shuffle(seed=seed).flatten_indices()

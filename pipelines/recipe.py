@@ -16,15 +16,20 @@ import logging
 import os
 import re
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from peagle_core.drafter_config import DrafterConfig, default_aux_layer_ids
 from pipelines import settings
 from pipelines.assets import DEFAULT_TARGET, EMBEDDED_TARGETS
+
+if TYPE_CHECKING:
+    from peagle_core.objectives import ObjectiveConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +40,6 @@ OnBadRow = Literal["skip", "fail"]
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-
-def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
-    """vLLM's default aux layer ids (2, N // 2, N - 3) for a target with N layers."""
-    return (2, num_hidden_layers // 2, num_hidden_layers - 3)
 
 
 # ---------------------------------------------------------------------------------------------- target
@@ -119,7 +120,41 @@ def _check_aux_ids(ids, n: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- data
 
-SourceKind = Literal["sharegpt", "humaneval", "sharegpt_file", "openai_jsonl"]
+SourceKind = Literal["sharegpt", "humaneval", "sharegpt_file", "openai_jsonl", "mtbench", "self_instruct"]
+PACKAGED_KINDS = ("sharegpt", "humaneval", "mtbench")
+FILE_KINDS = ("sharegpt_file", "openai_jsonl")
+
+
+class SelfInstructConfig(_Section):
+    """Prompts written by the target itself (Magpie, arXiv 2406.08464): the aligned target sees only
+    its chat template up to the opening of a user turn and completes it (``pipelines.selfinstruct``)."""
+
+    num_prompts: int = Field(1000, ge=1, description="Completions requested from the target; at most this many "
+                             "prompts are kept after the length filters and duplicate removal.")
+    seed: int = Field(0, description="Sampling seed (per-request seeds derive from it: same seed, same prompts).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (> 0: greedy would write one "
+                               "prompt N times; Magpie uses 1.0).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_tokens: int = Field(256, ge=1, description="Max new tokens per prompt; a prompt that has not reached the "
+                            "end-of-turn token by then is dropped (counted 'unfinished').")
+    min_chars: int = Field(16, ge=1, description="Drop prompts shorter than this (characters, after strip).")
+    max_chars: int = Field(4096, ge=1, description="Drop prompts longer than this (characters, after strip).")
+    dedup_threshold: float | None = Field(
+        0.7, gt=0.0, le=0.98, description="Near-duplicate removal: a prompt whose estimated Jaccard similarity "
+        "(datasketch MinHash over word 3-grams, MinHashLSH with 128 permutations, which needs <= 0.98) with an "
+        "earlier kept prompt is >= this is dropped; None = exact-duplicate removal only.",
+    )
+    system_prompt: str | None = Field(
+        None, description="Optional system turn rendered before the user turn (steers the topic, e.g. 'You are "
+        "a Python coding assistant.'); kept in the conversations, so the answers see it too.",
+    )
+
+    @model_validator(mode="after")
+    def _lengths(self):
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"self_instruct.min_chars={self.min_chars} > max_chars={self.max_chars}; "
+                             "set min_chars <= max_chars")
+        return self
 
 
 class SourceConfig(_Section):
@@ -127,8 +162,10 @@ class SourceConfig(_Section):
 
     kind: SourceKind = Field(
         "sharegpt",
-        description="sharegpt / humaneval: the packaged files; sharegpt_file: a user ShareGPT JSON or JSONL "
-        "file ({conversations:[{from,value}]}); openai_jsonl: a user JSONL file of {messages:[{role,content}]}.",
+        description="sharegpt / humaneval / mtbench: the packaged files (ShareGPT V3 split, HumanEval, MT-Bench's "
+        "80 questions); sharegpt_file: a user ShareGPT JSON or JSONL file ({conversations:[{from,value}]}); "
+        "openai_jsonl: a user JSONL file of {messages:[{role,content}]}; self_instruct: prompts written by the "
+        "target (settings in `self_instruct`; needs the regenerate stage's engine).",
     )
     path: str | None = Field(
         None, description="File for sharegpt_file / openai_jsonl (~ and $VARS expanded); unused otherwise."
@@ -141,6 +178,20 @@ class SourceConfig(_Section):
         description="Keep only conversations whose first user turn matches this Python regular expression "
         "(re.search; add (?i) for case-insensitive), e.g. to match the traffic a head will serve. Applied "
         "before num_samples.",
+    )
+    weight: float | None = Field(
+        None, gt=0.0,
+        description="Relative share of data.num_samples drawn from this source (e.g. 3 and 1: 75% / 25%; "
+        "deterministic, data.seed). Set it on every source or on none; None everywhere = concatenate the sources "
+        "and draw data.num_samples from the union. Applied after this source's filter_regex and num_samples.",
+    )
+    turns: int | None = Field(
+        None, ge=1, le=2,
+        description="mtbench only: 1 (default) = each question's first turn; 2 = also its second turn, asked "
+        "after the target's own answer to the first (evaluation only: the engine answers turn 1 first).",
+    )
+    self_instruct: SelfInstructConfig | None = Field(
+        None, description="self_instruct only: generation, filter and dedup settings (defaults when omitted)."
     )
 
     @field_validator("filter_regex")
@@ -155,13 +206,21 @@ class SourceConfig(_Section):
 
     @model_validator(mode="after")
     def _path_matches_kind(self):
-        if self.kind in ("sharegpt_file", "openai_jsonl") and not self.path:
+        if self.kind in FILE_KINDS and not self.path:
             raise ValueError(f"source kind {self.kind!r} needs `path`: set it to a local JSON/JSONL file")
-        if self.kind in ("sharegpt", "humaneval") and self.path:
+        if self.kind not in FILE_KINDS and self.path:
+            what = "reads its packaged file" if self.kind in PACKAGED_KINDS else "is written by the target"
             raise ValueError(
-                f"source kind {self.kind!r} reads its packaged file; drop `path` or use kind "
+                f"source kind {self.kind!r} {what}; drop `path` or use kind "
                 f"{'sharegpt_file' if self.kind == 'sharegpt' else 'openai_jsonl'}"
             )
+        if self.turns is not None and self.kind != "mtbench":
+            raise ValueError(f"`turns` is an mtbench setting; drop it from the {self.kind!r} source")
+        if self.self_instruct is not None and self.kind != "self_instruct":
+            raise ValueError(f"`self_instruct` settings belong to kind self_instruct; drop them from the "
+                             f"{self.kind!r} source or set kind: self_instruct")
+        if self.kind == "self_instruct" and self.self_instruct is None:
+            object.__setattr__(self, "self_instruct", SelfInstructConfig())  # no validate_assignment loop
         return self
 
     def resolved_path(self) -> Path | None:
@@ -185,6 +244,15 @@ class DataConfig(_Section):
     on_bad_row: OnBadRow = Field(
         "skip", description="Malformed rows: skip (count and log a warning with the row index) or fail (ValueError)."
     )
+
+    @model_validator(mode="after")
+    def _weights_all_or_none(self):
+        weighted = [s.weight is not None for s in self.sources]
+        if any(weighted) and not all(weighted):
+            missing = [f"{i} ({s.kind})" for i, s in enumerate(self.sources) if s.weight is None]
+            raise ValueError(f"data.sources weights are set on some sources only; set `weight` on source(s) "
+                             f"{', '.join(missing)} too, or on none (plain concatenation)")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -254,6 +322,33 @@ class DrafterSpec(_Section):
             raise ValueError(f"drafter.num_speculative_tokens (K) = {k}; K must be >= 1 (typical 5-8)")
         return k
 
+    def to_drafter_config(
+        self, hf_config: Mapping[str, Any], *, method: str = "peagle", target: TargetConfig | None = None
+    ) -> DrafterConfig:
+        """The ``peagle_core`` drafter architecture of this section for a target.
+
+        Args:
+            hf_config: the target's ``config.json`` (text model section).
+            method: ``training.method``; only ``"peagle"`` heads get a ``mask_token_id`` (EAGLE-3 heads have no
+                ``mask_hidden``).
+            target: gives the aux layer ids (``target.aux_layer_ids`` or vLLM's default for the real layer
+                count) and, when ``mask_token_id`` is None, the embedded target's reserved id.
+
+        Raises:
+            ValueError: ``method="peagle"`` without a mask token id, or a config ``DrafterConfig`` rejects.
+        """
+        n = int(hf_config["num_hidden_layers"])
+        aux_layer_ids = target.resolve_aux_layer_ids(n) if target is not None else None
+        mask_token_id = None
+        if method == "peagle":
+            mask_token_id = self.mask_token_id
+            if mask_token_id is None and target is not None:
+                mask_token_id = target.reserved_mask_token_id()
+            if mask_token_id is None:
+                raise ValueError("drafter.mask_token_id is required for method='peagle' (a reserved, unused token id)")
+        return DrafterConfig.from_target(hf_config, num_hidden_layers=self.num_layers, mask_token_id=mask_token_id,
+                                         draft_vocab_size=self.draft_vocab_size, aux_layer_ids=aux_layer_ids)
+
 
 class TrainingConfig(_Section):
     """Drafter training (Ray Train TorchTrainer)."""
@@ -294,6 +389,18 @@ class TrainingConfig(_Section):
             )
         return self
 
+    def objective_config(self, num_speculative_tokens: int) -> ObjectiveConfig:
+        """The ``peagle_core`` config of this section's objective: ``PEagleConfig`` (K = ``num_speculative_tokens``
+        depths, COD ratios, partitions) for ``method="peagle"``, ``Eagle3TTTConfig`` (``ttt_steps`` steps
+        weighted ``ttt_decay**i``) for ``"eagle3"``; both with ``loss``, ``attention`` and ``seed``."""
+        from peagle_core.objectives import Eagle3TTTConfig, PEagleConfig
+
+        common = {"loss": self.loss, "attention": self.attention, "seed": self.seed}
+        if self.method == "eagle3":
+            return Eagle3TTTConfig(num_steps=self.ttt_steps, step_weight=self.ttt_decay, **common)
+        return PEagleConfig(num_depths=num_speculative_tokens, cod_ratio=self.cod_ratio,
+                            cod_min_ratio=self.cod_min_ratio, num_partitions=self.num_partitions, **common)
+
 
 class EvalConfig(_Section):
     """Acceptance-length evaluation with real vLLM."""
@@ -322,6 +429,14 @@ class EvalConfig(_Section):
         if any(v < 1 for v in values):
             raise ValueError(f"evaluation.{info.field_name}={values}: every value must be >= 1")
         return values
+
+    @field_validator("sources")
+    @classmethod
+    def _no_self_instruct(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+        if any(s.kind == "self_instruct" for s in sources):
+            raise ValueError("evaluation.sources: self_instruct writes training prompts; evaluate on fixed sets "
+                             "(humaneval, mtbench, sharegpt, a user file)")
+        return sources
 
 
 class RegistryConfig(_Section):
@@ -393,6 +508,9 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _cross_checks(self):
         t, d = self.target, self.drafter
+        if not self.regenerate.enabled and any(s.kind == "self_instruct" for s in self.data.sources):
+            raise ValueError("data.sources has a self_instruct source but regenerate.enabled is false: its prompts "
+                             "have no answers until the target writes them; enable regenerate or drop the source")
         n = t.known("num_hidden_layers")
         if t.aux_layer_ids is not None and n is not None:
             _check_aux_ids(t.aux_layer_ids, n)

@@ -19,6 +19,9 @@ Engines (``RegenerateConfig.backend``):
 * ``transformers``: :class:`TransformersEngine` (``generate`` with left padding) for machines without
   vLLM, e.g. a bare GPU box.
 
+:class:`VLLMEngine` and :class:`TransformersEngine` also complete raw text (:meth:`Engine.complete`:
+no chat template applied), which ``pipelines.selfinstruct`` uses to let the target write prompts.
+
 Context = ``data.max_length_tokens`` (vLLM ``max_model_len``): prompt + response must fit.
 
 Output rows: ``id, messages, source`` (the prompt schema) plus provenance ``source_id``,
@@ -34,7 +37,7 @@ import logging
 import time
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -54,13 +57,47 @@ class Generation:
     finish_reason: str
 
 
+@dataclass(frozen=True)
+class CompletionParams:
+    """Sampling of a raw-text completion (:meth:`Engine.complete`): ``temperature`` (0 = greedy),
+    ``top_p``, ``max_tokens`` (new tokens), ``stop_token_ids`` (ends the completion besides the EOS ids;
+    the stop token is not part of the text)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
 class Engine(Protocol):
-    """A generation engine: chat prompts in, one :class:`Generation` per prompt out."""
+    """A generation engine: chat prompts in, one :class:`Generation` per prompt out (None: the prompt
+    leaves no room in the engine's context). ``complete`` continues raw text (token ids of
+    ``tokenizer(text, add_special_tokens=False)``, no chat template); only engines that the
+    self-instruct source uses implement it (:class:`VLLMEngine`, :class:`TransformersEngine`)."""
 
     name: str
+    tokenizer: Any
 
     def generate(self, prompts: Sequence[Sequence[Mapping[str, str]]], cfg: RegenerateConfig,
                  seeds: Sequence[int]) -> list[Generation | None]: ...
+
+    def complete(self, prompts: Sequence[str], params: CompletionParams,
+                 seeds: Sequence[int]) -> list[Generation | None]: ...
+
+
+def chat_params(cfg: RegenerateConfig) -> CompletionParams:
+    """The :class:`CompletionParams` of a regenerated assistant turn."""
+    return CompletionParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens_per_turn)
+
+
+def _text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of raw ``text`` as the model sees it (no BOS/EOS added: a rendered template has its own)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
 
 
 def sampling_dict(cfg: RegenerateConfig) -> dict[str, Any]:
@@ -99,21 +136,26 @@ class VLLMEngine:
         self.name = name or str(model_path)
 
     def generate(self, prompts, cfg, seeds) -> list[Generation | None]:
+        return self._run([_chat_ids(self.tokenizer, m) for m in prompts], chat_params(cfg), seeds)
+
+    def complete(self, prompts, params, seeds) -> list[Generation | None]:
+        """Continue raw ``prompts`` (a text prompt as token ids, so no second BOS is added)."""
+        return self._run([_text_ids(self.tokenizer, t) for t in prompts], params, seeds)
+
+    def _run(self, prompt_ids: list[list[int]], p: CompletionParams, seeds) -> list[Generation | None]:
         from vllm import SamplingParams, TokensPrompt
 
         reqs, params, index = [], [], []
-        for j, (messages, seed) in enumerate(zip(prompts, seeds)):
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]
+        for j, (ids, seed) in enumerate(zip(prompt_ids, seeds)):
             room = self.max_model_len - len(ids)
             if room < 1:
                 continue
             reqs.append(TokensPrompt(prompt_token_ids=list(ids)))
-            params.append(SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                         max_tokens=min(cfg.max_tokens_per_turn, room),
-                                         seed=seed if cfg.temperature > 0 else None))
+            params.append(SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=min(p.max_tokens, room),
+                                         seed=seed if p.temperature > 0 else None,
+                                         stop_token_ids=list(p.stop_token_ids) or None))
             index.append(j)
-        out: list[Generation | None] = [None] * len(prompts)
+        out: list[Generation | None] = [None] * len(prompt_ids)
         if reqs:
             for j, res in zip(index, self.llm.generate(reqs, params, use_tqdm=False)):
                 o = res.outputs[0]
@@ -208,17 +250,20 @@ class TransformersEngine:
             raise ValueError(f"{model_path}: no eos_token_id in tokenizer or generation config; generation cannot stop")
 
     def generate(self, prompts, cfg, seeds) -> list[Generation | None]:
+        return self._run([_chat_ids(self.tokenizer, m) for m in prompts], chat_params(cfg), seeds)
+
+    def complete(self, prompts, params, seeds) -> list[Generation | None]:
+        """Continue raw ``prompts`` (tokenized without special tokens; one seed per batch when sampling)."""
+        return self._run([_text_ids(self.tokenizer, t) for t in prompts], params, seeds)
+
+    def _run(self, prompt_ids: list[list[int]], p: CompletionParams, seeds) -> list[Generation | None]:
         import torch
 
-        out: list[Generation | None] = [None] * len(prompts)
-        encoded = []
-        for j, messages in enumerate(prompts):
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]
-            if self.max_model_len - len(ids) >= 1:
-                encoded.append((j, list(ids)))
+        out: list[Generation | None] = [None] * len(prompt_ids)
+        encoded = [(j, list(ids)) for j, ids in enumerate(prompt_ids) if self.max_model_len - len(ids) >= 1]
         if not encoded:
             return out
+        eos_ids = sorted(set(self.eos_ids) | set(p.stop_token_ids))
         t_max = max(len(ids) for _, ids in encoded)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         input_ids = torch.full((len(encoded), t_max), pad, dtype=torch.long)  # [B, T] left-padded
@@ -226,19 +271,19 @@ class TransformersEngine:
         for b, (_, ids) in enumerate(encoded):
             input_ids[b, t_max - len(ids):] = torch.tensor(ids)
             attn[b, t_max - len(ids):] = 1
-        max_new = min(cfg.max_tokens_per_turn, self.max_model_len - t_max)
+        max_new = min(p.max_tokens, self.max_model_len - t_max)
         kwargs: dict[str, Any] = {"do_sample": False}
-        if cfg.temperature > 0:
+        if p.temperature > 0:
             torch.manual_seed(int(seeds[encoded[0][0]]))
-            kwargs = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
+            kwargs = {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p}
         device = next(self.model.parameters()).device
         with torch.inference_mode():
             gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device),
-                                      max_new_tokens=max(1, max_new), eos_token_id=self.eos_ids, pad_token_id=pad,
+                                      max_new_tokens=max(1, max_new), eos_token_id=eos_ids, pad_token_id=pad,
                                       top_k=None, **kwargs)
         for b, (j, _) in enumerate(encoded):
             new = gen[b, t_max:].tolist()
-            stop = next((k for k, t in enumerate(new) if t in self.eos_ids), None)
+            stop = next((k for k, t in enumerate(new) if t in eos_ids), None)
             toks = new if stop is None else new[:stop]
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
             out[j] = Generation(text, len(toks) + (stop is not None), "stop" if stop is not None else "length")
@@ -250,6 +295,7 @@ class TransformersEngine:
 
 def regenerate_conversations(
     rows: Iterable[Mapping[str, Any]], engine: Engine, cfg: RegenerateConfig, *, stats: Counter | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Regenerate the assistant turns of conversation ``rows`` (``id, messages, source``) with ``engine``,
     turn by turn, batched across conversations; no Ray.
@@ -258,7 +304,8 @@ def regenerate_conversations(
     given everything regenerated so far. It stops early when a prompt no longer fits the engine's
     context (counted ``stopped_context_full``) or a response is empty (``empty_generations``);
     conversations left with no assistant turn are dropped (``dropped_no_response``).
-    ``stats`` receives ``num_generated_tokens``, ``num_turns``, ``finish_<reason>`` and ``generate_s``.
+    ``stats`` receives ``num_generated_tokens``, ``num_turns``, ``finish_<reason>`` and ``generate_s``;
+    ``progress(n)`` is called as ``n`` conversations finish.
 
     Returns:
         rows ``{id, messages, source, source_id, regen_model, sampling, num_generated_tokens}`` in input order.
@@ -271,6 +318,8 @@ def regenerate_conversations(
         users = [m["content"] for m in msgs if m["role"] == "user"][: cfg.max_turns]
         convs.append({"row": r, "history": list(system), "users": users, "tokens": 0, "active": True})
     num_turns = max((len(c["users"]) for c in convs), default=0)
+    advance = progress or (lambda n: None)
+    advance(sum(1 for c in convs if not c["users"]))
     for t in range(num_turns):
         todo = [c for c in convs if c["active"] and t < len(c["users"])]
         if not todo:
@@ -294,6 +343,7 @@ def regenerate_conversations(
             c["history"] = prompt + [{"role": "assistant", "content": g.text}]
             c["tokens"] += g.num_tokens
             stats["num_turns"] += 1
+        advance(sum(1 for c in todo if not c["active"] or t + 1 >= len(c["users"])))
     sampling = sampling_dict(cfg)
     out = []
     for c in convs:
@@ -369,6 +419,22 @@ class RegenerateResult:
         return datasets.Dataset.from_list(self.rows)
 
 
+def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg: DataConfig, *,
+                 num_cpus_per_worker: float = 1, engine_kwargs: Mapping[str, Any] | None = None,
+                 ) -> tuple[Path, dict[str, Any]]:
+    """(target directory, :func:`make_engine` keyword arguments) of the recipe's engine: the target's
+    dtype, context ``data.max_length_tokens``, ``regenerate.seed``, a name with the weights' sha256,
+    then ``engine_kwargs``."""
+    from pipelines.capture import resolve_target
+
+    asset, _ = resolve_target(target_cfg)
+    kwargs = {"dtype": target_cfg.dtype, "max_model_len": data_cfg.max_length_tokens, "seed": regen_cfg.seed,
+              "name": f"{target_cfg.model}@sha256:{asset.sha256[:16]}", **(engine_kwargs or {})}
+    if regen_cfg.backend == "transformers":
+        kwargs.setdefault("num_threads", max(1, int(num_cpus_per_worker)))
+    return Path(asset.path), kwargs
+
+
 def run_regenerate(
     conversations,
     target_cfg: TargetConfig,
@@ -394,52 +460,21 @@ def run_regenerate(
         raise ValueError("regenerate.enabled is false; skip this stage and capture the dataset's own responses")
     if regen_cfg.backend not in ("vllm", "transformers"):
         raise ValueError(f"regenerate.backend={regen_cfg.backend!r}; use 'vllm' or 'transformers'")
-    from pipelines.capture import resolve_target
-
     rows = conversations.to_list() if hasattr(conversations, "to_list") else list(conversations)
     if not rows:
         raise ValueError("run_regenerate got no conversations; check data.sources / num_samples")
     rows = [{"id": str(r["id"]), "messages": [{"role": m["role"], "content": m["content"]} for m in r["messages"]],
              "source": r.get("source", ""), "_order": i} for i, r in enumerate(rows)]
-    asset, _ = resolve_target(target_cfg)
-    kwargs = {"dtype": target_cfg.dtype, "max_model_len": data_cfg.max_length_tokens, "seed": regen_cfg.seed,
-              "name": f"{target_cfg.model}@sha256:{asset.sha256[:16]}", **(engine_kwargs or {})}
-    if regen_cfg.backend == "transformers":
-        kwargs.setdefault("num_threads", max(1, int(num_cpus_per_worker)))
+    model_path, kwargs = engine_setup(target_cfg, regen_cfg, data_cfg, num_cpus_per_worker=num_cpus_per_worker,
+                                      engine_kwargs=engine_kwargs)
+    from pipelines.console import progress
+
     t0 = time.perf_counter()
     totals: Counter = Counter()
-    if use_ray and regen_cfg.backend == "vllm" and regen_cfg.vllm_runner == "ray_data_llm":
-        engine = RayDataLLMEngine(asset.path, regen_cfg, num_cpus=num_cpus_per_worker, **kwargs)
-        out = regenerate_conversations(rows, engine, regen_cfg, stats=totals)
-        order = {r["id"]: r["_order"] for r in rows}
-    elif not use_ray:
-        engine = make_engine(regen_cfg.backend, asset.path, **kwargs)
-        out: list[dict[str, Any]] = []
-        for i in range(0, len(rows), regen_cfg.batch_size):
-            out.extend(regenerate_conversations(rows[i:i + regen_cfg.batch_size], engine, regen_cfg, stats=totals))
-            log.info("regenerated %d/%d conversations, %d tokens", min(i + regen_cfg.batch_size, len(rows)),
-                     len(rows), totals["num_generated_tokens"])
-        order = {r["id"]: r["_order"] for r in rows}
-    else:
-        import ray
-
-        ds = ray.data.from_items(rows)
-        res = ds.map_batches(
-            RegenerateActor,
-            fn_constructor_args=(regen_cfg.backend, str(asset.path), regen_cfg, kwargs),
-            compute=ray.data.ActorPoolStrategy(size=regen_cfg.num_workers),
-            batch_size=regen_cfg.batch_size,
-            batch_format="pyarrow",
-            num_cpus=num_cpus_per_worker,
-        )
-        out = []
-        for r in res.iter_rows():
-            totals.update({k: v for k, v in (r.pop("_batch_stats") or {}).items()})
-            if r["id"] is not None:
-                out.append(r)
-                if len(out) % max(1, regen_cfg.batch_size) == 0:
-                    log.info("regenerated %d/%d conversations", len(out), len(rows))
-        order = {r["id"]: r["_order"] for r in rows}
+    with progress("regenerate", total=len(rows), unit="conversations") as advance:
+        out = _generate(rows, model_path, regen_cfg, kwargs, num_cpus_per_worker=num_cpus_per_worker,
+                        use_ray=use_ray, stats=totals, progress=advance)
+    order = {r["id"]: r["_order"] for r in rows}
     out.sort(key=lambda r: order[r["id"]])
     seconds = time.perf_counter() - t0
     num_tokens = int(totals["num_generated_tokens"])
@@ -453,6 +488,47 @@ def run_regenerate(
     if out_path is not None:
         result.path = _write_rows(Path(out_path), out)
     return result
+
+
+def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: RegenerateConfig, kwargs: dict[str, Any], *,
+              num_cpus_per_worker: float, use_ray: bool, stats: Counter,
+              progress: Callable[[int], None]) -> list[dict[str, Any]]:
+    """The engine part of :func:`run_regenerate`: ``ray.data.llm`` passes, one in-process engine, or
+    an actor pool; regenerated rows in any order; ``progress(n)`` as conversations finish."""
+    if use_ray and regen_cfg.backend == "vllm" and regen_cfg.vllm_runner == "ray_data_llm":
+        engine = RayDataLLMEngine(model_path, regen_cfg, num_cpus=num_cpus_per_worker, **kwargs)
+        return regenerate_conversations(rows, engine, regen_cfg, stats=stats, progress=progress)
+    if not use_ray:
+        engine = make_engine(regen_cfg.backend, model_path, **kwargs)
+        out: list[dict[str, Any]] = []
+        for i in range(0, len(rows), regen_cfg.batch_size):
+            out.extend(regenerate_conversations(rows[i:i + regen_cfg.batch_size], engine, regen_cfg, stats=stats,
+                                                progress=progress))
+            log.info("regenerated %d/%d conversations, %d tokens", min(i + regen_cfg.batch_size, len(rows)),
+                     len(rows), stats["num_generated_tokens"])
+        return out
+    import ray
+
+    ds = ray.data.from_items(rows)
+    res = ds.map_batches(
+        RegenerateActor,
+        fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs),
+        compute=ray.data.ActorPoolStrategy(size=regen_cfg.num_workers),
+        batch_size=regen_cfg.batch_size,
+        batch_format="pyarrow",
+        num_cpus=num_cpus_per_worker,
+    )
+    out = []
+    for r in res.iter_rows():
+        # Arrow gives the other rows of a batch the first row's stats keys with None values: skip them
+        batch_stats = {k: v for k, v in (r.pop("_batch_stats") or {}).items() if v is not None}
+        stats.update(batch_stats)
+        progress(int(batch_stats.get("num_conversations") or 0))
+        if r["id"] is not None:
+            out.append(r)
+            if len(out) % max(1, regen_cfg.batch_size) == 0:
+                log.info("regenerated %d/%d conversations", len(out), len(rows))
+    return out
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:

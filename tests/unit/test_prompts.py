@@ -1,9 +1,11 @@
-"""Prompt normalization on hand-written rows; loading user files through datasets; sampling/split."""
+"""Prompt normalization on hand-written rows; loading user files through datasets; sampling/split; weighted
+mixing; MT-Bench eval prompts."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 
 import pytest
 
@@ -11,11 +13,13 @@ from pipelines.prompts import (
     BadRow,
     json_array_to_jsonl,
     load_conversations,
+    load_prompt_dataset,
     normalize_row,
     sample,
     train_eval_split,
+    weighted_quotas,
 )
-from pipelines.recipe import SourceConfig
+from pipelines.recipe import DataConfig, SourceConfig
 
 pytestmark = pytest.mark.unit
 
@@ -178,3 +182,144 @@ def test_filter_regex_keeps_matching_first_user_turns(tmp_path, tmp_peagle_home)
 def test_filter_regex_must_compile():
     with pytest.raises(ValueError, match="not a valid regular expression"):
         SourceConfig(kind="sharegpt", filter_regex="(unclosed")
+
+
+# ---------------------------------------------------------------------------------------------- issue 14
+
+
+def test_sharegpt_leading_assistant_turns_are_dropped_not_the_row():
+    out = normalize_row(sg(("gpt", "tail of a split"), ("human", "next question"), ("gpt", "answer")), 0, "sharegpt")
+    assert [m["content"] for m in out["messages"]] == ["next question", "answer"]
+    out = normalize_row(sg(("system", "s"), ("gpt", "a"), ("bard", "b"), ("human", "q")), 0, "sharegpt_file:x.json")
+    assert out["messages"] == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    with pytest.raises(BadRow) as e:
+        normalize_row(sg(("gpt", "a"), ("gpt", "b")), 9, "sharegpt")
+    assert e.value.reason == "no user turn" and "row 9" in str(e.value)
+    with pytest.raises(BadRow) as e:  # later order errors still fail, with the turn index of the row as given
+        normalize_row(sg(("gpt", "a"), ("human", "q"), ("human", "q2")), 2, "sharegpt")
+    assert e.value.reason == "wrong role order" and "turn 2 is 'user'" in str(e.value)
+
+
+def test_load_counts_trimmed_rows_drops_duplicates_and_makes_ids_unique(tmp_path, tmp_peagle_home, caplog):
+    rows = [sg(("human", "h0"), ("gpt", "g0"), id="a"),
+            sg(("gpt", "cut"), ("human", "h1"), ("gpt", "g1"), id="b"),
+            sg(("human", "h0"), ("gpt", "g0"), id="a-copy"),  # exact duplicate of row 0
+            sg(("human", "other"), id="a")]  # repeated id, different conversation
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps(rows))
+    with caplog.at_level(logging.INFO, logger="pipelines.prompts"):
+        ds = load_conversations(SourceConfig(kind="sharegpt_file", path=str(f)), "fail", tmp_peagle_home)
+    assert ds.column_names == ["id", "messages", "source"]
+    assert ds["id"] == ["a", "b", "a~1"]
+    assert ds[1]["messages"] == [{"role": "user", "content": "h1"}, {"role": "assistant", "content": "g1"}]
+    text = caplog.text
+    assert "kept 1 conversation(s)" in text and "dropping their 1 leading assistant turn(s)" in text
+    assert "dropped 1 exact-duplicate conversation(s)" in text and "1 repeated id(s)" in text
+
+
+def test_mtbench_first_turn_from_the_packaged_questions(tmp_peagle_home):
+    row = {"question_id": 81, "category": "writing", "turns": ["first", "second"]}
+    assert normalize_row(row, 0, "mtbench") == {"id": "mtbench/81", "source": "mtbench",
+                                                 "messages": [{"role": "user", "content": "first"}]}
+    with pytest.raises(BadRow, match="no 'turns' list"):
+        normalize_row({"question_id": 1}, 3, "mtbench")
+    ds = load_conversations(SourceConfig(kind="mtbench"), "fail", tmp_peagle_home)
+    assert len(ds) == 80 and ds["id"][0] == "mtbench/81" and all(len(m) == 1 for m in ds["messages"])
+    with pytest.raises(ValueError, match="`turns` is an mtbench setting"):
+        SourceConfig(kind="humaneval", turns=2)
+
+
+def _two_sources(tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [
+        {"messages": [{"role": "user", "content": f"question {i}"}] + (
+            [{"role": "assistant", "content": f"answer {i}"}] if i % 3 else []), "id": f"a{i}"} for i in range(40)])
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps([sg(("human", f"hello {i}"), ("gpt", f"hi {i}"), id=f"b{i}") for i in range(20)]))
+    return a, b
+
+
+def test_unweighted_mix_is_unchanged(tmp_path, tmp_peagle_home):
+    """No weights: concatenation + one draw, the same conversations as before weights existed (ids
+    recorded with the previous load_prompt_dataset on this fixture)."""
+    a, b = _two_sources(tmp_path)
+    data = DataConfig(sources=[SourceConfig(kind="openai_jsonl", path=str(a)),
+                               SourceConfig(kind="sharegpt_file", path=str(b), num_samples=12)],
+                      num_samples=15, seed=7)
+    ds = load_prompt_dataset(data, tmp_peagle_home)
+    assert ds["id"] == ["a10", "b10", "a26", "a36", "b6", "a12", "a16", "a0", "a24", "a6", "a19", "a4", "a37",
+                        "a22", "a27"]
+    assert ds[1]["messages"] == [{"role": "user", "content": "hello 10"}, {"role": "assistant", "content": "hi 10"}]
+    assert len(load_prompt_dataset(data.model_copy(update={"num_samples": None}), tmp_peagle_home)) == 52
+
+
+def test_weighted_mix_shares_determinism_and_caps(tmp_path, tmp_peagle_home, caplog):
+    a, b = _two_sources(tmp_path)
+
+    def data(wa, wb, n, seed=0):
+        return DataConfig(sources=[SourceConfig(kind="openai_jsonl", path=str(a), weight=wa),
+                                   SourceConfig(kind="sharegpt_file", path=str(b), weight=wb)],
+                          num_samples=n, seed=seed)
+
+    def count(ds):
+        return Counter(s.split(":")[0] for s in ds["source"])
+
+    ds = load_prompt_dataset(data(1, 3, 20), tmp_peagle_home)
+    assert count(ds) == {"openai_jsonl": 5, "sharegpt_file": 15}
+    assert ds["id"] == load_prompt_dataset(data(1, 3, 20), tmp_peagle_home)["id"]
+    assert ds["id"] != load_prompt_dataset(data(1, 3, 20, seed=1), tmp_peagle_home)["id"]
+    assert count(load_prompt_dataset(data(2, 1, None), tmp_peagle_home)) == {"openai_jsonl": 40, "sharegpt_file": 20}
+    with caplog.at_level(logging.WARNING, logger="pipelines.prompts"):
+        capped = load_prompt_dataset(data(1, 1, 50), tmp_peagle_home)
+    assert count(capped) == {"openai_jsonl": 25, "sharegpt_file": 20} and "fewer than its weighted share" in caplog.text
+
+
+def test_weighted_quotas_largest_remainder():
+    assert weighted_quotas([100, 100, 100], [1, 1, 1], 10) == [4, 3, 3]
+    assert weighted_quotas([100, 100], [0.3, 0.7], 9) == [3, 6]
+    assert weighted_quotas([10, 100], [1, 1], None) == [10, 10]
+    with pytest.raises(ValueError, match="must be positive"):
+        weighted_quotas([1], [0], 1)
+
+
+def test_weights_are_validated():
+    with pytest.raises(ValueError, match="greater than 0"):
+        SourceConfig(kind="sharegpt", weight=0)
+    with pytest.raises(ValueError, match=r"set `weight` on source\(s\) 1 \(humaneval\) too"):
+        DataConfig(sources=[SourceConfig(kind="sharegpt", weight=2), SourceConfig(kind="humaneval")])
+
+
+class _AnswerEngine:
+    """Chat engine stub: answers 'A' (greedy, 7 tokens asked) to every prompt but 'no room' (None)."""
+
+    name = "answer"
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, prompts, cfg, seeds):
+        from pipelines.regenerate import Generation
+
+        self.prompts += prompts
+        assert cfg.temperature == 0 and cfg.max_tokens_per_turn == 7
+        return [None if p[-1]["content"] == "no room" else Generation("A", 1, "stop") for p in prompts]
+
+
+def test_eval_prompts_mtbench_one_and_two_turns(tmp_peagle_home, tiny_chat_tokenizer):
+    from pipelines.evaluate import eval_set_name, load_eval_prompts, mtbench_two_turns
+
+    one, two = SourceConfig(kind="mtbench"), SourceConfig(kind="mtbench", turns=2)
+    assert (eval_set_name(one), eval_set_name(two), eval_set_name(SourceConfig(kind="humaneval"))) == (
+        "mtbench", "mtbench-2turn", "humaneval")
+    sets = load_eval_prompts([SourceConfig(kind="humaneval"), one], tiny_chat_tokenizer, num_prompts=5, seed=1)
+    assert list(sets) == ["humaneval", "mtbench"] and [len(v) for v in sets.values()] == [5, 5]
+    with pytest.raises(ValueError, match="needs the target's engine"):
+        load_eval_prompts([two], tiny_chat_tokenizer, num_prompts=3)
+    eng = _AnswerEngine()
+    sets = load_eval_prompts([two], tiny_chat_tokenizer, num_prompts=3, seed=1, engine=eng, max_tokens=7)
+    assert len(sets["mtbench-2turn"]) == 6 and len(eng.prompts) == 3
+    rows = [{"id": "mtbench/81", "messages": [{"role": "user", "content": "first"}], "source": "mtbench"},
+            {"id": "mtbench/82", "messages": [{"role": "user", "content": "no room"}], "source": "mtbench"}]
+    convs = mtbench_two_turns(rows, _AnswerEngine(), 7)  # 82: no first answer -> its first turn only
+    assert [[m["role"] for m in c] for c in convs] == [["user"], ["user", "assistant", "user"], ["user"]]
+    assert convs[1][1]["content"] == "A"
+    assert convs[1][2]["content"].startswith("Rewrite your previous response. Start every sentence with")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from peagle_core.drafter_config import default_aux_layer_ids
 from pipelines.recipe import (
     DrafterSpec,
     Recipe,
     SourceConfig,
     TargetConfig,
-    default_aux_layer_ids,
     load_recipe,
     recipe_from_dict,
     validate_against_target,
