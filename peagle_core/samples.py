@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-SAMPLE_KEYS = ("input_ids", "loss_mask", "aux", "final_hidden")
+INPUT_IDS, LOSS_MASK, AUX, FINAL_HIDDEN = "input_ids", "loss_mask", "aux", "final_hidden"
+SAMPLE_KEYS = (INPUT_IDS, LOSS_MASK, AUX, FINAL_HIDDEN)  # a captured sample's tensors, in shard order
 HIDDEN_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -137,4 +138,4 @@ def validate_sample(
             raise ValueError(f"{where}: {name} holds {num_bad} NaN/Inf values (target forward overflowed?)")
 
 
-__all__ = ["HIDDEN_DTYPES", "SAMPLE_KEYS", "as_tensor", "dtype_name", "sample_checksum", "validate_sample"]
+__all__ = ["AUX", "FINAL_HIDDEN", "HIDDEN_DTYPES", "INPUT_IDS", "LOSS_MASK", "SAMPLE_KEYS", "as_tensor", "dtype_name", "sample_checksum", "validate_sample"]

@@ -20,9 +20,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from peagle_core.samples import HIDDEN_DTYPES, dtype_name, validate_sample
+from peagle_core.samples import (
+    AUX,
+    FINAL_HIDDEN,
+    HIDDEN_DTYPES,
+    INPUT_IDS,
+    LOSS_MASK,
+    dtype_name,
+    validate_sample,
+)
 from peagle_core.target import target_forward
-from pipelines.capture.rows import AUX, FINAL_HIDDEN, INPUT_IDS, LOSS_MASK, SAMPLE_ID
+from pipelines.capture.rows import SAMPLE_ID
 from pipelines.capture.tokenize import tokenize_rows
 
 if TYPE_CHECKING:

@@ -18,13 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from peagle_core.samples import SAMPLE_KEYS
+from peagle_core.samples import INPUT_IDS, LOSS_MASK, SAMPLE_KEYS
 from peagle_core.shards import MANIFEST_COLUMNS
 
 log = logging.getLogger(__name__)
 
 SAMPLE_ID = MANIFEST_COLUMNS[0]  # "sample_id": a sample's key in rows, shards and the manifest
-INPUT_IDS, LOSS_MASK, AUX, FINAL_HIDDEN = SAMPLE_KEYS  # a captured sample's tensors
 TOKENIZED_KEYS = (SAMPLE_ID, INPUT_IDS, LOSS_MASK)  # a tokenized row: the model step's input
 
 

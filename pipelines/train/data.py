@@ -18,11 +18,9 @@ from typing import Any
 import torch
 
 from peagle_core.batch import PackedBatch, pack_samples
-from peagle_core.samples import SAMPLE_KEYS
+from peagle_core.samples import INPUT_IDS, SAMPLE_KEYS
 
 log = logging.getLogger(__name__)
-
-INPUT_IDS = SAMPLE_KEYS[0]
 
 Sample = Mapping[str, Any]
 PackFn = Callable[[list[Sample], int], list[PackedBatch]]  # pack_samples(samples, max_tokens)

@@ -31,7 +31,7 @@ import torch
 from peagle_core import shards
 from peagle_core.drafter_config import DrafterConfig
 from peagle_core.objectives import ObjectiveConfig
-from peagle_core.samples import SAMPLE_KEYS
+from peagle_core.samples import INPUT_IDS, LOSS_MASK
 from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts, vocab_mapping_from_counts
 from pipelines.capture import count_assistant_tokens, resolve_target, tokenize_rows
 from pipelines.recipe import DrafterSpec, TargetConfig, TrainingConfig
@@ -40,7 +40,6 @@ from pipelines.train.data import estimate_steps_per_epoch
 log = logging.getLogger(__name__)
 
 PARALLEL_STRATEGIES = ("ddp", "fsdp")
-INPUT_IDS, LOSS_MASK = SAMPLE_KEYS[:2]
 
 __all__ = [
     "TrainPlan", "check_capture", "plan_from_capture", "plan_from_conversations", "plan_from_dataset",
