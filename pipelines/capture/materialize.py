@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +69,7 @@ def run_capture(
     num_cpus_per_worker: float = 1,
     num_gpus_per_worker: float | None = None,
     use_ray: bool | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> CaptureResult:
     """Materialized capture of ``conversations`` (``datasets.Dataset``, Ray Dataset or list of rows
     ``{id, messages, ...}``) into ``out_dir``. Resumable: see the module docstring.
@@ -77,7 +78,8 @@ def run_capture(
     ``CaptureShardActor`` pool (``capture.num_workers`` actors with ``num_cpus_per_worker`` CPUs
     and ``num_gpus_per_worker`` GPUs each; None = 1 if the Ray cluster has GPUs, else 0); Ray starts
     locally if ``ray.init`` has not run. With False the same two stages run in-process (a GPU box
-    without Ray). None = Ray when importable.
+    without Ray). None = Ray when importable. ``progress(n)`` is called as ``n`` conversations are
+    captured (shards kept from an earlier run count at the start).
 
     Writes ``shard-XXXXX.safetensors``, ``token_counts.safetensors`` ([V] counts of assistant tokens
     for d2t/t2d), ``capture_meta.json`` and, last, ``manifest.parquet``.
@@ -102,6 +104,8 @@ def run_capture(
     done, shard_stats = _reuse_shards(out_dir, tasks, fp)
     num_reused = len(done)
     pending = [k for k in range(len(tasks)) if k not in done]
+    advance = progress or (lambda n: None)
+    advance(sum(len(tasks[k]) for k in done))
     log.info("capture: %d shards, %d verified and kept, %d to write", len(tasks), num_reused, len(pending))
 
     t_run = time.perf_counter()
@@ -121,6 +125,7 @@ def run_capture(
         done[k] = json.loads(row["rows"])
         shard_stats[k] = json.loads(row["stats"])
         log.info("captured %s (%d samples)", shards.shard_name(k), len(done[k]))
+        advance(len(tasks[k]))
     run_s = time.perf_counter() - t_run
 
     meta, disk = _finish(out_dir, tasks, done, shard_stats, pending, run_s, asset=asset, target_cfg=target_cfg,

@@ -69,7 +69,11 @@ class CaptureStage(Stage):
         if older:
             self.ctx.say(f"keeping {len(older)} older capture(s) made with other settings "
                          f"({format_bytes(sum(tree_bytes(d) for d in older))}): {', '.join(d.name for d in older)}")
-        res = run_capture(rows, r.target, cap, r.data, out_dir, num_cpus_per_worker=cpus_per_worker(cap.num_workers))
+        from pipelines.console import progress
+
+        with progress("capture", total=len(rows), unit="conversations") as advance:
+            res = run_capture(rows, r.target, cap, r.data, out_dir, num_cpus_per_worker=cpus_per_worker(cap.num_workers),
+                              progress=advance)
         self.ctx.say(f"{res.num_samples} samples, {res.num_tokens} tokens ({res.num_loss_tokens} assistant), "
                      f"{res.num_shards} shards ({res.num_shards_reused} reused), "
                      f"{format_bytes(res.bytes_per_token * res.num_tokens)} on disk, "

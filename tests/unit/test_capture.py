@@ -346,8 +346,10 @@ def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir, monkeypa
     raw = bytearray((out / "shard-00001.safetensors").read_bytes())
     raw[-3] ^= 0xFF
     (out / "shard-00001.safetensors").write_bytes(bytes(raw))
-    res = capture.run_capture(rows, t, c, d, out, use_ray=False)
+    seen: list[int] = []
+    res = capture.run_capture(rows, t, c, d, out, use_ray=False, progress=seen.append)
     assert res.num_shards_reused == 1
+    assert seen[0] == 2 and sum(seen) == len(rows)  # the kept shard counts first, then each written one
     assert (out / "shard-00000.safetensors").stat().st_mtime_ns == before  # kept, not recomputed
     assert shards.load_manifest(out).to_pylist() == ref_manifest  # nothing lost, nothing duplicated
     assert not list(out.glob(".*tmp"))
