@@ -1,23 +1,16 @@
-"""Stage: version heads in MLflow (runs, model registry, champion/challenger promotion gate).
+"""Stage: version heads in MLflow (runs, model registry); the promotion gate is :mod:`pipelines.promotion`.
 
 A head is the directory ``peagle_core.contract.export_head`` writes (``config.json``,
 ``model.safetensors``, ``peagle_checksums.json``). It has no ``MLmodel`` file, so it is registered
 with ``MlflowClient.create_model_version(name, source="runs:/<run>/<path>", run_id=...)`` after its
-files were logged as run artifacts (``register_model`` would refuse it). Stages are deprecated in
-MLflow 3; the registry uses aliases:
-
-- ``challenger``: the newest registered version (set by :func:`register_head`);
-- ``champion``: the version served (``models:/NAME@champion``), moved only by :func:`maybe_promote`
-  (gate: new acceptance length (AL) at the gate K beats the champion's on the same eval set by
-  ``promote_margin``), :func:`promote` (forced) and :func:`rollback`.
-
-Every champion move appends to the registered model tag ``champion_history`` (JSON list of
-versions), so :func:`rollback` can restore the previous champion.
+files were logged as run artifacts (``register_model`` would refuse it). :func:`register_head` points
+the ``challenger`` alias at the new version; ``champion`` (the version served) is moved only by
+:mod:`pipelines.promotion`.
 
 Version tags written here (all strings): ``target``, ``method`` (peagle|eagle3), ``eval_set``,
 ``K`` (K of ``acceptance_length``), ``acceptance_length``, ``al.K<k>`` (AL per measured K),
-``K_best.c<c>`` (best served K per concurrency c), ``parallel_drafting``, ``head_sha256``,
-``promotion_decision``/``promotion_reason`` (after a gate ran).
+``K_best.c<c>`` (best served K per concurrency c), ``parallel_drafting``, ``head_sha256``
+(``promotion_decision``/``promotion_reason`` are written by the gate).
 
 Tracking store: ``RegistryConfig.tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else
 ``sqlite:///$PEAGLE_HOME/mlflow.db`` with artifacts under ``$PEAGLE_HOME/mlartifacts``.
@@ -31,8 +24,8 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +34,7 @@ from pipelines.mlflow_params import flatten
 
 log = logging.getLogger(__name__)
 
-CHAMPION = "champion"
 CHALLENGER = "challenger"
-HISTORY_TAG = "champion_history"
 HEAD_ARTIFACT_PATH = "head"
 
 
@@ -135,18 +126,41 @@ def log_run(
         tracking_uri: see :func:`pipelines.settings.tracking_uri`.
 
     Params always include ``git_sha``, ``git_dirty`` and ``pkg.<dist>`` versions
-    (``pipelines.recipe.provenance``).
+    (``pipelines.provenance.provenance``).
+
+    Raises:
+        ValueError: an ``artifacts`` path does not exist (raised after params, metrics and tables are logged).
     """
-    from mlflow.entities import Metric, Param, RunTag
-
-    from pipelines.recipe import provenance
-
     client = get_client(tracking_uri)
+    run_id = _open_run(client, run_id, run_name=run_name, experiment=experiment, tags=tags)
+    params = _provenance_params(data_manifest)
+    rows = [dict(r) for r in eval_table]
+    with tempfile.TemporaryDirectory(prefix="peagle-run-") as tmp:
+        params |= _write_run_files(Path(tmp), config, rows)
+        if any(Path(tmp).iterdir()):
+            client.log_artifacts(run_id, tmp)
+    _log_params(client, run_id, params)
+    _log_metrics(client, run_id, training_curves, rows)
+    _log_artifact_paths(client, run_id, artifacts or {})
+    return run_id
+
+
+def _open_run(client, run_id: str | None, *, run_name: str | None, experiment: str,
+              tags: Mapping[str, str] | None) -> str:
+    """``run_id`` with ``tags`` added, or a new run in ``experiment`` carrying them."""
+    from mlflow.entities import RunTag
+
     if run_id is None:
         run = client.create_run(_experiment_id(client, experiment), run_name=run_name, tags=dict(tags or {}))
-        run_id = run.info.run_id
-    elif tags:
+        return run.info.run_id
+    if tags:
         client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+    return run_id
+
+
+def _provenance_params(data_manifest: str | os.PathLike | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``git_sha``, ``git_dirty``, ``pkg.<dist>`` and (with a manifest) ``data_manifest_sha256``."""
+    from pipelines.provenance import provenance
 
     prov = provenance()
     params: dict[str, Any] = {"git_sha": prov.get("git_sha"), "git_dirty": prov.get("git_dirty")}
@@ -154,53 +168,74 @@ def log_run(
     digest = manifest_hash(data_manifest)
     if digest:
         params["data_manifest_sha256"] = digest
+    return params
 
-    with tempfile.TemporaryDirectory(prefix="peagle-run-") as tmp:
-        tmp_p = Path(tmp)
-        if config is not None:
-            if hasattr(config, "dump_resolved"):
-                text = config.dump_resolved()
-                cfg_dict = config.model_dump(mode="json")
-            elif hasattr(config, "model_dump"):
-                cfg_dict = config.model_dump(mode="json")
-                text = json.dumps(cfg_dict, indent=2)
-            else:
-                cfg_dict = dict(config)
-                text = json.dumps(cfg_dict, indent=2, default=str)
-            params |= {k: v for k, v in flatten(cfg_dict).items()}
-            (tmp_p / "config").mkdir()
-            (tmp_p / "config" / "recipe.yaml").write_text(text)
-        rows = [dict(r) for r in eval_table]
-        if rows:
-            (tmp_p / "eval").mkdir()
-            (tmp_p / "eval" / "table.json").write_text(json.dumps(rows, indent=2, default=str))
-            from pipelines.evaluate import table_markdown
 
-            (tmp_p / "eval" / "table.md").write_text(table_markdown(rows))
-        if any(tmp_p.iterdir()):
-            client.log_artifacts(run_id, str(tmp_p))
+def _write_run_files(out: Path, config: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write ``config/recipe.yaml`` and ``eval/table.{json,md}`` under ``out``; return the config's
+    flattened params (empty without a config)."""
+    params: dict[str, Any] = {}
+    if config is not None:
+        if hasattr(config, "dump_resolved"):
+            text = config.dump_resolved()
+            cfg_dict = config.model_dump(mode="json")
+        elif hasattr(config, "model_dump"):
+            cfg_dict = config.model_dump(mode="json")
+            text = json.dumps(cfg_dict, indent=2)
+        else:
+            cfg_dict = dict(config)
+            text = json.dumps(cfg_dict, indent=2, default=str)
+        params = dict(flatten(cfg_dict))
+        (out / "config").mkdir()
+        (out / "config" / "recipe.yaml").write_text(text)
+    if rows:
+        (out / "eval").mkdir()
+        (out / "eval" / "table.json").write_text(json.dumps(rows, indent=2, default=str))
+        from pipelines.eval_report import table_markdown
+
+        (out / "eval" / "table.md").write_text(table_markdown(rows))
+    return params
+
+
+def _log_params(client, run_id: str, params: Mapping[str, Any]) -> None:
+    """Log the non-None params the run does not have yet (MLflow params are write-once)."""
+    from mlflow.entities import Param
 
     existing = client.get_run(run_id).data.params
     items = [Param(k, _param_value(v)) for k, v in params.items() if v is not None and k not in existing]
     for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
         client.log_batch(run_id, params=items[i:i + 100])
 
-    import time
 
-    now = int(time.time() * 1000)
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _log_metrics(client, run_id: str, training_curves: Iterable[Mapping[str, float]],
+                 rows: list[dict[str, Any]]) -> None:
+    """Training curves at their steps; every number of the eval table at step 0 (:func:`eval_metric_name`)."""
+    from mlflow.entities import Metric
+
+    now_ms = int(time.time() * 1000)
     metrics = []
     for row in training_curves:
         step = int(row.get("step", 0))
-        metrics += [Metric(k, float(v), now, step) for k, v in row.items()
-                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        metrics += [Metric(k, float(v), now_ms, step) for k, v in row.items() if k != "step" and _is_number(v)]
     for row in rows:
         for k, v in row.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("K", "concurrency"):
-                metrics.append(Metric(eval_metric_name(row, k), float(v), now, 0))
+            if _is_number(v) and k not in ("K", "concurrency"):
+                metrics.append(Metric(eval_metric_name(row, k), float(v), now_ms, 0))
     for i in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[i:i + 1000])
 
-    for dest, path in (artifacts or {}).items():
+
+def _log_artifact_paths(client, run_id: str, artifacts: Mapping[str, str | os.PathLike]) -> None:
+    """Log each ``{artifact_dir: local file or directory}``.
+
+    Raises:
+        ValueError: a path that does not exist.
+    """
+    for dest, path in artifacts.items():
         p = Path(path)
         if p.is_dir():
             client.log_artifacts(run_id, str(p), dest)
@@ -208,21 +243,14 @@ def log_run(
             client.log_artifact(run_id, str(p), dest)
         else:
             raise ValueError(f"artifacts[{dest!r}] = {p} does not exist; pass an existing file or directory")
-    return run_id
 
 
 # ---------------------------------------------------------------------------------------------- registry
 
 
-def _tag(mv, key: str) -> str | None:
+def version_tag(mv, key: str) -> str | None:
+    """Tag ``key`` of a model version, else None."""
     return (mv.tags or {}).get(key)
-
-
-def _al_at(mv, K: int) -> float | None:
-    v = _tag(mv, f"al.K{K}")
-    if v is None and _tag(mv, "K") == str(K):
-        v = _tag(mv, "acceptance_length")
-    return float(v) if v is not None else None
 
 
 def register_head(
@@ -271,6 +299,36 @@ def register_head(
             the target (nothing registered).
         ValueError: ``eval_al`` < 1 or ``K`` < 1.
     """
+    head = Path(head_dir)
+    head_cfg, parallel_drafting = _checked_head(head, eval_al=eval_al, K=K, target_config=target_config,
+                                                parallel_drafting=parallel_drafting)
+    client = get_client(tracking_uri)
+    run_id = _log_head_files(client, head, run_id, experiment=experiment, model_name=model_name)
+    _ensure_registered_model(client, model_name)
+    vtags = _version_tags(head, head_cfg, eval_al=eval_al, K=K, eval_set=eval_set, target=target,
+                          parallel_drafting=parallel_drafting, al_by_K=al_by_K, K_best=K_best, tags=tags)
+    mv = client.create_model_version(
+        model_name, source=f"runs:/{run_id}/{HEAD_ARTIFACT_PATH}", run_id=run_id, tags=vtags,
+        description=f"{vtags['method']} head, AL {float(eval_al):.3f} at K={K} on {eval_set}",
+    )
+    client.set_registered_model_alias(model_name, CHALLENGER, mv.version)
+    log.info("registered %s version %s (AL %.3f at K=%d on %s) as %s", model_name, mv.version, eval_al, K,
+             eval_set, CHALLENGER)
+    return client.get_model_version(model_name, mv.version)
+
+
+def _checked_head(head: Path, *, eval_al: float, K: int, target_config: Any,
+                  parallel_drafting: bool | None) -> tuple[dict[str, Any], bool]:
+    """Check the gate numbers and the head (writing missing checksums) before anything is logged.
+
+    Returns:
+        ``(config.json of the head, parallel_drafting)``, the latter inferred when None (``mask_token_id`` set).
+
+    Raises:
+        ValueError: ``eval_al`` < 1 or ``K`` < 1.
+        peagle_core.contract.HeadContractError: no ``config.json``, or the head violates the contract / does
+            not fit ``target_config``.
+    """
     from peagle_core.contract import (
         CHECKSUMS_FILE,
         CONFIG_FILE,
@@ -279,7 +337,6 @@ def register_head(
         write_checksums,
     )
 
-    head = Path(head_dir)
     if K < 1:
         raise ValueError(f"K={K}: the served num_speculative_tokens must be >= 1")
     if not eval_al >= 1.0:
@@ -293,8 +350,11 @@ def register_head(
     if parallel_drafting is None:
         parallel_drafting = head_cfg.get("mask_token_id") is not None
     validate_head(head, target_config=target_config, parallel_drafting=parallel_drafting)
+    return head_cfg, parallel_drafting
 
-    client = get_client(tracking_uri)
+
+def _log_head_files(client, head: Path, run_id: str | None, *, experiment: str, model_name: str) -> str:
+    """Log the head's files under ``head/`` of ``run_id`` (None: a new, finished run in ``experiment``)."""
     if run_id is None:
         run_id = client.create_run(_experiment_id(client, experiment), run_name=f"register-{model_name}").info.run_id
         created_run = True
@@ -303,7 +363,11 @@ def register_head(
     client.log_artifacts(run_id, str(head), HEAD_ARTIFACT_PATH)
     if created_run:
         client.set_terminated(run_id)
+    return run_id
 
+
+def _ensure_registered_model(client, model_name: str) -> None:
+    """Create the registered model unless it exists (tolerates a concurrent creation)."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -313,6 +377,13 @@ def register_head(
             client.create_registered_model(model_name, description="peagle speculative-decoding heads")
         except MlflowException:  # created concurrently
             client.get_registered_model(model_name)
+
+
+def _version_tags(head: Path, head_cfg: Mapping[str, Any], *, eval_al: float, K: int, eval_set: str,
+                  target: str | None, parallel_drafting: bool, al_by_K: Mapping[int, float] | None,
+                  K_best: Mapping[int, int] | None, tags: Mapping[str, Any] | None) -> dict[str, str]:
+    """The version tags listed in the module docstring, then ``tags`` (which win)."""
+    from peagle_core.contract import CHECKSUMS_FILE
 
     meta = head_cfg.get("peagle", {}) or {}
     checksums = (head / CHECKSUMS_FILE).read_bytes()
@@ -331,165 +402,7 @@ def register_head(
     for c, k in (K_best or {}).items():
         vtags[f"K_best.c{int(c)}"] = str(int(k))
     vtags |= {k: str(v) for k, v in (tags or {}).items()}
-    mv = client.create_model_version(
-        model_name, source=f"runs:/{run_id}/{HEAD_ARTIFACT_PATH}", run_id=run_id, tags=vtags,
-        description=f"{vtags['method']} head, AL {float(eval_al):.3f} at K={K} on {eval_set}",
-    )
-    client.set_registered_model_alias(model_name, CHALLENGER, mv.version)
-    log.info("registered %s version %s (AL %.3f at K=%d on %s) as %s", model_name, mv.version, eval_al, K,
-             eval_set, CHALLENGER)
-    return client.get_model_version(model_name, mv.version)
-
-
-@dataclass
-class PromotionDecision:
-    """Outcome of the promotion gate.
-
-    ``promoted``: whether ``champion`` now points at ``version``; ``reason``: why (also written to
-    the version tags ``promotion_decision``/``promotion_reason`` and, if the version has a run, to the
-    run's tags); ``champion_version``: the champion after the decision; ``new_al``/``champion_al``:
-    the compared acceptance lengths at ``K``.
-    """
-
-    promoted: bool
-    reason: str
-    version: str
-    champion_version: str | None
-    K: int
-    new_al: float | None = None
-    champion_al: float | None = None
-
-
-def _history(client, model_name: str) -> list[str]:
-    raw = (client.get_registered_model(model_name).tags or {}).get(HISTORY_TAG)
-    return [str(v) for v in json.loads(raw)] if raw else []
-
-
-def _current_champion(client, model_name: str):
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_model_version_by_alias(model_name, CHAMPION)
-    except MlflowException:
-        return None
-
-
-def _set_champion(client, model_name: str, version: str, *, history: list[str]) -> None:
-    client.set_registered_model_alias(model_name, CHAMPION, str(version))
-    client.set_registered_model_tag(model_name, HISTORY_TAG, json.dumps(history))
-
-
-def _record(client, model_name: str, d: PromotionDecision) -> None:
-    from mlflow.exceptions import MlflowException
-
-    decision = "promoted" if d.promoted else "kept_champion"
-    client.set_model_version_tag(model_name, d.version, "promotion_decision", decision)
-    client.set_model_version_tag(model_name, d.version, "promotion_reason", d.reason[:5000])
-    run_id = client.get_model_version(model_name, d.version).run_id
-    if run_id:
-        try:
-            client.set_tag(run_id, "promotion_decision", decision)
-            client.set_tag(run_id, "promotion_reason", d.reason[:5000])
-        except MlflowException as e:  # the run may be gone or read-only; the version tags suffice
-            log.warning("could not tag run %s: %s", run_id, e)
-    (log.info if d.promoted else log.warning)("%s v%s: %s", model_name, d.version, d.reason)
-
-
-def maybe_promote(
-    model_name: str,
-    version: str | int | None = None,
-    *,
-    K: int,
-    promote_margin: float = 0.0,
-    eval_set: str | None = None,
-    tracking_uri: str | None = None,
-) -> PromotionDecision:
-    """Promotion gate: move ``champion`` to ``version`` only if its AL at ``K`` beats the champion's.
-
-    Rule: promoted iff there is no champion, or both versions have an AL at ``K`` on the same eval
-    set and ``new_al > champion_al + promote_margin``. Otherwise the champion stays; the reason is
-    returned and recorded as tags (``promotion_decision``, ``promotion_reason``).
-
-    Args:
-        version: candidate version; None = the ``challenger`` alias.
-        K: the gate's served K (``RegistryConfig.gate_num_speculative_tokens``).
-        promote_margin: required AL improvement (AL units, tokens per target step).
-        eval_set: required eval set of both versions; None = the candidate's.
-    """
-    client = get_client(tracking_uri)
-    mv = (client.get_model_version_by_alias(model_name, CHALLENGER) if version is None
-          else client.get_model_version(model_name, str(version)))
-    v = str(mv.version)
-    new_al = _al_at(mv, K)
-    new_set = _tag(mv, "eval_set")
-    champ = _current_champion(client, model_name)
-    history = _history(client, model_name)
-
-    def decide(promoted: bool, reason: str, champ_al: float | None = None) -> PromotionDecision:
-        d = PromotionDecision(promoted=promoted, reason=reason, version=v, K=K, new_al=new_al, champion_al=champ_al,
-                              champion_version=v if promoted else (str(champ.version) if champ else None))
-        if promoted:
-            _set_champion(client, model_name, v, history=history + [v])
-        _record(client, model_name, d)
-        return d
-
-    if eval_set is not None and new_set != eval_set:
-        return decide(False, f"version {v} was evaluated on {new_set!r}, the gate requires {eval_set!r}")
-    if new_al is None:
-        return decide(False, f"version {v} has no acceptance length at K={K} (tags al.K{K}); evaluate it at K={K}")
-    if champ is None:
-        return decide(True, f"no champion yet; version {v} (AL {new_al:.3f} at K={K} on {new_set}) becomes champion")
-    if str(champ.version) == v:
-        return decide(False, f"version {v} is already the champion")
-    champ_al, champ_set = _al_at(champ, K), _tag(champ, "eval_set")
-    if champ_set != new_set:
-        return decide(False, f"champion v{champ.version} was evaluated on {champ_set!r}, version {v} on "
-                             f"{new_set!r}: ALs are not comparable; re-evaluate both on one eval set")
-    if champ_al is None:
-        return decide(False, f"champion v{champ.version} has no AL at K={K}; re-evaluate it at K={K} or promote "
-                             "by hand (peagle registry promote --force)")
-    if new_al > champ_al + promote_margin:
-        return decide(True, f"AL {new_al:.3f} > champion v{champ.version} AL {champ_al:.3f} + margin "
-                            f"{promote_margin:g} at K={K} on {new_set}", champ_al)
-    return decide(False, f"AL {new_al:.3f} does not beat champion v{champ.version} AL {champ_al:.3f} + margin "
-                         f"{promote_margin:g} at K={K} on {new_set}; champion stays", champ_al)
-
-
-def promote(model_name: str, version: str | int, *, reason: str = "forced promotion",
-            tracking_uri: str | None = None) -> PromotionDecision:
-    """Move ``champion`` to ``version`` without the gate (history kept for :func:`rollback`)."""
-    client = get_client(tracking_uri)
-    mv = client.get_model_version(model_name, str(version))
-    champ = _current_champion(client, model_name)
-    history = _history(client, model_name)
-    if champ is not None and str(champ.version) == str(mv.version):
-        d = PromotionDecision(False, f"version {mv.version} is already the champion", str(mv.version),
-                              str(mv.version), int(_tag(mv, "K") or 0))
-    else:
-        _set_champion(client, model_name, str(mv.version), history=history + [str(mv.version)])
-        d = PromotionDecision(True, reason, str(mv.version), str(mv.version), int(_tag(mv, "K") or 0))
-    _record(client, model_name, d)
-    return d
-
-
-def rollback(model_name: str, *, tracking_uri: str | None = None):
-    """Restore the previous champion (from the ``champion_history`` tag) and return its version.
-
-    Raises:
-        ValueError: there is no previous champion to roll back to.
-    """
-    client = get_client(tracking_uri)
-    history = _history(client, model_name)
-    champ = _current_champion(client, model_name)
-    if champ is not None and (not history or history[-1] != str(champ.version)):
-        history.append(str(champ.version))  # alias moved by hand outside peagle
-    if len(history) < 2:
-        raise ValueError(f"{model_name}: champion history {history} has no previous champion to roll back to")
-    dropped, previous = history[-1], history[-2]
-    _set_champion(client, model_name, previous, history=history[:-1])
-    client.set_model_version_tag(model_name, dropped, "rolled_back", "true")
-    log.warning("%s: rolled champion back from v%s to v%s", model_name, dropped, previous)
-    return client.get_model_version(model_name, previous)
+    return vtags
 
 
 def parse_model_ref(ref: str) -> tuple[str, str]:
@@ -549,7 +462,12 @@ def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, par
 
 
 def list_versions(model_name: str | None = None, *, tracking_uri: str | None = None) -> list[dict[str, Any]]:
-    """Rows ``{name, version, aliases, method, eval_set, K, acceptance_length, promotion_decision, run_id}``."""
+    """Rows ``{name, version, aliases, method, eval_set, K, acceptance_length, promotion_decision, run_id}``
+    of ``model_name`` (None: every registered model), sorted by name and version.
+
+    Raises:
+        mlflow.exceptions.MlflowException: unknown ``model_name``.
+    """
     client = get_client(tracking_uri)
     names = [model_name] if model_name else [m.name for m in client.search_registered_models()]
     rows = []
@@ -560,16 +478,15 @@ def list_versions(model_name: str | None = None, *, tracking_uri: str | None = N
         for mv in client.search_model_versions(f"name='{name}'"):
             rows.append({
                 "name": name, "version": str(mv.version), "aliases": ",".join(sorted(aliases.get(str(mv.version), []))),
-                "method": _tag(mv, "method"), "eval_set": _tag(mv, "eval_set"), "K": _tag(mv, "K"),
-                "acceptance_length": _tag(mv, "acceptance_length"),
-                "promotion_decision": _tag(mv, "promotion_decision"), "run_id": mv.run_id,
+                **{k: version_tag(mv, k) for k in ("method", "eval_set", "K", "acceptance_length", "promotion_decision")},
+                "run_id": mv.run_id,
             })
     rows.sort(key=lambda r: (r["name"], int(r["version"])))
     return rows
 
 
+
 __all__ = [
-    "CHALLENGER", "CHAMPION", "PromotionDecision", "download", "get_client", "list_versions", "log_run",
-    "manifest_hash", "maybe_promote", "parse_model_ref", "promote", "register_head",
-    "rollback",
+    "CHALLENGER", "download", "eval_metric_name", "get_client", "list_versions", "log_run", "manifest_hash",
+    "parse_model_ref", "register_head", "version_tag",
 ]

@@ -103,8 +103,9 @@ def promote_cmd(
 ) -> None:
     """Run the promotion gate on a version (or force it) and print the decision; exit 1 when the
     gate keeps the champion."""
+    from pipelines.promotion import maybe_promote, promote
     from pipelines.recipe import RegistryConfig
-    from pipelines.register import CHALLENGER, get_client, maybe_promote, promote
+    from pipelines.register import CHALLENGER, get_client
 
     defaults = RegistryConfig()
     if force:
@@ -128,7 +129,7 @@ def rollback_cmd(
     tracking_uri: URIOpt = None,
 ) -> None:
     """Move champion back to the previous champion."""
-    from pipelines.register import rollback
+    from pipelines.promotion import rollback
 
     mv = rollback(model_name, tracking_uri=tracking_uri)
     typer.echo(f"champion=v{mv.version}")

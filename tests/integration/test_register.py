@@ -8,8 +8,8 @@ import torch
 from peagle_core.contract import HeadContractError, export_head
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_config import DrafterConfig
+from pipelines import promotion, settings
 from pipelines import register as reg
-from pipelines import settings
 
 pytestmark = pytest.mark.integration
 
@@ -42,29 +42,29 @@ def test_gate_rollback_download(tmp_path, uri):
     v1 = reg.register_head(h1, model_name=name, run_id=run, eval_al=2.1, K=5, eval_set="humaneval",
                            al_by_K={3: 1.9, 5: 2.1}, K_best={1: 5, 8: 3}, target_config=TARGET, tracking_uri=uri)
     assert v1.aliases == [reg.CHALLENGER] and v1.tags["K_best.c8"] == "3" and v1.tags["al.K3"] == "1.9000"
-    d1 = reg.maybe_promote(name, v1.version, K=5, promote_margin=0.05, tracking_uri=uri)
+    d1 = promotion.maybe_promote(name, v1.version, K=5, promote_margin=0.05, tracking_uri=uri)
     assert d1.promoted and d1.champion_version == str(v1.version)
 
     # A worse challenger: the gate keeps v1 and says why.
     v2 = reg.register_head(h2, model_name=name, eval_al=2.12, K=5, eval_set="humaneval", tracking_uri=uri)
-    d2 = reg.maybe_promote(name, K=5, promote_margin=0.05, tracking_uri=uri)
+    d2 = promotion.maybe_promote(name, K=5, promote_margin=0.05, tracking_uri=uri)
     assert not d2.promoted and d2.champion_version == str(v1.version) and "does not beat" in d2.reason
     client = reg.get_client(uri)
-    assert client.get_model_version_by_alias(name, reg.CHAMPION).version == v1.version
+    assert client.get_model_version_by_alias(name, promotion.CHAMPION).version == v1.version
     assert client.get_model_version(name, v2.version).tags["promotion_decision"] == "kept_champion"
     assert client.get_model_version_by_alias(name, reg.CHALLENGER).version == v2.version
 
     # Another eval set is not comparable.
     v3 = reg.register_head(h3, model_name=name, eval_al=3.0, K=5, eval_set="mtbench", tracking_uri=uri)
-    assert not reg.maybe_promote(name, v3.version, K=5, tracking_uri=uri).promoted
+    assert not promotion.maybe_promote(name, v3.version, K=5, tracking_uri=uri).promoted
     # A better one on the same set moves champion; rollback restores v1.
     v4 = reg.register_head(h3, model_name=name, eval_al=2.5, K=5, eval_set="humaneval", tracking_uri=uri)
-    d4 = reg.maybe_promote(name, v4.version, K=5, promote_margin=0.05, tracking_uri=uri)
-    assert d4.promoted and client.get_model_version_by_alias(name, reg.CHAMPION).version == v4.version
-    assert str(reg.rollback(name, tracking_uri=uri).version) == str(v1.version)
-    assert client.get_model_version_by_alias(name, reg.CHAMPION).version == v1.version
+    d4 = promotion.maybe_promote(name, v4.version, K=5, promote_margin=0.05, tracking_uri=uri)
+    assert d4.promoted and client.get_model_version_by_alias(name, promotion.CHAMPION).version == v4.version
+    assert str(promotion.rollback(name, tracking_uri=uri).version) == str(v1.version)
+    assert client.get_model_version_by_alias(name, promotion.CHAMPION).version == v1.version
     with pytest.raises(ValueError, match="no previous champion"):
-        reg.rollback(name, tracking_uri=uri)
+        promotion.rollback(name, tracking_uri=uri)
 
     # Download reproduces the files of v1 byte for byte (checksums verified inside download too).
     out = reg.download(f"{name}@champion", tmp_path / "dl", tracking_uri=uri)
@@ -82,7 +82,7 @@ def test_download_detects_corruption(tmp_path, uri):
     name = "peagle-tiny"
     h = _head(tmp_path / "h", seed=0)
     mv = reg.register_head(h, model_name=name, eval_al=1.5, K=3, eval_set="x", tracking_uri=uri)
-    reg.promote(name, mv.version, tracking_uri=uri)
+    promotion.promote(name, mv.version, tracking_uri=uri)
     good = reg.download(f"{name}@champion", tmp_path / "dst", tracking_uri=uri)
     # Corrupt the stored artifact (local artifact store) and download again: refused, dst intact.
     client = reg.get_client(uri)

@@ -1,0 +1,253 @@
+"""Sections of the stages after the prompts: regenerate, capture, drafter, training, evaluation,
+registry, serving (each stage receives only its section)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from peagle_core.drafter_config import DrafterConfig
+from pipelines import settings
+from pipelines.recipe.base import Section
+from pipelines.recipe.data import SourceConfig
+from pipelines.recipe.target import TargetConfig
+
+if TYPE_CHECKING:
+    from peagle_core.objectives import ObjectiveConfig
+
+
+class RegenerateConfig(Section):
+    """Regenerate assistant turns with the target (Ray Data + vLLM)."""
+
+    enabled: bool = Field(True, description="Replace the dataset's assistant turns by the target's own responses.")
+    backend: Literal["vllm", "transformers"] = Field("vllm", description="Generation engine.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_tokens_per_turn: int = Field(512, ge=1, description="Max new tokens per regenerated assistant turn.")
+    batch_size: int = Field(32, ge=1, description="Conversations per Ray Data batch.")
+    num_workers: int = Field(1, ge=1, description="Engine actors (one per GPU on clusters).")
+    seed: int = Field(0, description="Sampling seed.")
+    vllm_runner: Literal["ray_data_llm", "actor"] = Field(
+        "ray_data_llm", description="backend=vllm: Ray's ray.data.llm processor (one pass per assistant turn) or "
+        "a map_batches actor holding vllm.LLM (all turns of a batch in one engine)."
+    )
+    max_turns: int | None = Field(None, ge=1, description="Regenerate at most this many assistant turns per "
+                                  "conversation (later turns are cut); None = all.")
+
+
+class CaptureConfig(Section):
+    """Capture target aux hidden states (Ray Data)."""
+
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="Hidden-state extractor.")
+    batch_size: int = Field(8, ge=1, description="Conversations per forward batch.")
+    dtype: Literal["float16", "bfloat16", "float32"] = Field(
+        "float16", description="Storage dtype of captured hidden states (Ray tensors: no bfloat16 in parquet)."
+    )
+    num_workers: int = Field(1, ge=1, description="Capture actors.")
+    shard_size_samples: int = Field(256, ge=1, description="Conversations per output shard.")
+    streaming: bool = Field(False, description="Feed training directly instead of writing shards first.")
+    on_too_long: Literal["truncate", "drop"] = Field(
+        "truncate", description="Conversations over data.max_length_tokens: truncate them or drop them."
+    )
+
+
+class DrafterSpec(Section):
+    """The P-EAGLE drafter (EAGLE-3 Llama-style head, parallel drafting)."""
+
+    num_layers: int = Field(4, ge=1, description="Drafter decoder layers (paper default 4).")
+    num_speculative_tokens: int = Field(
+        5, description="K: draft tokens predicted in one forward pass (depths 0..K-1); >= 1."
+    )
+    mask_token_id: int | None = Field(
+        None,
+        description="Reserved, unused token id whose embedding fills depths 1..K-1; None = the embedded "
+        "target's reserved id (required for other targets).",
+    )
+    draft_vocab_size: int | None = Field(
+        None, ge=1, description="Drafter lm_head rows (top-N frequent tokens, d2t offsets); None = full vocab."
+    )
+    train_embed_tokens: bool = Field(
+        True,
+        description="Train the drafter's copy of the target embeddings (exported as embed_tokens). False freezes "
+        "them (no [V, H] gradient/optimizer state: much cheaper on CPU) and the head omits embed_tokens, so "
+        "vLLM shares the target's; the mask token then keeps the target's embedding of mask_token_id.",
+    )
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _k_positive(cls, k: int) -> int:
+        if k < 1:
+            raise ValueError(f"drafter.num_speculative_tokens (K) = {k}; K must be >= 1 (typical 5-8)")
+        return k
+
+    def to_drafter_config(
+        self, hf_config: Mapping[str, Any], *, method: str = "peagle", target: TargetConfig | None = None
+    ) -> DrafterConfig:
+        """The ``peagle_core`` drafter architecture of this section for a target.
+
+        Args:
+            hf_config: the target's ``config.json`` (text model section).
+            method: ``training.method``; only ``"peagle"`` heads get a ``mask_token_id`` (EAGLE-3 heads have no
+                ``mask_hidden``).
+            target: gives the aux layer ids (``target.aux_layer_ids`` or vLLM's default for the real layer
+                count) and, when ``mask_token_id`` is None, the embedded target's reserved id.
+
+        Raises:
+            ValueError: ``method="peagle"`` without a mask token id, or a config ``DrafterConfig`` rejects.
+        """
+        n = int(hf_config["num_hidden_layers"])
+        aux_layer_ids = target.resolve_aux_layer_ids(n) if target is not None else None
+        mask_token_id = None
+        if method == "peagle":
+            mask_token_id = self.mask_token_id
+            if mask_token_id is None and target is not None:
+                mask_token_id = target.reserved_mask_token_id()
+            if mask_token_id is None:
+                raise ValueError("drafter.mask_token_id is required for method='peagle' (a reserved, unused token id)")
+        return DrafterConfig.from_target(hf_config, num_hidden_layers=self.num_layers, mask_token_id=mask_token_id,
+                                         draft_vocab_size=self.draft_vocab_size, aux_layer_ids=aux_layer_ids)
+
+
+class TrainingConfig(Section):
+    """Drafter training (Ray Train TorchTrainer)."""
+
+    method: Literal["peagle", "eagle3"] = Field("peagle", description="Objective: P-EAGLE parallel or EAGLE-3 TTT.")
+    num_epochs: int = Field(1, ge=1, description="Passes over the captured data.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (None = epochs).")
+    lr: float = Field(1e-4, gt=0.0, description="Peak AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    batch_tokens: int = Field(8192, ge=1, description="Target tokens per optimizer step (per worker).")
+    cod_ratio: float = Field(0.8, gt=0.0, le=1.0, description="COD keep ratio r: depth d keeps max(r^d, r_min).")
+    cod_min_ratio: float = Field(0.2, gt=0.0, le=1.0, description="COD floor r_min.")
+    num_partitions: int = Field(1, ge=1, description="Sequence partitions S (Algorithm 1); 1 = unpartitioned.")
+    ttt_steps: int = Field(7, ge=1, description="EAGLE-3 test-time-training steps (method eagle3).")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 loss weight of step i is decay^i.")
+    loss: Literal["kl", "ce"] = Field("kl", description="KL(target || draft) or cross-entropy on target argmax.")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Max gradient norm (None = no clipping).")
+    num_workers: int = Field(1, ge=1, description="Ray Train workers.")
+    use_gpu: bool = Field(False, description="One GPU per worker (NCCL) or CPU (gloo).")
+    parallel_strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: replicated head (default, a drafter is small); fsdp: FSDP2-sharded head "
+        "(parameters, gradients, AdamW state / num_workers; for 8B+ targets with large vocabularies)."
+    )
+    checkpoint_every_steps: int = Field(500, ge=1, description="Checkpoint period in optimizer steps.")
+    max_failures: int = Field(
+        2, ge=0, description="Worker failures (a crash, a killed process, a lost node) Ray Train recovers from by "
+        "restarting the workers from the latest checkpoint (FailureConfig.max_failures); 0 = stop at the first."
+    )
+    seed: int = Field(0, description="Init / data-order / COD sampling seed.")
+    attention: Literal["auto", "flex", "dense"] = Field(
+        "auto", description="Training attention: flex (FlexAttention block mask), dense mask, or auto."
+    )
+
+    @model_validator(mode="after")
+    def _cod(self):
+        if self.cod_min_ratio > self.cod_ratio:
+            raise ValueError(
+                f"training.cod_min_ratio={self.cod_min_ratio} > training.cod_ratio={self.cod_ratio}; "
+                "set r_min <= r (defaults 0.2 and 0.8)"
+            )
+        return self
+
+    def objective_config(self, num_speculative_tokens: int) -> ObjectiveConfig:
+        """The ``peagle_core`` config of this section's objective: ``PEagleConfig`` (K = ``num_speculative_tokens``
+        depths, COD ratios, partitions) for ``method="peagle"``, ``Eagle3TTTConfig`` (``ttt_steps`` steps
+        weighted ``ttt_decay**i``) for ``"eagle3"``; both with ``loss``, ``attention`` and ``seed``."""
+        from peagle_core.objectives import Eagle3TTTConfig, PEagleConfig
+
+        common = {"loss": self.loss, "attention": self.attention, "seed": self.seed}
+        if self.method == "eagle3":
+            return Eagle3TTTConfig(num_steps=self.ttt_steps, step_weight=self.ttt_decay, **common)
+        return PEagleConfig(num_depths=num_speculative_tokens, cod_ratio=self.cod_ratio,
+                            cod_min_ratio=self.cod_min_ratio, num_partitions=self.num_partitions, **common)
+
+
+class EvalConfig(Section):
+    """Acceptance-length evaluation with real vLLM."""
+
+    sources: list[SourceConfig] = Field(
+        default_factory=lambda: [SourceConfig(kind="humaneval")], min_length=1, description="Evaluation prompts."
+    )
+    num_prompts: int = Field(64, ge=1, description="Prompts per source.")
+    max_tokens: int = Field(256, ge=1, description="New tokens per prompt.")
+    num_speculative_tokens_sweep: list[int] = Field(
+        default_factory=lambda: [5], min_length=1, description="Served K values to measure."
+    )
+    concurrency_sweep: list[int] = Field(
+        default_factory=lambda: [1], min_length=1, description="Concurrent requests to measure throughput at."
+    )
+    methods: list[Literal["none", "eagle3", "peagle"]] = Field(
+        default_factory=lambda: ["none", "peagle"], min_length=1, description="Decoding methods to compare."
+    )
+    include_offline_decoder: bool = Field(
+        True, description="Also measure with the pure-torch reference speculative decoder."
+    )
+
+    @field_validator("num_speculative_tokens_sweep", "concurrency_sweep")
+    @classmethod
+    def _positive(cls, values: list[int], info) -> list[int]:
+        if any(v < 1 for v in values):
+            raise ValueError(f"evaluation.{info.field_name}={values}: every value must be >= 1")
+        return values
+
+    @field_validator("sources")
+    @classmethod
+    def _no_self_instruct(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+        if any(s.kind == "self_instruct" for s in sources):
+            raise ValueError("evaluation.sources: self_instruct writes training prompts; evaluate on fixed sets "
+                             "(humaneval, mtbench, sharegpt, a user file)")
+        return sources
+
+
+class RegistryConfig(Section):
+    """MLflow versioning and the champion/challenger promotion gate."""
+
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///$PEAGLE_HOME/mlflow.db "
+        "(pipelines.settings.tracking_uri)."
+    )
+    model_name: str | None = Field(None, description="Registered model name; None = 'peagle-' + target name.")
+    gate_num_speculative_tokens: int = Field(5, ge=1, description="K at which the promotion gate compares AL.")
+    promote_margin: float = Field(
+        0.0, description="Challenger is promoted when its acceptance length beats the champion's by this many "
+        "tokens (AL units)."
+    )
+
+    def resolved_tracking_uri(self, home: Path | None = None) -> str:
+        """This section's URI, else ``$MLFLOW_TRACKING_URI``, else the local store (one rule:
+        :func:`pipelines.settings.tracking_uri`)."""
+        return settings.tracking_uri(self.tracking_uri, home=home)
+
+    def resolved_model_name(self, target: TargetConfig) -> str:
+        """This section's name, else ``peagle-<target basename>`` (:func:`pipelines.settings.model_name`)."""
+        return settings.model_name(target.model, self.model_name)
+
+
+class ServeConfig(Section):
+    """Ray Serve LLM deployment of target + head (parallel drafting)."""
+
+    num_speculative_tokens: int = Field(5, ge=1, description="K served (may exceed the trained K).")
+    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound (replicas).")
+    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound (replicas).")
+    target_ongoing_requests: int = Field(4, ge=1, description="Autoscaling target of in-flight requests per replica.")
+    max_ongoing_requests: int = Field(16, ge=1, description="Hard cap of in-flight requests per replica.")
+    api_key_env: str | None = Field(None, description="Env var holding the API key clients must send; None = open.")
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    head_alias: str = Field("champion", description="Registry alias of the head to serve.")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"serving.min_replicas={self.min_replicas} > max_replicas={self.max_replicas}")
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(
+                f"serving.target_ongoing_requests={self.target_ongoing_requests} > max_ongoing_requests="
+                f"{self.max_ongoing_requests}; autoscaling would never trigger"
+            )
+        return self
