@@ -186,7 +186,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipelines.assets import ensure_target
-    from pipelines.regenerate import TransformersEngine
+    from pipelines.engines import TransformersEngine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="dir with sharegpt.jsonl.xz and humaneval.jsonl.xz")

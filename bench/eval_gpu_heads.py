@@ -16,7 +16,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from pipelines.assets import ensure_target
-    from pipelines.evaluate import evaluate, load_eval_prompts
+    from pipelines.eval_prompts import load_eval_prompts
+    from pipelines.evaluate import evaluate
     from pipelines.recipe import EvalConfig, SourceConfig
 
     ap = argparse.ArgumentParser(description=__doc__)

@@ -113,8 +113,9 @@ def join_head(args) -> None:
 
 def regenerate(args) -> None:
     """Regenerate first assistant turns with the target until the time budget is spent."""
+    from pipelines.engines import TransformersEngine
     from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import TransformersEngine, regenerate_conversations
+    from pipelines.regenerate import regenerate_conversations
 
     keep = _keep(args)
     convs = _read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")

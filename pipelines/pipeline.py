@@ -222,15 +222,17 @@ def print_summary(s: dict[str, Any], console: Console) -> None:
         table.add_row(name, st["status"], f"{st['seconds']:.1f}")
     console.print(table)
     ev = s.get("eval")
-    if ev:
-        base = ev.get("none_tokens_per_s")
-        line(f"{ev['method']} on {ev['eval_set']} (vLLM, greedy, concurrency {ev['concurrency']}):")
+    sets = (ev.get("by_eval_set") or {ev["eval_set"]: ev}) if ev else {}  # one table per eval set, gate first
+    for eval_set, part in sets.items():
+        base = part.get("none_tokens_per_s")
+        gate = " (gate set)" if len(sets) > 1 and eval_set == ev["eval_set"] else ""
+        line(f"{ev['method']} on {eval_set}{gate} (vLLM, greedy, concurrency {ev['concurrency']}):")
         table = Table()
         for col in ("K", "AL", "tokens/s", "vs none"):
             table.add_column(col, justify="right")
         if base:
             table.add_row("none", "1.000", f"{base:.1f}", "1.00x")
-        for k, v in sorted(ev["per_K"].items(), key=lambda kv: int(kv[0])):
+        for k, v in sorted(part["per_K"].items(), key=lambda kv: int(kv[0])):
             al, tps, sp = v.get("acceptance_length"), v.get("tokens_per_s"), v.get("speedup")
             table.add_row(str(k), f"{al:.3f}" if al is not None else "-", f"{tps:.1f}" if tps else "-",
                           f"{sp:.2f}x" if sp else "-")

@@ -9,19 +9,19 @@ Sources (``pipelines.recipe.SourceConfig.kind``):
   ``human``/``user`` -> user, ``gpt``/``chatgpt``/``bing``/``bard``/``assistant`` -> assistant).
 - ``humaneval``: the packaged HumanEval problems; each ``prompt`` becomes one user turn, id = task_id.
 - ``mtbench``: MT-Bench's 80 packaged questions; the first of each question's two turns becomes one
-  user turn, id = ``mtbench/<question_id>`` (two-turn evaluation: ``pipelines.evaluate.load_eval_prompts``).
+  user turn, id = ``mtbench/<question_id>`` (two-turn evaluation: ``pipelines.eval_prompts.load_eval_prompts``).
 - ``sharegpt_file``: a user ShareGPT JSON array or JSONL file.
 - ``openai_jsonl``: a user JSONL file of ``{"messages": [{"role", "content"}], "id"?}``.
 - ``self_instruct``: prompts written by the target itself (``pipelines.selfinstruct``). They need the
-  target's engine, so :func:`load_conversations` refuses them; :func:`load_prompt_dataset` takes them
-  from its ``write_prompts`` callable (the regenerate stage passes
-  ``pipelines.selfinstruct.SelfInstructWriter``) and raises ``ValueError`` without one.
+  target's engine, so :func:`load_conversations` refuses them;
+  :func:`pipelines.prompt_dataset.load_prompt_dataset` takes them from its ``write_prompts`` callable
+  (the regenerate stage passes ``pipelines.selfinstruct.SelfInstructWriter``).
 
 Every file is read as raw JSON lines with ``datasets.load_dataset("text", ...)`` (a JSON array is
-first rewritten as JSONL once, under ``$PEAGLE_HOME/data``), so a row with odd types cannot break
-Arrow's schema inference and every malformed row is reported with its index (0-based position in the
-file: line number - 1 for JSONL, array position for JSON). Per ``on_bad_row``, malformed rows are
-skipped (counted, logged with a warning) or raise ``ValueError``.
+first rewritten as JSONL once, under ``$PEAGLE_HOME/data``: :mod:`pipelines.jsonl`), so a row with odd
+types cannot break Arrow's schema inference and every malformed row is reported with its index
+(0-based position in the file: line number - 1 for JSONL, array position for JSON). Per
+``on_bad_row``, malformed rows are skipped (counted, logged with a warning) or raise ``ValueError``.
 
 ShareGPT rows (both ShareGPT kinds) that start with assistant turns (the V3 "split" variant cuts long
 conversations into chunks, and a chunk may open on an answer) lose those leading assistant turns and
@@ -29,9 +29,8 @@ are kept; the number of rows trimmed so is logged. Exact-duplicate conversations
 messages) are dropped and counted; a repeated id of a different conversation gets a ``~<n>`` suffix
 (ids must be unique downstream).
 
-Mixing (:func:`load_prompt_dataset`): without ``weight`` on the sources they are concatenated and
-``data.num_samples`` is drawn from the union; with weights each source supplies its share of
-``data.num_samples`` (largest-remainder rounding), then the mix is shuffled (all with ``data.seed``).
+One source per call here (rows, files, per-source steps, the train/held-out split); all sources
+mixed into the recipe's prompt dataset: :mod:`pipelines.prompt_dataset`.
 """
 
 from __future__ import annotations
@@ -39,20 +38,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import tempfile
 from collections import Counter
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelines import assets, settings
+from pipelines.jsonl import as_jsonl
 
 if TYPE_CHECKING:
     import datasets
 
-    from pipelines.recipe import DataConfig, SourceConfig
+    from pipelines.recipe import SourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -213,76 +210,7 @@ def _normalize_batch(batch: dict[str, list], indices: list[int], source: str) ->
     return out
 
 
-# ---------------------------------------------------------------------------------------------- files
 
-
-_WS_COMMA = re.compile(r"[\s,]*")
-
-
-def json_array_to_jsonl(src: Path, dst: Path) -> dict[str, int]:
-    """Rewrite a JSON array file as JSONL (one element per line), keeping complete elements only.
-
-    A file cut off mid-element (as the packaged ShareGPT is) keeps the complete prefix and is
-    reported as truncated. Returns ``{"num_rows", "truncated_at_char"}`` (-1 if complete).
-
-    Raises:
-        ValueError: the file is not a JSON array.
-    """
-    text = src.read_text(encoding="utf-8")
-    start = _WS_COMMA.match(text, 0).end()
-    if start >= len(text) or text[start] != "[":
-        raise ValueError(f"{src} is not a JSON array; use a JSONL file with one object per line")
-    decoder = json.JSONDecoder()
-    i, n, count, truncated = start + 1, len(text), 0, -1
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            while True:
-                i = _WS_COMMA.match(text, i).end()
-                if i >= n:
-                    truncated = i
-                    break
-                if text[i] == "]":
-                    break
-                try:
-                    obj, i = decoder.raw_decode(text, i)
-                except json.JSONDecodeError:
-                    truncated = i
-                    break
-                out.write(json.dumps(obj, ensure_ascii=False) + "\n")
-                count += 1
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return {"num_rows": count, "truncated_at_char": truncated}
-
-
-def _as_jsonl(path: Path, home: Path | None) -> Path:
-    """``path`` itself if it is JSONL (or .jsonl.gz), else a cached JSONL rewrite of the JSON array."""
-    name = path.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
-        return path
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith(b"["):
-        return path  # JSON Lines with another extension
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    dst = settings.data_dir(home) / f"{path.stem}-{key}.jsonl"
-    meta = dst.with_suffix(".meta.json")
-    if dst.is_file() and meta.is_file():
-        info = json.loads(meta.read_text())
-    else:
-        info = json_array_to_jsonl(path, dst)
-        meta.write_text(json.dumps(info))
-    if info["truncated_at_char"] >= 0:
-        log.warning(
-            "%s is cut off at character %d (an incomplete last element); using its %d complete rows",
-            path, info["truncated_at_char"], info["num_rows"],
-        )
-    return dst
 
 
 def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
@@ -307,7 +235,8 @@ def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
 
 SELF_INSTRUCT_NEEDS_ENGINE = (
     "a self_instruct source has no file: its prompts are written by the target, so they need an engine. Load "
-    "the sources with load_prompt_dataset(data, write_prompts=pipelines.selfinstruct.SelfInstructWriter(target, "
+    "the sources with pipelines.prompt_dataset.load_prompt_dataset(data, write_prompts="
+    "pipelines.selfinstruct.SelfInstructWriter(target, "
     "regenerate, data)) (the regenerate stage does), or generate them with "
     "pipelines.selfinstruct.generate_prompts(engine, source.self_instruct)"
 )
@@ -327,7 +256,8 @@ def load_conversations(
     ``$PEAGLE_HOME/hf-datasets``.
 
     Raises:
-        ValueError: a missing file; a self_instruct source (needs an engine: :func:`load_prompt_dataset`);
+        ValueError: a missing file; a self_instruct source (needs an engine:
+            :func:`pipelines.prompt_dataset.load_prompt_dataset`);
             with ``on_bad_row="fail"`` the first malformed rows (with their indices); with ``"skip"`` only
             if no row is usable.
     """
@@ -336,7 +266,7 @@ def load_conversations(
     if on_bad_row not in ("skip", "fail"):
         raise ValueError(f"on_bad_row={on_bad_row!r}; use 'skip' or 'fail'")
     path, label = source_file(source_cfg)
-    jsonl = _as_jsonl(path, home)
+    jsonl = as_jsonl(path, home)
     cache_dir = str(settings.hf_datasets_dir(home))
     raw = datasets.load_dataset("text", data_files=str(jsonl), split="train", cache_dir=cache_dir)
     # datasets hashes module-level functions by name, so a code change would reuse a stale cache:
@@ -448,101 +378,3 @@ def train_eval_split(ds: datasets.Dataset, eval_fraction: float, seed: int) -> t
         return ds, ds.select([])
     split = ds.train_test_split(test_size=num_eval, seed=seed, shuffle=True)
     return split["train"], split["test"]
-
-
-# ---------------------------------------------------------------------------------------------- mixing
-
-
-PromptWriter = Callable[["SourceConfig"], Sequence[dict]]
-
-
-def load_prompt_dataset(
-    data: DataConfig, home: Path | None = None, *, write_prompts: PromptWriter | None = None,
-) -> datasets.Dataset:
-    """All of ``data.sources`` normalized and mixed (module doc: concatenation, or weighted shares),
-    ``data.num_samples`` drawn deterministically (``data.seed``).
-
-    ``write_prompts``: called once per self_instruct source with its SourceConfig, returns its prompt
-    rows ``{id, messages, source}`` (:class:`pipelines.selfinstruct.SelfInstructWriter`).
-
-    Raises:
-        ValueError: a self_instruct source without ``write_prompts``; every error of
-            :func:`load_conversations`.
-    """
-    if write_prompts is None and any(s.kind == "self_instruct" for s in data.sources):
-        raise ValueError(SELF_INSTRUCT_NEEDS_ENGINE)
-    parts = []
-    for s in data.sources:
-        if s.kind == "self_instruct":
-            parts.append(finish_source(rows_dataset(write_prompts(s)), s, "self_instruct", data.seed))
-        else:
-            parts.append(load_conversations(s, data.on_bad_row, home, data.seed))
-    weights = [s.weight for s in data.sources]
-    if any(w is None for w in weights):
-        return sample(_concatenate(parts), data.num_samples, data.seed)
-    return mix_weighted(parts, weights, data.num_samples, data.seed)
-
-
-def rows_dataset(rows: Sequence[dict]) -> datasets.Dataset:
-    """Rows ``{id, messages: [{role, content}], source}`` as a Dataset with the normalized columns.
-
-    Raises:
-        ValueError: no rows.
-    """
-    import datasets
-
-    if not rows:
-        raise ValueError("no prompt rows to load (a self_instruct source kept none: loosen its filters or raise "
-                         "num_prompts)")
-    return datasets.Dataset.from_dict({
-        "id": [str(r["id"]) for r in rows],
-        "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] for r in rows],
-        "source": [str(r.get("source", "")) for r in rows],
-    })
-
-
-def _concatenate(parts: list[datasets.Dataset]) -> datasets.Dataset:
-    import datasets
-
-    if len(parts) == 1:
-        return parts[0]
-    return datasets.concatenate_datasets([p if p.features == parts[0].features else p.cast(parts[0].features)
-                                          for p in parts])
-
-
-def weighted_quotas(sizes: Sequence[int], weights: Sequence[float], num_samples: int | None) -> list[int]:
-    """Rows to draw from each source: ``num_samples`` split by ``weights`` with largest-remainder
-    rounding (the quotas sum to ``num_samples``; ties go to the earlier source), each capped at the
-    source's size (with a warning). ``num_samples=None``: the largest total that every source can
-    supply at these shares.
-
-    Raises:
-        ValueError: a weight <= 0, or lengths differ.
-    """
-    if len(sizes) != len(weights) or any(w <= 0 for w in weights):
-        raise ValueError(f"weights {list(weights)} must be positive, one per source ({len(sizes)})")
-    total_w = float(sum(weights))
-    shares = [w / total_w for w in weights]
-    if num_samples is None:
-        num_samples = int(min(n / p for n, p in zip(sizes, shares)) + 1e-9)
-    exact = [num_samples * p for p in shares]
-    quotas = [int(x) for x in exact]
-    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - quotas[i]), i))
-    for i in by_remainder[: num_samples - sum(quotas)]:
-        quotas[i] += 1
-    for i, (q, n) in enumerate(zip(quotas, sizes)):
-        if q > n:
-            log.warning("source %d has %d usable conversations, fewer than its weighted share %d; using all of "
-                        "them (the mix holds fewer than data.num_samples)", i, n, q)
-            quotas[i] = n
-    return quotas
-
-
-def mix_weighted(parts: list[datasets.Dataset], weights: Sequence[float], num_samples: int | None,
-                 seed: int) -> datasets.Dataset:
-    """Each part's weighted share (:func:`weighted_quotas`) drawn with ``seed``, concatenated and shuffled."""
-    quotas = weighted_quotas([len(p) for p in parts], weights, num_samples)
-    log.info("weighted mix of %d sources: %s conversations (of %s usable)", len(parts), quotas,
-             [len(p) for p in parts])
-    drawn = [sample(p, q, seed) for p, q in zip(parts, quotas) if q > 0]
-    return _concatenate(drawn).shuffle(seed=seed).flatten_indices()

@@ -6,6 +6,7 @@ and descriptions, and choices (e.g. ``--dtype``) come from the schema's types.
 
 from __future__ import annotations
 
+import re
 import time
 from enum import Enum
 from pathlib import Path
@@ -77,6 +78,12 @@ def _sources(r: recipe_mod.Recipe, home: Path | None, as_json: bool) -> list[dic
             if (s.kind, s.path) in seen:
                 continue
             seen.add((s.kind, s.path))
+            if s.kind == "self_instruct":  # no file: the target writes these prompts in the regenerate stage
+                rows.append({"section": section, "kind": s.kind, "path": None, "num_conversations": None,
+                             "num_prompts": s.self_instruct.num_prompts, "seconds": 0.0})
+                _line(as_json, f"{section} source self_instruct: written by the target in the regenerate stage "
+                               f"({s.self_instruct.num_prompts} prompts asked)")
+                continue
             t0 = time.perf_counter()
             path, _ = source_file(s)
             with err_console.status(f"loading {s.kind} ..."):
@@ -145,7 +152,7 @@ def explain_config(
     from pipelines.cli.common import fail
 
     sections = {name: f.annotation for name, f in recipe_mod.Recipe.model_fields.items()
-                if isinstance(f.annotation, type) and issubclass(f.annotation, recipe_mod.BaseModel)}
+                if isinstance(f.annotation, type) and issubclass(f.annotation, recipe_mod.Section)}
     if section is not None and section not in sections:
         raise fail(f"unknown section {section!r}; choose from {sorted(sections)}", 2)
     for name, model in sections.items():
@@ -160,8 +167,8 @@ def explain_config(
 
 
 def _type_name(annotation: Any) -> str:
-    return str(annotation).replace("typing.", "").replace("pipelines.recipe.", "").replace("<class '", "").replace(
-        "'>", "")
+    name = re.sub(r"pipelines\.recipe\.\w+\.", "", str(annotation))  # a section class's module path
+    return name.replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
 def _default(field) -> str:

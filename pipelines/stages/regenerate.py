@@ -1,7 +1,9 @@
 """Stage ``regenerate``: the recipe's prompt sources -> the target's own answers (``pipelines.regenerate``).
 
-Writes ``regenerate/conversations.jsonl`` (train split) and ``regenerate/heldout_ids.json`` (the
-held-out prompt ids). With ``regenerate.enabled: false`` the sources' own answers are written as is.
+Loads and mixes the prompt sources (``pipelines.prompt_dataset``; a self_instruct source's prompts are
+written first by the target, ``pipelines.selfinstruct.SelfInstructWriter``), then writes
+``regenerate/conversations.jsonl`` (train split) and ``regenerate/heldout_ids.json`` (the held-out
+prompt ids). With ``regenerate.enabled: false`` the sources' own answers are written as is.
 Key: target (minus ``aux_layer_ids``, which do not change the text), data, regenerate.
 """
 
@@ -16,7 +18,9 @@ from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_wor
 
 @dataclass
 class RegenerateOutput(StageOutput):
-    """``path``: the conversations JSONL; engine statistics when ``regenerated``."""
+    """``path``: the conversations JSONL; engine statistics when ``regenerated``; ``self_instruct``: the
+    counts of each self_instruct source's prompt writer, in source order (``pipelines.selfinstruct``:
+    generated, filtered, deduplicated, kept, ...), None without such a source."""
 
     path: str
     num_conversations: int
@@ -25,6 +29,7 @@ class RegenerateOutput(StageOutput):
     num_generated_tokens: int | None = field(default=None, metadata=OMIT_IF_NONE)
     tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
     wall_tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    self_instruct: list[dict] | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def rows(self) -> list[dict]:
         """The conversations (``id, messages, source``, ...) in file order."""
@@ -41,18 +46,29 @@ class RegenerateStage(Stage):
         return (recipe.target.model_dump(mode="json", exclude={"aux_layer_ids"}), recipe.data, recipe.regenerate)
 
     def run(self) -> RegenerateOutput:
-        from pipelines.prompts import load_prompt_dataset, train_eval_split
+        from pipelines.prompt_dataset import load_prompt_dataset
+        from pipelines.prompts import train_eval_split
         from pipelines.regenerate import run_regenerate
+        from pipelines.selfinstruct import SelfInstructWriter, summary
 
         r = self.recipe
-        train, heldout = train_eval_split(load_prompt_dataset(r.data), r.data.eval_fraction, r.data.seed)
+        # the writer starts an engine only for a self_instruct source (one per such source)
+        writer = SelfInstructWriter(r.target, r.regenerate, r.data,
+                                    num_cpus_per_worker=cpus_per_worker(r.regenerate.num_workers),
+                                    engine_kwargs=dict(self.ctx.engine.vllm_kwargs))
+        prompts = load_prompt_dataset(r.data, write_prompts=writer)
+        for stats in writer.stats:
+            self.ctx.say(f"self_instruct prompts: {summary(stats)}")
+        written = [dict(s) for s in writer.stats] or None
+        train, heldout = train_eval_split(prompts, r.data.eval_fraction, r.data.seed)
         out = self.dir / "conversations.jsonl"
         write_json(self.dir / "heldout_ids.json", [str(i) for i in heldout["id"]])
         if not r.regenerate.enabled:
             rows = train.to_list()
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text("".join(json.dumps({k: x[k] for k in ("id", "messages", "source")}) + "\n" for x in rows))
-            return RegenerateOutput(path=str(out), num_conversations=len(rows), regenerated=False)
+            return RegenerateOutput(path=str(out), num_conversations=len(rows), regenerated=False,
+                                    self_instruct=written)
         res = run_regenerate(train, r.target, r.regenerate, r.data, out_path=out,
                              num_cpus_per_worker=cpus_per_worker(r.regenerate.num_workers),
                              engine_kwargs=dict(self.ctx.engine.vllm_kwargs))
@@ -60,7 +76,8 @@ class RegenerateStage(Stage):
                      f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)")
         return RegenerateOutput(path=str(out), num_conversations=len(res.rows), regenerated=True,
                                 num_turns=res.num_turns, num_generated_tokens=res.num_generated_tokens,
-                                tokens_per_s=res.tokens_per_s, wall_tokens_per_s=res.wall_tokens_per_s)
+                                tokens_per_s=res.tokens_per_s, wall_tokens_per_s=res.wall_tokens_per_s,
+                                self_instruct=written)
 
     def is_valid(self, out: RegenerateOutput) -> bool:
         p = Path(out.path)

@@ -1,4 +1,5 @@
-"""Stage ``register``: log the run to MLflow, register the head, run the promotion gate (``pipelines.register``).
+"""Stage ``register``: log the run to MLflow, register the head, run the promotion gate (``pipelines.register``,
+``pipelines.promotion``).
 
 One MLflow run per pipeline run (experiment ``peagle``: resolved recipe, training curves, eval
 table, stage timings, data-manifest hash); the head becomes a new model version (alias
@@ -50,19 +51,21 @@ class RegisterStage(Stage):
     def run(self) -> RegisterOutput:
         from pipelines import register as reg
         from pipelines.capture import resolve_target
+        from pipelines.promotion import maybe_promote
 
         r, uri, name = self.recipe, self.ctx.tracking_uri, self.ctx.model_name
         train, ev = self.ctx.upstream(TrainOutput), self.ctx.upstream(EvaluateOutput)
         method, gate_K = r.training.method, r.registry.gate_num_speculative_tokens
-        al_by_K = ev.al_by_K(method, min(r.evaluation.concurrency_sweep))
+        # the gate compares ALs on one eval set: the gate set's rows only (best_K is the gate set's too)
+        al_by_K = ev.al_by_K(method, min(r.evaluation.concurrency_sweep), eval_set=ev.eval_set)
         run_id = self._log_run(train, ev)
         mv = reg.register_head(
             train.head_dir, model_name=name, eval_al=al_by_K[gate_K], K=gate_K, eval_set=ev.eval_set,
             run_id=run_id, al_by_K=al_by_K, K_best={int(c): int(k) for c, k in (ev.best_K or {}).get(method, {}).items()},
             target=r.target.model, target_config=resolve_target(r.target)[1], parallel_drafting=method == "peagle",
             tags={"peagle.pipeline_key": self.ctx.key(self.name), "peagle.recipe": r.name}, tracking_uri=uri)
-        decision = reg.maybe_promote(name, mv.version, K=gate_K, promote_margin=r.registry.promote_margin,
-                                     eval_set=ev.eval_set, tracking_uri=uri)
+        decision = maybe_promote(name, mv.version, K=gate_K, promote_margin=r.registry.promote_margin,
+                                 eval_set=ev.eval_set, tracking_uri=uri)
         reg.get_client(uri).set_terminated(run_id)
         self.ctx.say(f"{name} v{mv.version} (AL {al_by_K[gate_K]:.3f} at K={gate_K} on {ev.eval_set}); "
                      f"gate: {decision.reason}")
@@ -75,8 +78,9 @@ class RegisterStage(Stage):
         from pipelines import register as reg
 
         r, uri = self.recipe, self.ctx.tracking_uri
+        # eval metric names carry no eval set: the gate set's rows as metrics, every set in the artifacts
         run_id = reg.log_run(
-            config=r, training_curves=train.history or [], eval_table=ev.rows,
+            config=r, training_curves=train.history or [], eval_table=ev.set_rows(ev.eval_set),
             data_manifest=self.ctx.upstream(CaptureOutput).manifest(),
             artifacts={"evaluate": str(self.ctx.stage_dir("evaluate"))}, run_name=r.name,
             tags={"peagle.recipe": r.name, "peagle.pipeline_key": self.ctx.key(self.name),

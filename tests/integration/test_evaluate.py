@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from pipelines import eval_report
 from pipelines import evaluate as ev
+from pipelines.eval_prompts import load_eval_prompts
 from pipelines.recipe import EvalConfig, SourceConfig
 
 pytestmark = pytest.mark.integration
@@ -21,10 +23,10 @@ def test_best_k_speedup_and_table_pure():
         {"method": "peagle", "K": 5, "concurrency": 8, "tokens_per_s": 45.0, "acceptance_length": 3.1},
         {"method": "eagle3", "K": 3, "concurrency": 1, "tokens_per_s": 15.0, "acceptance_length": 2.2},
     ]
-    assert ev.best_K(rows) == {"peagle": {1: 5, 8: 3}, "eagle3": {1: 3}}
-    ev.add_speedup(rows)
+    assert eval_report.best_K(rows) == {"peagle": {1: 5, 8: 3}, "eagle3": {1: 3}}
+    eval_report.add_speedup(rows)
     assert rows[2]["speedup"] == pytest.approx(2.1) and rows[3]["speedup"] is None
-    md = ev.table_markdown(rows)
+    md = eval_report.table_markdown(rows)
     assert md.splitlines()[0].startswith("| method | K | concurrency | acceptance_length")
     assert "| peagle | 5 | 1 | 3.100 |" in md
 
@@ -47,7 +49,7 @@ def test_vllm_eval_table(tmp_path, target):
     cfg = EvalConfig(sources=[SourceConfig(kind="humaneval")], num_prompts=2, max_tokens=12,
                      num_speculative_tokens_sweep=[2], concurrency_sweep=[1, 2], methods=["none", "eagle3", "peagle"],
                      include_offline_decoder=True)
-    sets = ev.load_eval_prompts(cfg.sources, tok, num_prompts=cfg.num_prompts)
+    sets = load_eval_prompts(cfg.sources, tok, num_prompts=cfg.num_prompts)
     assert list(sets) == ["humaneval"] and len(sets["humaneval"]) == 2
     report = ev.evaluate(target=target, prompts=sets["humaneval"], heads=heads, cfg=cfg, eval_set="humaneval",
                          engine_kwargs={**ev.CPU_ENGINE_KWARGS, "max_model_len": 1024}, out_dir=tmp_path / "out",

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pipelines.prompts import load_conversations, load_prompt_dataset
+from pipelines.prompt_dataset import load_prompt_dataset
+from pipelines.prompts import load_conversations
 from pipelines.recipe import DataConfig, RegenerateConfig, SelfInstructConfig, SourceConfig, TargetConfig
 from pipelines.regenerate import run_regenerate
 from pipelines.selfinstruct import COUNT_KEYS, SelfInstructWriter

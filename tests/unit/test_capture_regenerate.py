@@ -1,4 +1,5 @@
-"""pipelines.regenerate without Ray or vLLM: turn-by-turn conditioning, provenance, the transformers engine."""
+"""pipelines.regenerate and pipelines.engines without Ray or vLLM: turn-by-turn conditioning, provenance,
+the transformers engine."""
 
 from collections import Counter
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pipelines import regenerate
+from pipelines import engines, regenerate
 from pipelines.recipe import RegenerateConfig
 from tests.unit.conftest import tiny_target_config
 from tests.unit.test_capture import tiny_tokenizer
@@ -31,9 +32,9 @@ class EchoEngine:
             if last == self.none_on:
                 out.append(None)
             elif last == self.empty_on:
-                out.append(regenerate.Generation("  ", 1, "stop"))
+                out.append(engines.Generation("  ", 1, "stop"))
             else:
-                out.append(regenerate.Generation(f"re:{last}/{n_prev}", 3, "stop"))
+                out.append(engines.Generation(f"re:{last}/{n_prev}", 3, "stop"))
         return out
 
 
@@ -58,7 +59,7 @@ def test_turn_by_turn_conditioning_and_provenance():
     assert out[0]["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens_per_turn": 512, "seed": 3,
                                   "greedy": False}
     assert out[0]["num_generated_tokens"] == 6 and stats["num_generated_tokens"] == 9 and stats["num_turns"] == 3
-    assert regenerate.request_seed(3, "a", 1) == regenerate.request_seed(3, "a", 1) != regenerate.request_seed(3, "a", 0)
+    assert engines.request_seed(3, "a", 1) == engines.request_seed(3, "a", 1) != engines.request_seed(3, "a", 0)
 
 
 def test_empty_and_context_full_stop_the_conversation():
@@ -78,7 +79,7 @@ def test_transformers_engine_greedy_matches_generate():
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_target_config(eos_token_id=2)).eval()
     tok = tiny_tokenizer()
-    eng = regenerate.TransformersEngine("tiny", model=model, tokenizer=tok, max_model_len=64, name="tiny")
+    eng = engines.TransformersEngine("tiny", model=model, tokenizer=tok, max_model_len=64, name="tiny")
     prompts = [[{"role": "user", "content": "hi how are you ?"}], [{"role": "user", "content": "one"}]]
     cfg = RegenerateConfig(max_tokens_per_turn=5, temperature=0.0)
     gens = eng.generate(prompts, cfg, [0, 0])
@@ -96,6 +97,6 @@ def test_transformers_engine_greedy_matches_generate():
 
 def test_bad_config_raises_before_engine():
     with pytest.raises(ValueError, match="regenerate.backend='sglang'"):
-        regenerate.make_engine("sglang", "x", dtype="float32", max_model_len=8)
+        engines.make_engine("sglang", "x", dtype="float32", max_model_len=8)
     with pytest.raises(ValueError, match="regenerate.enabled is false"):
         regenerate.run_regenerate([], None, RegenerateConfig(enabled=False), None)

@@ -9,16 +9,9 @@ from collections import Counter
 
 import pytest
 
-from pipelines.prompts import (
-    BadRow,
-    json_array_to_jsonl,
-    load_conversations,
-    load_prompt_dataset,
-    normalize_row,
-    sample,
-    train_eval_split,
-    weighted_quotas,
-)
+from pipelines.jsonl import json_array_to_jsonl
+from pipelines.prompt_dataset import load_prompt_dataset, weighted_quotas
+from pipelines.prompts import BadRow, load_conversations, normalize_row, sample, train_eval_split
 from pipelines.recipe import DataConfig, SourceConfig
 
 pytestmark = pytest.mark.unit
@@ -128,7 +121,7 @@ def test_load_sharegpt_json_array_and_truncated_file(tmp_path, tmp_peagle_home, 
     assert ds["id"] == ["a", "c"]
     cut = tmp_path / "cut.json"
     cut.write_text(full.read_text()[:-30])
-    with caplog.at_level(logging.WARNING, logger="pipelines.prompts"):
+    with caplog.at_level(logging.WARNING, logger="pipelines.jsonl"):
         ds = load_conversations(SourceConfig(kind="sharegpt_file", path=str(cut)), "skip", tmp_peagle_home)
     assert ds["id"] == ["a"]
     assert "cut off" in caplog.text
@@ -268,7 +261,7 @@ def test_weighted_mix_shares_determinism_and_caps(tmp_path, tmp_peagle_home, cap
     assert ds["id"] == load_prompt_dataset(data(1, 3, 20), tmp_peagle_home)["id"]
     assert ds["id"] != load_prompt_dataset(data(1, 3, 20, seed=1), tmp_peagle_home)["id"]
     assert count(load_prompt_dataset(data(2, 1, None), tmp_peagle_home)) == {"openai_jsonl": 40, "sharegpt_file": 20}
-    with caplog.at_level(logging.WARNING, logger="pipelines.prompts"):
+    with caplog.at_level(logging.WARNING, logger="pipelines.prompt_dataset"):
         capped = load_prompt_dataset(data(1, 1, 50), tmp_peagle_home)
     assert count(capped) == {"openai_jsonl": 25, "sharegpt_file": 20} and "fewer than its weighted share" in caplog.text
 
@@ -297,7 +290,7 @@ class _AnswerEngine:
         self.prompts = []
 
     def generate(self, prompts, cfg, seeds):
-        from pipelines.regenerate import Generation
+        from pipelines.engines import Generation
 
         self.prompts += prompts
         assert cfg.temperature == 0 and cfg.max_tokens_per_turn == 7
@@ -305,7 +298,7 @@ class _AnswerEngine:
 
 
 def test_eval_prompts_mtbench_one_and_two_turns(tmp_peagle_home, tiny_chat_tokenizer):
-    from pipelines.evaluate import eval_set_name, load_eval_prompts, mtbench_two_turns
+    from pipelines.eval_prompts import eval_set_name, load_eval_prompts, mtbench_two_turns
 
     one, two = SourceConfig(kind="mtbench"), SourceConfig(kind="mtbench", turns=2)
     assert (eval_set_name(one), eval_set_name(two), eval_set_name(SourceConfig(kind="humaneval"))) == (

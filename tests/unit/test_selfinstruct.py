@@ -10,9 +10,10 @@ from collections import Counter
 import pytest
 
 from pipelines import selfinstruct as si
-from pipelines.prompts import load_conversations, load_prompt_dataset, source_file
+from pipelines.engines import Generation
+from pipelines.prompt_dataset import load_prompt_dataset
+from pipelines.prompts import load_conversations, source_file
 from pipelines.recipe import DataConfig, SelfInstructConfig, SourceConfig, recipe_from_dict
-from pipelines.regenerate import Generation
 
 pytestmark = pytest.mark.unit
 
@@ -169,3 +170,21 @@ def test_writer_rows_mix_with_file_sources_by_weight(tmp_path, tmp_peagle_home, 
     assert len(calls) == 1 and len(ds) == 9
     assert Counter(ds["source"]) == {"openai_jsonl:chats.jsonl": 6, "self_instruct": 3}
     assert ds["id"] == load_prompt_dataset(data, write_prompts=writer)["id"]
+
+
+def test_assets_lists_the_scale_recipe_self_instruct_source_without_a_file(monkeypatch, tmp_peagle_home):
+    # `peagle assets` (prompts on) on the scale recipe: the self_instruct source has no file to load
+    from pipelines import prompts
+    from pipelines.cli.recipes import _sources
+    from pipelines.recipe import load_recipe
+    from tests.conftest import CONFIGS
+
+    loaded = []
+    monkeypatch.setattr(prompts, "load_conversations", lambda s, *a, **k: loaded.append(s.kind) or [{}] * 3)
+    rows = _sources(load_recipe(CONFIGS / "smollm2-135m-scale.yaml"), tmp_peagle_home, as_json=True)
+    assert [(r["section"], r["kind"]) for r in rows] == [
+        ("data", "sharegpt"), ("data", "self_instruct"), ("evaluation", "humaneval"), ("evaluation", "mtbench")]
+    assert loaded == ["sharegpt", "humaneval", "mtbench"]
+    si_row = rows[1]
+    assert si_row["path"] is None and si_row["num_conversations"] is None and si_row["num_prompts"] == 30000
+    assert rows[0]["num_conversations"] == 3 and rows[0]["path"].endswith(".json")

