@@ -92,9 +92,13 @@ def manifest_hash(manifest: str | os.PathLike | Mapping[str, Any] | None) -> str
     return hashlib.sha256(Path(manifest).read_bytes()).hexdigest()
 
 
-def eval_metric_name(row: Mapping[str, Any], field: str) -> str:
-    """Metric key of one eval-table cell: ``eval.<method>.K<k>.c<c>.<field>`` (K0 = no speculation)."""
-    return f"eval.{row.get('method', 'peagle')}.K{int(row.get('K') or 0)}.c{int(row.get('concurrency', 1))}.{field}"
+def eval_metric_name(row: Mapping[str, Any], field: str, gate_eval_set: str | None = None) -> str:
+    """Metric key of one eval-table cell: ``eval.<method>.K<k>.c<c>.<field>`` (K0 = no speculation) for the
+    gate set's rows (or rows without ``eval_set``), ``eval.<eval_set>.<method>.K<k>.c<c>.<field>`` for the
+    other sets' rows."""
+    cell = f"{row.get('method', 'peagle')}.K{int(row.get('K') or 0)}.c{int(row.get('concurrency', 1))}.{field}"
+    other = row.get("eval_set")
+    return f"eval.{other}.{cell}" if other and gate_eval_set and other != gate_eval_set else f"eval.{cell}"
 
 
 def log_run(
@@ -109,6 +113,7 @@ def log_run(
     experiment: str = settings.EXPERIMENT,
     tags: Mapping[str, str] | None = None,
     tracking_uri: str | None = None,
+    gate_eval_set: str | None = None,
 ) -> str:
     """Log one pipeline run to MLflow and return its run id.
 
@@ -119,7 +124,9 @@ def log_run(
             ``acc_depth0``); each non-step key is logged as a metric at that step.
         eval_table: rows of :func:`pipelines.evaluate.evaluate` (``method``, ``K``, ``concurrency``,
             ``acceptance_length``, ``tokens_per_s``, ...); numbers logged as
-            ``eval.<method>.K<k>.c<c>.<field>``; the table also as ``eval/table.json`` and ``.md``.
+            ``eval.<method>.K<k>.c<c>.<field>`` (rows of an eval set other than ``gate_eval_set`` as
+            ``eval.<eval_set>.<method>...``, :func:`eval_metric_name`); the table also as ``eval/table.json``
+            and ``.md``.
         artifacts: ``{artifact_dir: local file or directory}`` (head dir, plots, ...).
         data_manifest: data manifest file or mapping; its sha256 is the param ``data_manifest_sha256``.
         run_id: continue an existing run instead of creating one.
@@ -140,7 +147,7 @@ def log_run(
         if any(Path(tmp).iterdir()):
             client.log_artifacts(run_id, tmp)
     _log_params(client, run_id, params)
-    _log_metrics(client, run_id, training_curves, rows)
+    _log_metrics(client, run_id, training_curves, rows, gate_eval_set)
     _log_artifact_paths(client, run_id, artifacts or {})
     return run_id
 
@@ -212,7 +219,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _log_metrics(client, run_id: str, training_curves: Iterable[Mapping[str, float]],
-                 rows: list[dict[str, Any]]) -> None:
+                 rows: list[dict[str, Any]], gate_eval_set: str | None = None) -> None:
     """Training curves at their steps; every number of the eval table at step 0 (:func:`eval_metric_name`)."""
     from mlflow.entities import Metric
 
@@ -224,7 +231,7 @@ def _log_metrics(client, run_id: str, training_curves: Iterable[Mapping[str, flo
     for row in rows:
         for k, v in row.items():
             if _is_number(v) and k not in ("K", "concurrency"):
-                metrics.append(Metric(eval_metric_name(row, k), float(v), now_ms, 0))
+                metrics.append(Metric(eval_metric_name(row, k, gate_eval_set), float(v), now_ms, 0))
     for i in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[i:i + 1000])
 

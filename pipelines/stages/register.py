@@ -78,9 +78,9 @@ class RegisterStage(Stage):
         from pipelines import register as reg
 
         r, uri = self.recipe, self.ctx.tracking_uri
-        # eval metric names carry no eval set: the gate set's rows as metrics, every set in the artifacts
+        # every set's rows as metrics: the gate set's as eval.<method>..., the others' as eval.<set>.<method>...
         run_id = reg.log_run(
-            config=r, training_curves=train.history or [], eval_table=ev.set_rows(ev.eval_set),
+            config=r, training_curves=train.history or [], eval_table=ev.rows, gate_eval_set=ev.eval_set,
             data_manifest=self.ctx.upstream(CaptureOutput).manifest(),
             artifacts={"evaluate": str(self.ctx.stage_dir("evaluate"))}, run_name=r.name,
             tags={"peagle.recipe": r.name, "peagle.pipeline_key": self.ctx.key(self.name),

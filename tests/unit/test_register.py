@@ -43,6 +43,9 @@ def test_names_and_hashes(tmp_path):
     assert reg.manifest_hash(f) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     assert reg.eval_metric_name({"method": "none", "K": 0, "concurrency": 4}, "tokens_per_s") == \
         "eval.none.K0.c4.tokens_per_s"
+    row = {"method": "peagle", "K": 5, "concurrency": 1, "eval_set": "mtbench"}
+    assert reg.eval_metric_name(row, "acceptance_length", "humaneval") == "eval.mtbench.peagle.K5.c1.acceptance_length"
+    assert reg.eval_metric_name(row, "acceptance_length", "mtbench") == "eval.peagle.K5.c1.acceptance_length"
 
 
 def test_serve_args_checks():
