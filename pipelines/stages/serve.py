@@ -50,7 +50,8 @@ class ServeStage(Stage):
         """Serve replaces its own app: nothing to free."""
 
     def run(self) -> ServeOutput:
-        from pipelines.serve import ServeAppArgs, build_app, pin_head_ref
+        from pipelines.serve import ServeAppArgs, build_app
+        from pipelines.serve.heads import pin_head_ref
 
         serve = _ray_serve()
 
@@ -71,7 +72,7 @@ class ServeStage(Stage):
                            smoke_answer=answer, api_key_env=s.api_key_env)
 
     def is_valid(self, out: ServeOutput) -> bool:
-        from pipelines.serve import pin_head_ref
+        from pipelines.serve.heads import pin_head_ref
 
         app = _ray_serve().status().applications.get(settings.SERVE_APP_NAME)
         current = pin_head_ref(f"models:/{self.ctx.model_name}@{self.recipe.serving.head_alias}",

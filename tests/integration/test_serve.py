@@ -7,7 +7,6 @@ One deployment is shared by the module's tests (startup dominates: ~1-2 min on 2
 import asyncio
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -15,33 +14,15 @@ import httpx
 import pytest
 import torch
 
+from bench.serve_load import random_head
 from peagle_core.contract import HeadContractError, export_head
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_config import DrafterConfig
-from peagle_core.vocab import vocab_mapping_from_counts
+from tests.integration.serve_helpers import MODEL_ID, REGISTERED, cpu_serve_args, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 KEY_ENV, KEY = "PEAGLE_TEST_SERVE_KEY", "sk-peagle-test"
-MODEL_ID = "smollm2-135m-instruct"
-REGISTERED = "peagle-smollm2-135m-instruct"
-
-
-def random_head(path: Path, target_config: dict, *, mask_token_id: int | None = 16, seed: int = 0) -> Path:
-    """A random-init 1-layer head for the target (draft vocab 4096: small and realistic)."""
-    torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target(target_config, num_hidden_layers=1, mask_token_id=mask_token_id,
-                                    draft_vocab_size=4096)
-    d = Eagle3Drafter(cfg)
-    counts = torch.arange(cfg.vocab_size, 0, -1, dtype=torch.float32)
-    d.set_vocab_mapping(*vocab_mapping_from_counts(counts, 4096, always_keep=(1, 2)))
-    return export_head(d, path, dtype="float32")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,27 +36,22 @@ def target():
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory, target):
     from pipelines import register as reg
+    from pipelines.promotion import maybe_promote
 
     tmp = tmp_path_factory.mktemp("registry")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     head = random_head(tmp / "head", target[1])
     mv = reg.register_head(head, model_name=REGISTERED, eval_al=1.0, K=3, eval_set="humaneval",
                            target_config=target[1], tracking_uri=uri)
-    assert reg.maybe_promote(REGISTERED, mv.version, K=3, tracking_uri=uri).promoted
+    assert maybe_promote(REGISTERED, mv.version, K=3, tracking_uri=uri).promoted
     return uri, tmp
 
 
 def serve_args(registry, **kw):
-    from pipelines.serve import ServeAppArgs
-
     uri, tmp = registry
-    base = {"model_id": MODEL_ID, "head": f"models:/{REGISTERED}@champion", "tracking_uri": uri,
-                "num_speculative_tokens": 3, "api_key_env": KEY_ENV, "head_cache_dir": str(tmp / "heads"),
-                "engine_kwargs": {"max_model_len": 1024, "gpu_memory_utilization": 0.25, "enforce_eager": True},
-                "min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 8, "max_ongoing_requests": 32,
-                "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25}
-    base.update(kw)
-    return ServeAppArgs(**base)
+    base = {"head": f"models:/{REGISTERED}@champion", "tracking_uri": uri, "api_key_env": KEY_ENV,
+            "head_cache_dir": str(tmp / "heads")}
+    return cpu_serve_args(**(base | kw))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +62,7 @@ def endpoint(registry, target):
     from pipelines.serve import build_app
 
     os.environ[KEY_ENV] = KEY  # before ray.init: replicas inherit the driver's environment
-    port = _free_port()
+    port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -158,6 +134,7 @@ def test_auth_and_malformed_json(endpoint):
 def test_incompatible_head_refused_before_serving(tmp_path, target, registry):
     """A head for another target (hidden 36) and an EAGLE-3 head asked to parallel-draft never deploy."""
     from pipelines import register as reg
+    from pipelines.promotion import promote
     from pipelines.serve import build_app
 
     os.environ.setdefault(KEY_ENV, KEY)
@@ -171,7 +148,7 @@ def test_incompatible_head_refused_before_serving(tmp_path, target, registry):
     # Registered without target checks, it is still refused when serving against SmolLM2.
     uri, _ = registry
     mv = reg.register_head(bad, model_name="peagle-other", eval_al=1.0, K=3, eval_set="x", tracking_uri=uri)
-    reg.promote("peagle-other", mv.version, tracking_uri=uri)
+    promote("peagle-other", mv.version, tracking_uri=uri)
     with pytest.raises(HeadContractError, match="target_hidden_size"):
         build_app(serve_args(registry, head="models:/peagle-other@champion"))
     e3 = random_head(tmp_path / "e3", target[1], mask_token_id=None)

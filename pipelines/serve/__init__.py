@@ -9,23 +9,17 @@ replicas running vLLM with::
 
 behind Ray's ``OpenAiIngress`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
 streaming included) built with ``make_fastapi_ingress`` on Ray's FastAPI app (its error handlers
-turn malformed JSON into 400), plus an optional API-key middleware (401 without the key).
+turn malformed JSON and wrong types into 400; vLLM's checks give 400 for a prompt over the context
+length or a bad ``max_tokens``), behind :class:`pipelines.serve.ingress.RequestGuard` (401 without
+the API key when one is configured, 413 over ``max_body_bytes``, 400 for a non-UTF-8 body).
 
-The head. Ray Serve LLM downloads the target on each node but never a draft head
-(``engine_kwargs.speculative_config`` goes to vLLM unchecked). So:
-
-1. :func:`build_app` (driver) resolves ``head`` (``models:/NAME@ALIAS`` | ``models:/NAME/VERSION``
-   | a local directory): an alias is pinned to its current version, so every replica of this
-   deployment serves the same files even if ``champion`` moves during a rollout (a new champion is
-   served by re-deploying). The head is downloaded and checked with the contract validator
-   (``peagle_core.contract.validate_head``, against the target's ``config.json``) before anything is
-   deployed: an incompatible head fails ``serve run`` / the RayService update with
-   ``HeadContractError``.
-2. :class:`HeadDownloadCallback` (Ray Serve LLM ``callback_config``; its ``on_before_node_init``
-   hook runs in every ``LLMServer`` replica before the vLLM engine config is built) downloads the
-   pinned version into the replica node's cache (``$PEAGLE_HOME/serve/heads/NAME/vN-<sha>``, reused
-   when its checksums verify), validates it again and rewrites ``speculative_config["model"]`` to that
-   local directory with ``LLMConfig.update_engine_kwargs``.
+The head (:mod:`pipelines.serve.heads`): :func:`build_app` pins ``models:/NAME@ALIAS`` to its current
+version and content hash, downloads and validates it on the driver (``validate_head`` against the
+target's ``config.json``: an incompatible head fails ``serve run`` / the RayService update with
+``HeadContractError`` before anything is deployed); every ``LLMServer`` replica then fetches that
+pinned version in ``HeadDownloadCallback.on_before_node_init`` -- from its node cache
+(``$PEAGLE_HOME/serve/heads/NAME/vN-<sha>``, checksums verified) when it is there, so a restarted
+replica comes back while MLflow is down, else from the registry.
 
 Autoscaling: Ray's builder defaults ``max_ongoing_requests`` and ``target_ongoing_requests`` to 1e9
 (no scale-up ever); both are always set here, for the LLM deployment and for the ingress.
@@ -38,12 +32,9 @@ with SmolLM2 with and without speculation), so no custom AsyncLLM deployment is 
 
 from __future__ import annotations
 
-import fcntl
-import hmac
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,15 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipelines import settings
 from pipelines.assets import EMBEDDED_TARGETS
-
-try:  # light module (stdlib only); Ray Serve LLM calls its hooks inside each LLMServer replica.
-    from ray.llm._internal.common.callbacks.base import CallbackBase
-except ImportError:  # pragma: no cover - ray without the llm package
-    CallbackBase = object  # type: ignore[assignment,misc]
+from pipelines.serve.heads import HeadDownloadCallback, PinnedHead, fetch_head, is_registry_ref, pin_head
 
 log = logging.getLogger(__name__)
-
-API_KEY_HEADER = "authorization"
 
 
 class ServeAppArgs(BaseModel):
@@ -115,6 +100,9 @@ class ServeAppArgs(BaseModel):
     head_cache_dir: str | None = Field(
         None, description="Where replicas keep downloaded heads; None = $PEAGLE_HOME/serve/heads."
     )
+    max_body_bytes: int = Field(
+        8 << 20, ge=1024, description="Largest request body the ingress reads (bytes); larger ones get 413."
+    )
     log_engine_metrics: bool = Field(True, description="Export vLLM metrics (spec-decode counters included).")
 
     @model_validator(mode="after")
@@ -159,136 +147,6 @@ class ServeAppArgs(BaseModel):
         return self.model_id or Path(self.target.rstrip("/")).name
 
 
-# ---------------------------------------------------------------------------------------------- heads
-
-
-def is_registry_ref(head: str) -> bool:
-    return head.startswith("models:/")
-
-
-def pin_head_ref(head: str, tracking_uri: str | None = None) -> str:
-    """``models:/NAME@ALIAS`` -> ``models:/NAME/VERSION`` (the alias's current version).
-
-    Raises:
-        ValueError: the alias does not exist (with the command that sets it).
-    """
-    from mlflow.exceptions import MlflowException
-
-    from pipelines.register import get_client
-
-    ref = head.removeprefix("models:/")
-    if "@" not in ref:
-        return head
-    name, _, alias = ref.rpartition("@")
-    try:
-        mv = get_client(tracking_uri).get_model_version_by_alias(name, alias)
-    except MlflowException as e:
-        raise ValueError(
-            f"head={head!r}: registered model {name!r} has no alias {alias!r} in "
-            f"{tracking_uri or 'the default registry'} ({e.message}); register a head and promote it "
-            "(`peagle registry promote NAME --force`), or set head to a local directory / null"
-        ) from None
-    return f"models:/{name}/{mv.version}"
-
-
-def _lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "w")  # noqa: SIM115 - closed by the caller
-    fcntl.flock(f, fcntl.LOCK_EX)
-    return f
-
-
-def fetch_head(
-    head: str,
-    *,
-    cache_dir: str | os.PathLike | None = None,
-    tracking_uri: str | None = None,
-    target_config: dict | None = None,
-    parallel_drafting: bool = True,
-) -> Path:
-    """Resolve ``head`` to a validated local head directory.
-
-    ``models:/NAME/VERSION`` (or ``@ALIAS``, pinned first) is downloaded into
-    ``cache_dir/NAME/vVERSION`` unless that directory already exists and its checksums verify (one
-    download per node: replicas on a node serialize on a file lock). A local directory is used in
-    place. Either way ``validate_head`` runs before returning.
-
-    Raises:
-        peagle_core.contract.HeadContractError: invalid / incompatible head, checksum mismatch.
-        ValueError: unknown alias.
-    """
-    from peagle_core.contract import HeadContractError, validate_head, verify_checksums
-    from pipelines.register import download
-
-    if not is_registry_ref(head):
-        local = Path(head).expanduser()
-        validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting)
-        return local
-    from pipelines.register import get_client
-
-    pinned = pin_head_ref(head, tracking_uri)
-    name, _, version = pinned.removeprefix("models:/").rpartition("/")
-    # The cache key carries the registered content hash (tag head_sha256 = sha256 of the checksums
-    # file), so version numbers of different registries never alias one cached directory.
-    want = (get_client(tracking_uri).get_model_version(name, version).tags or {}).get("head_sha256")
-    root = Path(cache_dir) if cache_dir else settings.serve_heads_dir()
-    dst = root / name / (f"v{version}-{want[:12]}" if want else f"v{version}")
-    lock = _lock(root / f".{name}.lock")
-    try:
-        if dst.exists():
-            try:
-                verify_checksums(dst)
-                _check_registered_hash(dst, want)
-            except HeadContractError as e:
-                log.warning("cached head %s is stale (%s); downloading again", dst, e)
-                shutil.rmtree(dst)
-        if not dst.exists():
-            download(f"{name}/{version}", dst, target_config=target_config, parallel_drafting=parallel_drafting,
-                     tracking_uri=tracking_uri)
-        _check_registered_hash(dst, want)
-    finally:
-        lock.close()
-    validate_head(dst, target_config=target_config, parallel_drafting=parallel_drafting)
-    return dst
-
-
-def _check_registered_hash(head_dir: Path, want: str | None) -> None:
-    """The head's checksums file must hash to the version's ``head_sha256`` tag (when tagged)."""
-    import hashlib
-
-    from peagle_core.contract import CHECKSUMS_FILE, HeadContractError
-
-    if want is None:
-        return
-    got = hashlib.sha256((head_dir / CHECKSUMS_FILE).read_bytes()).hexdigest()
-    if got != want:
-        raise HeadContractError(f"{head_dir}: {CHECKSUMS_FILE} hashes to {got[:12]}…, the registered version "
-                                f"says head_sha256={want[:12]}…")
-
-
-class HeadDownloadCallback(CallbackBase):
-    """Ray Serve LLM callback: put the draft head on the replica's node before vLLM starts.
-
-    Ray calls ``on_before_node_init`` inside ``VLLMEngine.start`` of every ``LLMServer`` replica,
-    before ``_prepare_engine_config`` builds vLLM's ``AsyncEngineArgs`` from ``engine_kwargs``
-    (ray/llm/_internal/serve/engines/vllm/vllm_engine.py). Kwargs (``callback_kwargs``): ``head``,
-    ``tracking_uri``, ``cache_dir``, ``target_config``, ``parallel_drafting``.
-    """
-
-    async def on_before_node_init(self) -> None:
-        import asyncio
-
-        kw = self.kwargs
-        local = await asyncio.to_thread(
-            fetch_head, kw["head"], cache_dir=kw.get("cache_dir"), tracking_uri=kw.get("tracking_uri"),
-            target_config=kw.get("target_config"), parallel_drafting=kw.get("parallel_drafting", True),
-        )
-        spec = dict(self.llm_config.engine_kwargs.get("speculative_config") or {})
-        spec["model"] = str(local)
-        self.llm_config.update_engine_kwargs(speculative_config=spec)
-        log.info("draft head %s -> %s (validated); speculative_config=%s", kw["head"], local, spec)
-
-
 # ---------------------------------------------------------------------------------------------- app
 
 
@@ -303,21 +161,25 @@ def _target_path_and_config(args: ServeAppArgs) -> tuple[str, dict | None]:
     return path, (json.loads(cfg_file.read_text()) if cfg_file.is_file() else None)
 
 
-def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dict | None, head: str | None):
-    """The ``ray.serve.llm.LLMConfig`` of the target (+ head) with explicit autoscaling."""
+def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dict | None,
+                     head: PinnedHead | str | None):
+    """The ``ray.serve.llm.LLMConfig`` of the target (+ head: a pinned version or a local directory)
+    with explicit autoscaling."""
     from ray.serve.llm import LLMConfig
 
     engine_kwargs: dict[str, Any] = {"dtype": args.target_dtype, **args.engine_kwargs}
     callback: dict[str, Any] = {}
     if head is not None:
+        ref, sha256 = (head.ref, head.sha256) if isinstance(head, PinnedHead) else (head, None)
         engine_kwargs["speculative_config"] = {
-            "method": "eagle3", "model": head, "num_speculative_tokens": args.num_speculative_tokens,
+            "method": "eagle3", "model": ref, "num_speculative_tokens": args.num_speculative_tokens,
             "parallel_drafting": args.parallel_drafting,
         }
         callback = {
             "callback_class": HeadDownloadCallback,
             "callback_kwargs": {
-                "head": head, "tracking_uri": args.tracking_uri, "cache_dir": args.head_cache_dir,
+                "head": ref, "head_sha256": sha256, "tracking_uri": args.tracking_uri,
+                "cache_dir": args.head_cache_dir,
                 "target_config": target_config, "parallel_drafting": args.parallel_drafting,
             },
         }
@@ -347,36 +209,13 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
     return LLMConfig(**kw)
 
 
-def _api_key_middleware(app, env_name: str) -> None:
-    """401 unless ``Authorization: Bearer $<env_name>`` (or ``x-api-key``) is sent. The key is read
-    from the replica's environment at request time (never stored in the app)."""
-    from starlette.middleware.base import BaseHTTPMiddleware
-    from starlette.responses import JSONResponse
-
-    def error(status: int, message: str, kind: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-    async def check(request, call_next):
-        expected = os.environ.get(env_name)
-        if not expected:
-            return error(500, f"server misconfigured: {env_name} is not set on this replica", "server_error")
-        auth = request.headers.get(API_KEY_HEADER, "")
-        sent = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not sent or not hmac.compare_digest(sent.encode(), expected.encode()):
-            return error(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                         "authentication_error")
-        return await call_next(request)
-
-    app.add_middleware(BaseHTTPMiddleware, dispatch=check)
-
-
 def build_app(args: dict[str, Any] | ServeAppArgs):
     """Serve application builder (``import_path: pipelines.serve:build_app``).
 
-    Resolves the target and the head (pinning an alias to its version, downloading and validating
-    it here before anything is deployed), then returns Ray Serve LLM's OpenAI app: an ingress
-    deployment (+ API-key middleware when ``api_key_env`` is set) in front of an autoscaled
-    ``LLMServer`` deployment.
+    Resolves the target and the head (pinning an alias to its version and content hash, downloading
+    and validating it here before anything is deployed), then returns Ray Serve LLM's OpenAI app: an
+    ingress deployment (behind :class:`~pipelines.serve.ingress.RequestGuard`) in front of an
+    autoscaled ``LLMServer`` deployment.
 
     Raises:
         pydantic.ValidationError / ValueError: bad args, unknown alias, API key env var not set.
@@ -388,6 +227,7 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
+    from pipelines.serve.ingress import RequestGuard
 
     args = args if isinstance(args, ServeAppArgs) else ServeAppArgs.model_validate(args or {})
     if args.api_key_env and not os.environ.get(args.api_key_env):
@@ -395,19 +235,20 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
                          "node) or set api_key_env to null for an open endpoint")
     args = args.model_copy(update={"tracking_uri": settings.tracking_uri(args.tracking_uri)})
     target_path, target_config = _target_path_and_config(args)
-    head = None
+    head: PinnedHead | str | None = None
+    ref = None
     if args.head is not None:
-        head = pin_head_ref(args.head, args.tracking_uri) if is_registry_ref(args.head) else str(
+        head = pin_head(args.head, args.tracking_uri) if is_registry_ref(args.head) else str(
             Path(args.head).expanduser().resolve())
+        ref, sha256 = (head.ref, head.sha256) if isinstance(head, PinnedHead) else (head, None)
         # Pre-flight on the driver: download + validate before deploying anything.
-        fetch_head(head, cache_dir=args.head_cache_dir, tracking_uri=args.tracking_uri,
+        fetch_head(ref, head_sha256=sha256, cache_dir=args.head_cache_dir, tracking_uri=args.tracking_uri,
                    target_config=target_config, parallel_drafting=args.parallel_drafting)
     llm_config = build_llm_config(args, target_path=target_path, target_config=target_config, head=head)
     server = build_llm_deployment(llm_config)
 
     app = ray_llm_fastapi_app()  # Ray's app: OpenAI-style errors, 400 for invalid / malformed bodies
-    if args.api_key_env:
-        _api_key_middleware(app, args.api_key_env)
+    app.add_middleware(RequestGuard, max_body_bytes=args.max_body_bytes, api_key_env=args.api_key_env)
     ingress_cls = make_fastapi_ingress(OpenAiIngress, app=app)
     ingress_options = {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": args.ingress_max_replicas,
@@ -416,11 +257,11 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
         "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
     }
     model_id = llm_config.model_id
-    log.info("peagle serve: model_id=%s target=%s head=%s K=%d", model_id, target_path, head,
+    log.info("peagle serve: model_id=%s target=%s head=%s K=%d", model_id, target_path, ref,
              args.num_speculative_tokens)
     return serve.deployment(ingress_cls, **ingress_options).bind(
         llm_deployments={model_id: server}, model_cards={model_id: to_model_metadata(model_id, llm_config)},
     )
 
 
-__all__ = ["HeadDownloadCallback", "ServeAppArgs", "build_app", "build_llm_config", "fetch_head", "pin_head_ref"]
+__all__ = ["ServeAppArgs", "build_app", "build_llm_config"]

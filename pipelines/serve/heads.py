@@ -1,0 +1,259 @@
+"""The draft head on a Serve replica's node: pinned on the driver, fetched cache-first on every replica.
+
+Ray Serve LLM downloads the target on each node but never a draft head (``engine_kwargs.
+speculative_config`` goes to vLLM unchecked). So:
+
+1. The driver (:func:`pipelines.serve.build_app`) pins ``models:/NAME@ALIAS`` to a
+   :class:`PinnedHead` -- the alias's current version and that version's ``head_sha256`` tag (the
+   sha256 of the head's ``peagle_checksums.json``) -- so every replica of a deployment serves the same
+   files even if ``champion`` moves during a rollout (a new champion is served by re-deploying).
+2. :class:`HeadDownloadCallback` (Ray Serve LLM ``callback_config``; ``on_before_node_init`` runs in
+   every ``LLMServer`` replica, a restarted one included, before vLLM's engine config is built) calls
+   :func:`fetch_head` with the pinned version and its hash, then points ``speculative_config["model"]``
+   at the local directory.
+
+:func:`fetch_head` looks in the node cache first (``$PEAGLE_HOME/serve/heads/NAME/vN-<sha12>``): a
+directory whose files match its checksum manifest and whose manifest hashes to the pinned
+``head_sha256`` is used without asking MLflow, so a replica comes back while the tracking server is
+down. Only a miss (or a stale entry, deleted) asks the registry and downloads. Every fetch appends
+one line to ``NAME/fetches.jsonl`` in the cache (time, host, pid, version, ``source`` of the files:
+``cache`` or ``registry``, ``asked_registry``, seconds), the record of where each replica got its head.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines import settings
+
+try:  # light module (stdlib only); Ray Serve LLM calls its hooks inside each LLMServer replica.
+    from ray.llm._internal.common.callbacks.base import CallbackBase
+except ImportError:  # pragma: no cover - ray without the llm package
+    CallbackBase = object  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
+
+HEAD_SHA256_TAG = "head_sha256"  # version tag pipelines.register writes: sha256 of peagle_checksums.json
+FETCH_LOG = "fetches.jsonl"  # per registered model in the node cache: one line per fetch_head
+
+
+def is_registry_ref(head: str) -> bool:
+    return head.startswith("models:/")
+
+
+@dataclass(frozen=True)
+class PinnedHead:
+    """One registered head version and its content hash (``None``: the version carries no tag)."""
+
+    name: str
+    version: str
+    sha256: str | None
+
+    @property
+    def ref(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+    def cache_dir(self, root: Path) -> Path:
+        """``root/NAME/vVERSION-<sha12>``: the hash in the key keeps versions of two registries apart."""
+        return root / self.name / (f"v{self.version}-{self.sha256[:12]}" if self.sha256 else f"v{self.version}")
+
+
+def _split_ref(head: str) -> tuple[str, str, str]:
+    """``models:/NAME@ALIAS`` -> (NAME, "@", ALIAS); ``models:/NAME/VERSION`` -> (NAME, "/", VERSION).
+
+    Raises:
+        ValueError: neither form.
+    """
+    ref = head.removeprefix("models:/")
+    for sep in ("@", "/"):
+        name, found, sel = ref.rpartition(sep)
+        if found and name and sel:
+            return name, sep, sel
+    raise ValueError(f"head={head!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+
+
+def pin_head_ref(head: str, tracking_uri: str | None = None) -> str:
+    """``models:/NAME@ALIAS`` -> ``models:/NAME/VERSION`` (the alias's current version; asks the registry).
+
+    Raises:
+        ValueError: the alias does not exist (with the command that sets it).
+    """
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.register import get_client
+
+    name, sep, alias = _split_ref(head)
+    if sep == "/":
+        return head
+    try:
+        mv = get_client(tracking_uri).get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        raise ValueError(
+            f"head={head!r}: registered model {name!r} has no alias {alias!r} in "
+            f"{tracking_uri or 'the default registry'} ({e.message}); register a head and promote it "
+            "(`peagle registry promote NAME --force`), or set head to a local directory / null"
+        ) from None
+    return f"models:/{name}/{mv.version}"
+
+
+def pin_head(head: str, tracking_uri: str | None = None) -> PinnedHead:
+    """The version ``head`` names now (alias resolved) and its ``head_sha256`` tag; asks the registry.
+
+    Raises:
+        ValueError: unknown alias or a malformed reference.
+    """
+    from pipelines.register import get_client
+
+    name, _, version = _split_ref(pin_head_ref(head, tracking_uri))
+    tags = get_client(tracking_uri).get_model_version(name, version).tags or {}
+    return PinnedHead(name, version, tags.get(HEAD_SHA256_TAG))
+
+
+@contextmanager
+def _node_lock(root: Path, name: str):
+    """One fetch per node at a time for ``name`` (replicas on a node serialize on a file lock)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _check_registered_hash(head_dir: Path, want: str | None) -> None:
+    """The head's checksums file must hash to the version's ``head_sha256`` tag (when tagged).
+
+    Raises:
+        peagle_core.contract.HeadContractError: it hashes to something else.
+    """
+    from peagle_core.contract import CHECKSUMS_FILE, HeadContractError
+
+    if want is None:
+        return
+    got = hashlib.sha256((head_dir / CHECKSUMS_FILE).read_bytes()).hexdigest()
+    if got != want:
+        raise HeadContractError(f"{head_dir}: {CHECKSUMS_FILE} hashes to {got[:12]}…, the registered version "
+                                f"says {HEAD_SHA256_TAG}={want[:12]}…")
+
+
+def _cached(dst: Path, sha256: str | None) -> bool:
+    """Whether ``dst`` holds the head: its files match the checksum manifest and the manifest hashes
+    to ``sha256``. A stale or partial entry is deleted (and False returned)."""
+    from peagle_core.contract import HeadContractError, verify_checksums
+
+    if not dst.exists():
+        return False
+    try:
+        verify_checksums(dst)
+        _check_registered_hash(dst, sha256)
+        return True
+    except HeadContractError as e:
+        log.warning("cached head %s is stale (%s); deleting it", dst, e)
+        shutil.rmtree(dst)
+        return False
+
+
+def _record_fetch(model_dir: Path, **fields) -> None:
+    """Append one JSON line to ``model_dir/fetches.jsonl`` (where a replica got its head)."""
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "pid": os.getpid(),
+            **fields}
+    with open(model_dir / FETCH_LOG, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def fetch_head(
+    head: str,
+    *,
+    head_sha256: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    tracking_uri: str | None = None,
+    target_config: dict | None = None,
+    parallel_drafting: bool = True,
+) -> Path:
+    """Resolve ``head`` to a validated local head directory, from the node cache when it can.
+
+    ``models:/NAME/VERSION`` with its ``head_sha256`` (what the driver pins at deploy time) is looked
+    up in ``cache_dir/NAME/vVERSION-<sha12>`` first: when the files there match their checksum
+    manifest and the manifest hashes to ``head_sha256``, MLflow is not asked at all. On a miss, a
+    stale entry, an alias (``@ALIAS``) or no hash, the registry pins the version and the head is
+    downloaded (atomically: a temporary sibling renamed into place). A local directory is used in
+    place. Either way ``validate_head`` runs before returning.
+
+    Raises:
+        peagle_core.contract.HeadContractError: invalid / incompatible head, checksum mismatch, or
+            the registry's hash of the version differs from ``head_sha256``.
+        ValueError: unknown alias or malformed reference.
+        mlflow.exceptions.MlflowException: the cache missed and the registry failed (e.g. unreachable).
+    """
+    from peagle_core.contract import HeadContractError, validate_head
+
+    if not is_registry_ref(head):
+        local = Path(head).expanduser()
+        validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting)
+        return local
+    from pipelines.register import download
+
+    t0 = time.monotonic()
+    root = Path(cache_dir) if cache_dir else settings.serve_heads_dir()
+    name, sep, version = _split_ref(head)
+    known = PinnedHead(name, version, head_sha256) if sep == "/" and head_sha256 else None
+    with _node_lock(root, name):
+        asked_registry = known is None or not _cached(known.cache_dir(root), known.sha256)
+        if not asked_registry:
+            pinned, dst, source = known, known.cache_dir(root), "cache"
+        else:
+            pinned = pin_head(head, tracking_uri)
+            if known is not None and pinned != known:
+                raise HeadContractError(f"{head}: the registry tags it {HEAD_SHA256_TAG}={pinned.sha256}, the "
+                                        f"deployment pinned {head_sha256}; re-deploy to pin the current version")
+            dst, source = pinned.cache_dir(root), "cache"
+            if not _cached(dst, pinned.sha256):
+                download(f"{name}/{pinned.version}", dst, target_config=target_config,
+                         parallel_drafting=parallel_drafting, tracking_uri=tracking_uri)
+                _check_registered_hash(dst, pinned.sha256)
+                source = "registry"
+        validate_head(dst, target_config=target_config, parallel_drafting=parallel_drafting,
+                      check_checksums=False)  # verified just above, under the lock
+        seconds = round(time.monotonic() - t0, 3)
+        _record_fetch(root / name, version=pinned.version, dir=str(dst), source=source,
+                      asked_registry=asked_registry, seconds=seconds)
+    log.info("draft head %s from the %s: %s (%.2fs)", pinned.ref, "node cache" if source == "cache" else "registry",
+             dst, seconds)
+    return dst
+
+
+class HeadDownloadCallback(CallbackBase):
+    """Ray Serve LLM callback: put the draft head on the replica's node before vLLM starts.
+
+    Ray calls ``on_before_node_init`` inside ``VLLMEngine.start`` of every ``LLMServer`` replica,
+    before ``_prepare_engine_config`` builds vLLM's ``AsyncEngineArgs`` from ``engine_kwargs``
+    (ray/llm/_internal/serve/engines/vllm/vllm_engine.py). Kwargs (``callback_kwargs``): ``head``
+    (pinned ``models:/NAME/VERSION`` or a directory), ``head_sha256``, ``tracking_uri``,
+    ``cache_dir``, ``target_config``, ``parallel_drafting``.
+    """
+
+    async def on_before_node_init(self) -> None:
+        import asyncio
+
+        kw = self.kwargs
+        local = await asyncio.to_thread(
+            fetch_head, kw["head"], head_sha256=kw.get("head_sha256"), cache_dir=kw.get("cache_dir"),
+            tracking_uri=kw.get("tracking_uri"), target_config=kw.get("target_config"),
+            parallel_drafting=kw.get("parallel_drafting", True),
+        )
+        spec = dict(self.llm_config.engine_kwargs.get("speculative_config") or {})
+        spec["model"] = str(local)
+        self.llm_config.update_engine_kwargs(speculative_config=spec)
+        log.info("draft head %s -> %s (validated); speculative_config=%s", kw["head"], local, spec)
+
+
+__all__ = ["FETCH_LOG", "HeadDownloadCallback", "PinnedHead", "fetch_head", "is_registry_ref", "pin_head",
+           "pin_head_ref"]

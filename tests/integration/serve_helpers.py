@@ -1,0 +1,133 @@
+"""Helpers of the Serve integration tests (test_serve, test_faults_serve): a free loopback port, the
+CPU Serve args, an ``mlflow server`` process, the replica processes of a local Ray cluster, and one
+streamed chat request. (The random-init head is ``bench.serve_load.random_head``: the benchmark
+serves the same one.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+MODEL_ID = "smollm2-135m-instruct"
+REGISTERED = "peagle-smollm2-135m-instruct"
+LLM_REPLICA_TAG = "ServeReplica:peagle:LLMServer"  # process title of the app's LLMServer replicas
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_serve_args(**kw):
+    """ServeAppArgs for one CPU replica of SmolLM2 on a 2-core box (K=3, 1024-token context)."""
+    from pipelines.serve import ServeAppArgs
+
+    base = {"model_id": MODEL_ID, "num_speculative_tokens": 3,
+            "engine_kwargs": {"max_model_len": 1024, "gpu_memory_utilization": 0.25, "enforce_eager": True},
+            "min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 8, "max_ongoing_requests": 32,
+            "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25}
+    base.update(kw)
+    return ServeAppArgs(**base)
+
+
+@dataclass
+class MlflowServer:
+    """An ``mlflow server`` process group on 127.0.0.1 (sqlite store + served artifacts in ``root``)."""
+
+    uri: str
+    proc: subprocess.Popen
+    root: Path
+
+    @classmethod
+    def start(cls, root: Path, *, timeout_s: float = 300.0) -> MlflowServer:
+        """Start it and wait for ``/health``.
+
+        Raises:
+            RuntimeError: it exited or did not answer within ``timeout_s`` (its log attached).
+        """
+        port = free_port()
+        log = open(root / "mlflow-server.log", "w")  # noqa: SIM115 - the child writes it until killed
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
+             str(root / "artifacts")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # own group: killed as one
+        server = cls(f"http://127.0.0.1:{port}", proc, root)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            if server.healthy():
+                return server
+            time.sleep(1)
+        server.kill()
+        raise RuntimeError(f"mlflow server did not start: {(root / 'mlflow-server.log').read_text()[-2000:]}")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.uri}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server and its workers (the process group it leads)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def llm_replica_pids() -> list[int]:
+    """Pids of this process's descendants that are LLMServer replicas of the app ``peagle``."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if LLM_REPLICA_TAG in " ".join(p.cmdline()):
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return sorted(out)
+
+
+def stream_chat(url: str, prompt: str, *, key: str, max_tokens: int, timeout_s: float = 300.0,
+                on_first_token=None) -> dict:
+    """One streamed chat request. Returns ``{ok, why, num_chunks, seconds}``; ``ok`` means HTTP 200,
+    no error event, text received and the closing ``[DONE]``. Never raises for transport errors."""
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    t0, num_chunks, why, done = time.monotonic(), 0, "", False
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s,
+                          headers={"Authorization": f"Bearer {key}"}) as r:
+            if r.status_code != 200:
+                why = f"HTTP {r.status_code}: {r.read()[:200]!r}"
+            for line in r.iter_lines() if not why else ():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    why = f"error event: {str(event['error'])[:200]}"
+                    break
+                num_chunks += 1
+                if num_chunks == 1 and on_first_token is not None:
+                    on_first_token()
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        why = repr(e)[:200]
+    if not why and not done:
+        why = f"stream ended without [DONE] after {num_chunks} chunks"
+    return {"ok": not why and num_chunks > 0, "why": why, "num_chunks": num_chunks,
+            "seconds": round(time.monotonic() - t0, 3)}
