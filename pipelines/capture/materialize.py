@@ -8,6 +8,14 @@ capture.shard_size_samples``), so the assignment is deterministic. One Ray Data 
 complete, verified and made for the same conversations and settings, rewrites the others, and writes
 ``capture_meta.json`` then ``manifest.parquet`` last: the manifest exists only for a finished capture.
 
+Faults: a capture actor that dies (a crash, a killed process) is restarted by Ray Data and its shard
+task retried (Ray Data's actor-pool defaults, ``max_restarts=-1``, ``max_task_retries=-1``: unbounded;
+they are not set here because the tokenize stage fuses into the actor on CPU only while both stages
+have the same remote arguments); the run then finishes by itself. If the run fails anyway, a re-run
+resumes from the shards on disk. A shard is written to a temporary file and renamed, so a writer killed
+mid-shard leaves at most a temporary file, removed at the start and at the end of a run: no partial
+shard is kept, no sample is written twice.
+
 Shape legend: V target vocab.
 """
 
@@ -199,9 +207,15 @@ def _reuse_shards(out_dir: Path, tasks: list[list[dict[str, Any]]],
             done[k] = reused
             shard_stats[k] = json.loads(shards.shard_header(path).get("stats", "{}"))
     (out_dir / shards.MANIFEST_NAME).unlink(missing_ok=True)
-    for stray in out_dir.glob(".shard-*.tmp"):
-        stray.unlink()  # an interrupted write
+    _remove_partial_shards(out_dir)
     return done, shard_stats
+
+
+def _remove_partial_shards(out_dir: Path) -> None:
+    """Delete the temporary files of shard writes that never finished (a killed or crashed writer)."""
+    for stray in out_dir.glob(".shard-*.tmp"):
+        log.info("removing %s (an interrupted shard write)", stray.name)
+        stray.unlink(missing_ok=True)
 
 
 def _reusable_shard(path: Path, fingerprint: dict[str, Any], conversation_ids: list[str]) -> list[dict] | None:
@@ -289,6 +303,7 @@ def _finish(out_dir: Path, tasks, done: dict[int, list[dict]], shard_stats: dict
     """Write ``token_counts.safetensors``, ``capture_meta.json`` and, last, the manifest of a capture
     whose shards are all on disk; returns the meta (sizes, drops, throughput of this run) and the
     shards' bytes on disk."""
+    _remove_partial_shards(out_dir)  # left by an actor killed mid-write and retried in this run
     manifest_rows = [r for k in range(len(tasks)) for r in done[k]]
     totals: Counter = Counter()
     for s in shard_stats.values():

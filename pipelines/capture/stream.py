@@ -47,7 +47,8 @@ def capture_stream(
     (``capture.num_workers`` actors, ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs
     each; None = 1 if the Ray cluster has GPUs, else 0). ``conversations_ds``: a Ray Dataset of
     ``{id, messages}`` rows (or anything ``run_capture`` accepts). Drop/truncate counts are
-    logged by the tokenize tasks, not returned.
+    logged by the tokenize tasks, not returned. A capture actor that dies is restarted and its batch
+    retried by Ray Data (its actor-pool defaults; see ``pipelines.capture.materialize``).
 
     Raises:
         ValueError: bad config (backend, dtype), or an unknown target (before any actor starts).

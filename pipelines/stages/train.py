@@ -1,10 +1,13 @@
 """Stage ``train``: captured hidden states -> an exported head (``pipelines.train.run_train`` on Ray Train).
 
 Writes ``train/head/`` (the exported head) and Ray Train checkpoints under ``ray_results/`` (run
-name ``<recipe>-<key[:10]>``: an interrupted run resumes from its latest checkpoint). Streaming
-capture: the dataset is ``capture_stream`` over the regenerated rows and the epoch length comes
+name ``<recipe>-<key[:10]>``: an interrupted run resumes from its latest checkpoint; failed workers
+are restarted from it up to ``training.max_failures`` times), with ``sample_ids/epoch_XXXX.json`` beside
+them (the ids trained per epoch). A materialized capture is read in the seeded per-epoch order of
+``pipelines.train.order`` (sample-exact resume). Streaming capture: the dataset is ``capture_stream``
+over the regenerated rows (a resume is step-exact, not sample-exact) and the epoch length comes
 from the plan (``pipelines.train.plan_from_conversations``: the conversations tokenized once).
-Key: drafter + training sections.
+Key: drafter + training sections (without ``training.max_failures``).
 """
 
 from __future__ import annotations
@@ -46,13 +49,13 @@ class TrainStage(Stage):
 
     @staticmethod
     def sections(recipe):
-        return (recipe.drafter, recipe.training.model_dump(mode="json", exclude={"max_failures"}))  # fault tolerance changes no output
+        # how many failures to recover from does not change the head: not in the key
+        return (recipe.drafter, recipe.training.model_dump(mode="json", exclude={"max_failures"}))
 
     def run(self) -> TrainOutput:
         import ray.data
 
-        from pipelines.capture import captured_dataset
-        from pipelines.train import plan_from_capture, plan_from_conversations, run_train
+        from pipelines.train import OrderedCapture, plan_from_capture, plan_from_conversations, run_train
 
         r = self.recipe
         cap = self.ctx.upstream(CaptureOutput)
@@ -67,15 +70,15 @@ class TrainStage(Stage):
                                            max_length_tokens=r.data.max_length_tokens,
                                            on_too_long=r.capture.on_too_long)
             self._stream_num_tokens = plan.num_tokens
-            dataset = capture_stream(ray.data.from_items(items), r.target, r.capture, r.data,
-                                     num_cpus_per_worker=cpus_per_worker(r.capture.num_workers))
-        else:
+            data = capture_stream(ray.data.from_items(items), r.target, r.capture, r.data,
+                                  num_cpus_per_worker=cpus_per_worker(r.capture.num_workers))
+        else:  # each worker reads its slice of the seeded per-epoch order: a resume is sample-exact
             plan = plan_from_capture(r.training, r.drafter, r.target, cap.capture_dir)
-            dataset = captured_dataset(cap.capture_dir)
+            data = OrderedCapture(str(cap.capture_dir))
         from pipelines.stages.train_progress import train_progress
 
         with train_progress(plan.total_steps) as callbacks:
-            res = run_train(plan, dataset, self.dir, run_name=f"{r.name}-{self.ctx.key(self.name)[:10]}",
+            res = run_train(plan, data, self.dir, run_name=f"{r.name}-{self.ctx.key(self.name)[:10]}",
                             storage_path=self.ctx.run_dir / "ray_results", mlflow_tracking_uri=self.ctx.tracking_uri,
                             mlflow_experiment=settings.TRAIN_EXPERIMENT, export_dtype=self.ctx.engine.export_dtype,
                             recipe_text=r.dump_resolved(), callbacks=callbacks)

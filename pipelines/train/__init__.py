@@ -8,8 +8,10 @@ One job per file:
 * ``checkpoint.py``: the checkpoint files, :class:`Checkpointer` (one process, DDP) and
   :class:`ShardedCheckpointer` (FSDP2);
 * ``optim.py``: AdamW and the warm-up + cosine schedule; ``data.py``: packing, data position, epoch length;
+* ``order.py``: the seeded per-epoch sample order of a materialized capture (a pure function of seed,
+  epoch, rank and world size; sample-exact resume) and the record of the sample ids trained per epoch;
 * ``target_weights.py``: the target's ``lm_head`` / embeddings and the drafter's init from them;
-* ``tracking.py``: progress lines and rank-0 MLflow;
+* ``tracking.py``: progress lines and rank-0 MLflow (buffered through tracking-server outages);
 * ``worker.py``: the Ray Train worker (``train_loop_per_worker``, its typed :class:`WorkerConfig`);
 * ``driver.py``: :func:`run_train`, the Ray driver (fit, then export the head);
 * ``local.py``: :func:`train_in_process`, the same loop without Ray.
@@ -29,10 +31,19 @@ from pipelines.train.checkpoint import (
     optimizer_digest,
 )
 from pipelines.train.data import estimate_steps_per_epoch, iter_packed_batches
-from pipelines.train.driver import TrainOutput, run_train
+from pipelines.train.driver import TrainRunResult, run_train
 from pipelines.train.local import TrainResult, train_in_process
 from pipelines.train.loop import DataPosition, TrainCallback, Trainer, TrainState
 from pipelines.train.optim import build_optimizer, build_scheduler, lr_multiplier
+from pipelines.train.order import (
+    SAMPLE_LOG_DIR,
+    CaptureReader,
+    EpochRecord,
+    OrderedCapture,
+    chain_digest,
+    epoch_file,
+    epoch_order,
+)
 from pipelines.train.plan import (
     TrainPlan,
     plan_from_capture,
@@ -50,10 +61,10 @@ from pipelines.train.tracking import MlflowTracker, TrackingConfig
 from pipelines.train.worker import WorkerConfig, build_drafter, train_loop_per_worker
 
 __all__ = [
-    "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SCHEDULER_FILE", "STATE_FILE", "Checkpointer", "DataPosition",
-    "MlflowTracker", "ShardedCheckpointer", "TrackingConfig", "TrainCallback", "TrainOutput", "TrainPlan",
-    "TrainResult", "TrainState", "Trainer", "WorkerConfig", "build_drafter", "build_optimizer", "build_scheduler",
-    "estimate_steps_per_epoch", "init_drafter_from_target", "iter_packed_batches", "latest_checkpoint",
+    "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SAMPLE_LOG_DIR", "SCHEDULER_FILE", "STATE_FILE", "CaptureReader",
+    "Checkpointer", "DataPosition", "EpochRecord", "MlflowTracker", "OrderedCapture", "ShardedCheckpointer", "TrackingConfig", "TrainCallback", "TrainPlan",
+    "TrainResult", "TrainRunResult", "TrainState", "Trainer", "WorkerConfig", "build_drafter", "build_optimizer", "build_scheduler",
+    "chain_digest", "epoch_file", "epoch_order", "estimate_steps_per_epoch", "init_drafter_from_target", "iter_packed_batches", "latest_checkpoint",
     "load_target_embed", "load_target_lm_head", "load_target_tensor", "lr_multiplier", "optimizer_digest",
     "plan_from_capture", "plan_from_conversations", "plan_from_dataset", "run_train", "total_steps",
     "train_in_process", "train_loop_per_worker",

@@ -1,6 +1,12 @@
 """The Ray driver of training: :func:`run_train` runs a :class:`~pipelines.train.plan.TrainPlan` on Ray
 Train V2 (``TorchTrainer`` over :func:`~pipelines.train.worker.train_loop_per_worker`) and exports the
-final head through ``peagle_core.contract.export_head`` into ``<out_dir>/head``."""
+final head through ``peagle_core.contract.export_head`` into ``<out_dir>/head``.
+
+Faults: a worker that dies (an exception, a killed process, a lost node) fails the worker group; Ray
+Train restarts it from the latest reported checkpoint up to ``training.max_failures`` times
+(``FailureConfig``), and the restarted workers resume their data position (sample-exact on a
+materialized capture: ``pipelines.train.order``). Rank 0's MLflow tracker buffers through tracking-server
+outages (``pipelines.train.tracking``)."""
 
 from __future__ import annotations
 
@@ -19,18 +25,20 @@ from peagle_core.drafter import Eagle3Drafter
 from pipelines import settings
 from pipelines.train.checkpoint import MODEL_FILE, STATE_FILE
 from pipelines.train.loop import TrainCallback
+from pipelines.train.order import SAMPLE_LOG_DIR, OrderedCapture
 from pipelines.train.plan import TrainPlan
 from pipelines.train.tracking import TrackingConfig
 from pipelines.train.worker import WORKER_CONFIG_KEY, WorkerConfig, train_loop_per_worker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainOutput", "run_train"]
+__all__ = ["TrainRunResult", "run_train"]
 
 
 @dataclass
-class TrainOutput:
-    """Result of :func:`run_train`."""
+class TrainRunResult:
+    """Result of :func:`run_train` (the ``train`` stage keeps the parts it needs in its record,
+    ``pipelines.stages.train.TrainOutput``)."""
 
     head_dir: Path
     checkpoint_path: str | None
@@ -43,12 +51,11 @@ class TrainOutput:
 
 def run_train(
     plan: TrainPlan,
-    dataset: Any,
+    data: OrderedCapture | Any,
     out_dir: str | os.PathLike,
     *,
     run_name: str,
     storage_path: str | os.PathLike,
-    max_failures: int = 0,
     num_to_keep: int | None = 2,
     resources_per_worker: dict | None = None,
     log_every_steps: int = 10,
@@ -57,19 +64,20 @@ def run_train(
     export_dtype: str = "bfloat16",
     recipe_text: str | None = None,
     callbacks: Sequence[TrainCallback] = (),
-) -> TrainOutput:
+) -> TrainRunResult:
     """Train the drafter of ``plan`` with Ray Train V2 and export the head to ``<out_dir>/head``.
 
     Args:
         plan: from ``pipelines.train.plan`` (``plan_from_capture`` / ``plan_from_conversations`` /
             ``plan_from_dataset``); ``training.num_workers`` workers, one GPU each with ``training.use_gpu``.
-        dataset: ``ray.data.Dataset`` of captured rows (``pipelines.capture.captured_dataset`` or the
-            streaming ``capture_stream``); split over workers by Ray Train (``get_dataset_shard``).
+        data: a materialized capture, :class:`~pipelines.train.order.OrderedCapture` (each worker reads its
+            slice of the seeded per-epoch order: sample-exact resume), or a ``ray.data.Dataset`` of captured
+            rows (the streaming ``capture_stream``), split over workers by Ray Train (``get_dataset_shard``).
         out_dir: the exported head goes to ``<out_dir>/head`` (replaced if present).
         run_name, storage_path: ``RunConfig(name, storage_path)``; re-running with the same pair resumes
-            from the latest checkpoint (the pipeline uses ``<run dir>/ray_results``).
-        max_failures: ``FailureConfig(max_failures)``: worker failures recovered from the latest
-            checkpoint (0 = stop at the first failure).
+            from the latest checkpoint (the pipeline uses ``<run dir>/ray_results``). A local
+            ``storage_path`` also gets ``<run_name>/sample_ids/epoch_XXXX.json`` (the ids trained per epoch)
+            and, if MLflow stayed unreachable past the end, ``<run_name>/mlflow_unsent.jsonl``.
         num_to_keep: ``CheckpointConfig(num_to_keep)``.
         resources_per_worker: ``ScalingConfig(resources_per_worker)``, e.g. ``{"CPU": 1}``.
         log_every_steps: metric window (log line and MLflow point).
@@ -80,18 +88,24 @@ def run_train(
         callbacks: :class:`~pipelines.train.loop.TrainCallback` s run on every worker (they must pickle).
 
     Returns:
-        :class:`TrainOutput`.
+        :class:`TrainRunResult`.
 
     Raises:
-        ray.train.TrainingFailedError: the run failed more than ``max_failures`` times.
+        ray.train.TrainingFailedError: the run failed more than ``training.max_failures`` times
+            (``FailureConfig(max_failures)``: failures recovered from the latest checkpoint).
         RuntimeError: the run finished without a checkpoint.
     """
     import ray.train
     from ray.train.torch import TorchTrainer
 
     uri = settings.tracking_uri() if mlflow_tracking_uri is None else mlflow_tracking_uri
-    tracking = TrackingConfig(tracking_uri=uri, experiment=mlflow_experiment, run_name=run_name) if uri else None
-    worker = WorkerConfig(plan=plan, log_every_steps=log_every_steps, tracking=tracking, callbacks=tuple(callbacks))
+    local_run_dir = None if "://" in str(storage_path) else Path(storage_path) / run_name
+    spill = str(local_run_dir / "mlflow_unsent.jsonl") if local_run_dir else None
+    tracking = (TrackingConfig(tracking_uri=uri, experiment=mlflow_experiment, run_name=run_name, spill_path=spill)
+                if uri else None)
+    capture = data if isinstance(data, OrderedCapture) else None
+    worker = WorkerConfig(plan=plan, log_every_steps=log_every_steps, tracking=tracking, callbacks=tuple(callbacks),
+                          capture=capture, sample_log_dir=str(local_run_dir / SAMPLE_LOG_DIR) if local_run_dir else None)
     training = plan.training
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -100,9 +114,9 @@ def run_train(
                                                resources_per_worker=resources_per_worker),
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=str(storage_path),
-            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_to_keep)),
-        datasets={"train": dataset},
+        datasets=None if capture is not None else {"train": data},
     )
     result = trainer.fit()
     if result.checkpoint is None:
@@ -111,7 +125,7 @@ def run_train(
         head, state = _export(plan, Path(d), Path(out_dir) / "head", run_name=run_name, dtype=export_dtype,
                               recipe_text=recipe_text)
     rv = result.return_value or {}
-    return TrainOutput(head_dir=head, checkpoint_path=result.checkpoint.path, step=int(state["step"]),
+    return TrainRunResult(head_dir=head, checkpoint_path=result.checkpoint.path, step=int(state["step"]),
                        resumed_from_step=rv.get("resumed_from_step"), metrics=dict(result.metrics or {}),
                        return_value=result.return_value, mlflow_run_id=state.get("mlflow_run_id"))
 

@@ -19,6 +19,7 @@ from pipelines.recipe import TrainingConfig
 from pipelines.train.checkpoint import checkpoint_name, latest_checkpoint
 from pipelines.train.data import PackFn, Sample, estimate_steps_per_epoch, sample_len
 from pipelines.train.loop import TrainCallback, Trainer, TrainState
+from pipelines.train.order import SAMPLE_LOG_DIR, EpochRecord, epoch_summary, write_epoch_summary
 from pipelines.train.plan import total_steps
 from pipelines.train.tracking import progress_logger
 
@@ -81,7 +82,8 @@ def train_in_process(
             ``num_epochs * steps_per_epoch`` (``steps_per_epoch`` counted with one pass over
             epoch 0 when not given).
         checkpoint_dir: checkpoints go to ``<checkpoint_dir>/checkpoint_<step>``; with ``resume`` the
-            latest one is loaded first.
+            latest one is loaded first. Each epoch's count and digest of the sample ids trained go to
+            ``<checkpoint_dir>/sample_ids/epoch_XXXX.json``.
         num_to_keep: most recent checkpoints kept (``None``: all).
         device: default CUDA if available else CPU.
         on_log: ``f(step, metrics)`` per metric window (default: a progress log line).
@@ -102,10 +104,14 @@ def train_in_process(
     def write_checkpoint(step: int, metrics: dict) -> None:
         _save_rotating(trainer, root, step, metrics, num_to_keep)
 
+    def on_epoch_end(record: EpochRecord) -> None:
+        write_epoch_summary(root / SAMPLE_LOG_DIR, epoch_summary([record], seed=int(config.seed or 0)))
+
     trainer = Trainer(config=config, model=drafter, objective=objective, target_lm_head=target_lm_head.to(device),
                       total_steps=steps, device=device, steps_per_epoch=steps_per_epoch,
                       on_log=on_log or progress_logger(steps),
                       write_checkpoint=write_checkpoint if root is not None else None, callbacks=callbacks,
+                      on_epoch_end=on_epoch_end if root is not None else None,
                       log_every_steps=log_every_steps, pack_fn=pack_fn)
     if resume and root is not None and (latest := latest_checkpoint(root)) is not None:
         trainer.load_checkpoint(latest)

@@ -4,8 +4,15 @@ Per step: a ``PackedBatch`` of at most ``batch_tokens`` tokens, the objective's 
 under bf16 autocast on CUDA (float32 on CPU), gradient clipping, an AdamW step and the LR schedule
 (``pipelines.train.optim``). Every ``log_every_steps`` a metric window (loss and accuracy per depth,
 positions/s, tokens/s) goes to ``on_log``; every ``checkpoint_every_steps`` and at the end a checkpoint
-(model, optimizer, scheduler, data position = epoch + samples consumed, RNG;
+(model, optimizer, scheduler, data position = epoch + samples consumed + the digest of their ids, RNG;
 ``pipelines.train.checkpoint``) goes to ``write_checkpoint``, then to the :class:`TrainCallback` s.
+At the end of each epoch (and of the run) an :class:`~pipelines.train.order.EpochRecord` (samples trained,
+the chained sha256 of their ids) goes to ``on_epoch_end``.
+
+Resume: an epoch's samples come in the same order on every call for that epoch (a materialized capture:
+``pipelines.train.order``), so a restarted worker skips the ``samples_consumed`` it trained before: a
+sequence (``len``, ``[i]``) is entered at that position without reading the samples before it, any
+other iterable is advanced past them.
 
 Equal step counts across workers: ``ray.train.report`` is a barrier and DDP all-reduces every step, so
 before each step the workers agree (``all_true``: one tiny all-reduce, MIN) whether *all* of them
@@ -18,10 +25,11 @@ Shape legend: N tokens of a packed batch, V target vocab, Ht target hidden.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,19 +42,22 @@ from peagle_core.drafter import Eagle3Drafter
 from peagle_core.objectives import NUM_FORWARD_SLOTS_KEY, Objective
 from pipelines.recipe import TrainingConfig
 from pipelines.train.checkpoint import make_checkpointer, rng_state, set_rng_state
-from pipelines.train.data import PackFn, Sample, iter_packed_batches
+from pipelines.train.data import PackFn, Sample, iter_packed_batches, sample_len
 from pipelines.train.optim import build_optimizer, build_scheduler
+from pipelines.train.order import SAMPLE_ID, EpochRecord, chain_digest
 
 __all__ = ["DataPosition", "TrainCallback", "TrainState", "Trainer"]
 
 
 @dataclass
 class DataPosition:
-    """Where a worker is in its data: ``epoch`` and samples of that epoch already trained on."""
+    """Where a worker is in its data: ``epoch``, samples of that epoch already trained on and the
+    :func:`~pipelines.train.order.chain_digest` of their ids."""
 
     epoch: int = 0
     samples_consumed: int = 0
     epoch_step: int = 0  # optimizer steps taken in this epoch (equal on all workers)
+    sample_ids_sha256: str = ""
 
 
 @dataclass
@@ -92,6 +103,8 @@ class Trainer:
         write_checkpoint: ``f(step, metrics)`` called at checkpoint steps on every rank; it calls
             :meth:`save_checkpoint` into a directory of its choice (None: no checkpoints written).
         callbacks: :class:`TrainCallback` s, called after each checkpoint.
+        on_epoch_end: ``f(EpochRecord)`` on every rank when an epoch ends and when the run ends (its
+            last, possibly partial, epoch); a collective may run in it (all ranks call it together).
         log_every_steps: metric window.
         pack_fn: ``pack_samples(samples, max_tokens) -> list[PackedBatch]``.
 
@@ -117,6 +130,7 @@ class Trainer:
         on_log: Callable[[int, dict], None] | None = None,
         write_checkpoint: Callable[[int, dict], None] | None = None,
         callbacks: Sequence[TrainCallback] = (),
+        on_epoch_end: Callable[[EpochRecord], None] | None = None,
         log_every_steps: int = 10,
         pack_fn: PackFn = pack_samples,
     ) -> None:
@@ -142,6 +156,8 @@ class Trainer:
         self._all_true = all_true or (lambda x: x)
         self._all_sum = all_sum or (lambda v: v)
         self.on_log, self.write_checkpoint, self.callbacks = on_log, write_checkpoint, tuple(callbacks)
+        self.on_epoch_end = on_epoch_end
+        self._pending_ids: deque[str] = deque()  # ids of samples read for packing, not yet trained
         self.log_every = max(1, int(log_every_steps))
         self.pack_fn = pack_fn
         self.state = TrainState()
@@ -193,7 +209,8 @@ class Trainer:
 
         Args:
             samples_for_epoch: ``epoch -> iterable of samples`` (the same order for the same epoch,
-                so a resume can skip the samples already consumed).
+                so a resume can skip the samples already consumed; a sequence is entered at the
+                position without reading what it skips).
 
         Returns:
             The final :class:`TrainState` (also ``self.state``).
@@ -205,17 +222,40 @@ class Trainer:
         while not done and st.position.epoch < self.num_epochs:
             done = self._run_epoch(samples_for_epoch(st.position.epoch))
             if not done:
+                self._end_epoch()
                 st.position = DataPosition(epoch=st.position.epoch + 1)
+        if done and st.position.samples_consumed:
+            self._end_epoch()  # the run's last epoch, possibly partial
         if self._last_checkpoint_step != st.step:  # ran out of data/epochs between checkpoints
             if self._window:
                 self._log_window()
             self._checkpoint()
         return st
 
+    def _end_epoch(self) -> None:
+        pos = self.state.position
+        if self.on_epoch_end is not None:
+            self.on_epoch_end(EpochRecord(epoch=pos.epoch, rank=self.rank, num_samples=pos.samples_consumed,
+                                          sha256=pos.sample_ids_sha256))
+
+    def _remaining(self, samples: Iterable[Sample], skip: int) -> Iterator[Sample]:
+        """``samples`` after the first ``skip`` (a sequence is indexed from ``skip``: nothing before it is
+        read); each non-empty sample's id is queued for the digest as packing reads it."""
+        if isinstance(samples, Sequence):
+            it: Iterator[Sample] = (samples[i] for i in range(skip, len(samples)))
+        else:
+            it = itertools.islice(iter(samples), skip, None)
+        self._pending_ids.clear()
+        for s in it:
+            if sample_len(s) > 0:  # packing drops empty samples without counting them
+                self._pending_ids.append(str(s.get(SAMPLE_ID, "")))
+            yield s
+
     def _run_epoch(self, samples: Iterable[Sample]) -> bool:
         """Steps over one epoch's samples from the saved position; True when ``total_steps`` is reached."""
         pos = self.state.position
-        batches = iter_packed_batches(samples, self.batch_tokens, self.pack_fn, skip_samples=pos.samples_consumed)
+        batches = iter_packed_batches(self._remaining(samples, pos.samples_consumed), self.batch_tokens,
+                                      self.pack_fn)
         while True:
             item = None
             if self.steps_per_epoch is None or pos.epoch_step < self.steps_per_epoch:
@@ -233,6 +273,8 @@ class Trainer:
         st.step += 1
         st.position.epoch_step += 1
         st.position.samples_consumed += num_samples
+        st.position.sample_ids_sha256 = chain_digest(
+            (self._pending_ids.popleft() for _ in range(num_samples)), st.position.sample_ids_sha256)
         st.tokens_seen += int(metrics["num_tokens"])
         st.positions_seen += int(metrics.get(NUM_FORWARD_SLOTS_KEY, 0))  # drafter slots run: "positions"
         for k, v in metrics.items():

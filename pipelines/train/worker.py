@@ -2,9 +2,18 @@
 
 Each worker builds the drafter from the plan (vocabulary mapping, target init), wraps it with
 ``ray.train.torch.prepare_model`` (DDP; gloo on CPU, NCCL on GPU) or shards it with FSDP2, feeds
-:class:`~pipelines.train.loop.Trainer` from ``ray.train.get_dataset_shard("train")``, turns checkpoints into
+:class:`~pipelines.train.loop.Trainer`, turns checkpoints into
 ``ray.train.report(..., checkpoint=Checkpoint.from_directory(d))`` and resumes from
-``ray.train.get_checkpoint()`` when re-run with the same ``RunConfig(name, storage_path)``.
+``ray.train.get_checkpoint()`` when re-run with the same ``RunConfig(name, storage_path)`` or restarted
+by Ray Train after a failure (``FailureConfig(max_failures)``).
+
+Data: a materialized capture (:class:`~pipelines.train.order.OrderedCapture`) is read by each worker in
+its slice of the seeded per-epoch order (``pipelines.train.order``): a resume is sample-exact. Any other
+source is a Ray Dataset split by Ray Train (``get_dataset_shard("train")``, e.g. streaming capture): its
+rows come in Ray Data's order, so a resume skips as many samples of the restarted epoch as were trained
+(step-exact, not sample-exact; the logged digests show which samples were trained). At every epoch end
+the ranks' :class:`~pipelines.train.order.EpochRecord` s are gathered and rank 0 writes
+``sample_ids/epoch_XXXX.json`` and logs the digest to MLflow (``sample_order.epoch_XXXX.*`` params).
 
 FSDP: ``training.parallel_strategy: fsdp`` shards the drafter with FSDP2 (``fully_shard``, one unit per
 decoder layer plus the root; ``peagle_core.fsdp.shard_drafter``) instead of replicating it with DDP.
@@ -28,7 +37,7 @@ import dataclasses
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +49,14 @@ from peagle_core.objectives import Objective, objective_class
 from pipelines.train.checkpoint import checkpoint_name, optimizer_digest
 from pipelines.train.data import row_to_sample
 from pipelines.train.loop import TrainCallback, Trainer
+from pipelines.train.order import (
+    CaptureReader,
+    EpochRecord,
+    OrderedCapture,
+    epoch_orders,
+    epoch_summary,
+    write_epoch_summary,
+)
 from pipelines.train.plan import TrainPlan
 from pipelines.train.target_weights import init_drafter_from_target, load_target_embed, load_target_lm_head
 from pipelines.train.tracking import MlflowTracker, TrackingConfig, progress_logger
@@ -47,6 +64,7 @@ from pipelines.train.tracking import MlflowTracker, TrackingConfig, progress_log
 log = logging.getLogger(__name__)
 
 WORKER_CONFIG_KEY = "worker"  # the one key of train_loop_config
+FLUSH_BEFORE_CHECKPOINT_S = 5.0  # rank 0 waits this long for MLflow before a checkpoint (not during an outage)
 
 __all__ = ["WORKER_CONFIG_KEY", "WorkerConfig", "build_drafter", "collectives", "train_loop_per_worker"]
 
@@ -54,12 +72,16 @@ __all__ = ["WORKER_CONFIG_KEY", "WorkerConfig", "build_drafter", "collectives", 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     """What every worker receives (pickled whole by Ray): the plan, the metric window, where rank 0
-    tracks the run (None: no MLflow) and the user's :class:`~pipelines.train.loop.TrainCallback` s."""
+    tracks the run (None: no MLflow), the user's :class:`~pipelines.train.loop.TrainCallback` s, the
+    materialized capture read in planned order (None: the Ray Dataset ``"train"``) and the directory of
+    the per-epoch sample-id files (None: not written)."""
 
     plan: TrainPlan
     log_every_steps: int = 10
     tracking: TrackingConfig | None = None
     callbacks: tuple[TrainCallback, ...] = ()
+    capture: OrderedCapture | None = None
+    sample_log_dir: str | None = None
 
 
 def build_drafter(plan: TrainPlan) -> tuple[Eagle3Drafter, torch.Tensor]:
@@ -113,20 +135,31 @@ def _wrap(drafter: Eagle3Drafter, strategy: str, world: int) -> torch.nn.Module:
 
 
 class _RankZero:
-    """Rank 0's outputs: the progress line and MLflow (the tracker starts after a resume, which tells
-    it the MLflow run to re-attach to); ``extra_state`` goes into every checkpoint."""
+    """Rank 0's outputs: the progress line, MLflow (the tracker starts after a resume, which tells it the
+    MLflow run to re-attach to) and the per-epoch sample-id files; :meth:`extra_state` goes into every
+    checkpoint (the MLflow run id, the epoch summaries without ids)."""
 
     def __init__(self, rank: int, cfg: WorkerConfig) -> None:
         self.rank, self.cfg = rank, cfg
         self.progress = progress_logger(cfg.plan.total_steps)
         self.tracker: MlflowTracker | None = None
-        self.extra_state: dict[str, Any] = {}
+        self.epochs: dict[str, dict] = {}  # "epoch" -> summary without the id lists
+
+    def extra_state(self) -> dict[str, Any]:
+        """For the checkpoint: the MLflow run id, what MLflow has not received yet (sent again after a
+        restart; the queue is given ``FLUSH_BEFORE_CHECKPOINT_S`` to drain first) and the epoch summaries."""
+        state: dict[str, Any] = {"mlflow_run_id": None, "mlflow_pending": [], "epochs": self.epochs}
+        if self.tracker is not None:
+            self.tracker.flush(FLUSH_BEFORE_CHECKPOINT_S)
+            state.update(mlflow_run_id=self.tracker.run_id, mlflow_pending=self.tracker.pending())
+        return state
 
     def start(self, meta: dict, resumed: bool, world: int) -> None:
+        self.epochs = dict(meta.get("epochs") or {})
         if self.rank != 0 or self.cfg.tracking is None:
             return
-        self.tracker = MlflowTracker(self.cfg.tracking, run_id=meta.get("mlflow_run_id"))
-        self.extra_state["mlflow_run_id"] = self.tracker.run_id
+        self.tracker = MlflowTracker(self.cfg.tracking, run_id=meta.get("mlflow_run_id"),
+                                     pending=meta.get("mlflow_pending"))
         if not resumed:
             plan = self.cfg.plan
             self.tracker.log_params({"training": plan.training.model_dump(mode="json"),
@@ -139,9 +172,39 @@ class _RankZero:
             if self.tracker is not None:
                 self.tracker.log_metrics(step, metrics)
 
-    def end(self, status: str = "FINISHED") -> None:
+    def on_epoch(self, records: list[EpochRecord], planned: list[list[str]] | None) -> None:
+        """Rank 0: the epoch's summary to ``sample_ids/epoch_XXXX.json``, MLflow and the checkpoints."""
+        summary = epoch_summary(records, seed=self.cfg.plan.training.seed, planned=planned)
+        if not all(r.get("matches_digest", True) for r in summary["ranks"]):
+            log.error("epoch %d: the samples trained differ from the planned order (digest mismatch): %s",
+                      summary["epoch"], [r["rank"] for r in summary["ranks"] if not r["matches_digest"]])
+        if self.cfg.sample_log_dir:
+            write_epoch_summary(self.cfg.sample_log_dir, summary)
+        e = int(summary["epoch"])
+        self.epochs[str(e)] = {k: v for k, v in summary.items() if k != "ranks"}
         if self.tracker is not None:
-            self.tracker.end(status)
+            self.tracker.log_params({f"sample_order.epoch_{e:04d}": {
+                "sha256": summary["sha256"], "num_samples": summary["num_samples"]}})
+
+    def end(self, failed: bool = False) -> None:
+        """Close the MLflow run; a failed worker waits only briefly (its checkpoint holds what is unsent)."""
+        if self.tracker is None:
+            return
+        if failed:
+            self.tracker.end("FAILED", timeout_s=FLUSH_BEFORE_CHECKPOINT_S, spill=False)
+        else:
+            self.tracker.end("FINISHED")
+
+
+def _gather(record: EpochRecord, world: int) -> list[EpochRecord]:
+    """Every rank's record, in rank order (a collective: every rank calls it at the same epoch end)."""
+    import torch.distributed as dist
+
+    if world == 1 or not dist.is_initialized():
+        return [record]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, record)
+    return sorted(out, key=lambda r: r.rank)
 
 
 def _resume(trainer: Trainer, rank: int) -> tuple[dict, float | None, bool]:
@@ -161,11 +224,27 @@ def _resume(trainer: Trainer, rank: int) -> tuple[dict, float | None, bool]:
     return meta, (optimizer_digest(full_opt) if full_opt else None), True
 
 
+def _epoch_source(reader: CaptureReader | None, seed: int, rank: int, world: int) -> Callable[[int], Iterable[dict]]:
+    """``epoch -> this rank's samples``: its slice of the planned order of the capture ``reader`` reads (a
+    sequence: a resume enters it at the saved position), else the rows of the Ray Dataset shard ``"train"``."""
+    if reader is not None:
+        return lambda epoch: OrderedCapture.epoch(reader, seed=seed, epoch=epoch, rank=rank, world_size=world)
+    import ray.train
+
+    shard = ray.train.get_dataset_shard("train")
+
+    def rows(epoch: int) -> Iterator[dict]:
+        return (row_to_sample(row, torch.float32) for row in shard.iter_rows())
+
+    return rows
+
+
 def train_loop_per_worker(config: dict) -> dict:
     """Ray Train worker function; ``config[WORKER_CONFIG_KEY]`` is a :class:`WorkerConfig`.
 
     Returns (rank 0's value becomes ``Result.return_value``): ``{"step", "resumed_from_step",
-    "resume_optimizer_digest", "history", "mlflow_run_id"}``.
+    "resume_optimizer_digest", "history", "mlflow_run_id", "mlflow_outages"}`` (outages of the tracking
+    server this incarnation of rank 0 rode out).
     """
     import ray.train
     import ray.train.torch
@@ -191,26 +270,37 @@ def train_loop_per_worker(config: dict) -> dict:
         # ray.train.report is a barrier: every rank reaches it at the same steps because the
         # steps are kept equal (all_true) and the checkpoint steps are a function of the step.
         with tempfile.TemporaryDirectory() as tmp:
-            trainer.save_checkpoint(tmp, extra_state=out.extra_state)
+            trainer.save_checkpoint(tmp, extra_state=out.extra_state())
             ray.train.report({**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                              checkpoint_dir_name=checkpoint_name(step))
+        # A worker's report queue holds one report: this metrics-only one returns once the controller has
+        # taken the checkpoint's, so a process killed from here on restarts from this checkpoint (else
+        # the controller can miss it and restart from the one before).
+        ray.train.report({**metrics, "step": step})
+
+    reader = cfg.capture.open() if cfg.capture is not None else None
+
+    def on_epoch_end(record: EpochRecord) -> None:
+        records = _gather(record, world)
+        if rank == 0:
+            planned = (epoch_orders(reader.sample_ids, seed=training.seed, epoch=record.epoch, world_size=world)
+                       if reader is not None else None)
+            out.on_epoch(records, planned)
 
     trainer = Trainer(config=training, model=model, objective=_objective(plan, rank), target_lm_head=lm_head,
                       total_steps=plan.total_steps, device=device, steps_per_epoch=plan.fixed_steps_per_epoch,
                       rank=rank, world_size=world, all_true=all_true, all_sum=all_sum, on_log=out.on_log,
-                      write_checkpoint=write_checkpoint, callbacks=cfg.callbacks, log_every_steps=cfg.log_every_steps)
+                      write_checkpoint=write_checkpoint, callbacks=cfg.callbacks, on_epoch_end=on_epoch_end,
+                      log_every_steps=cfg.log_every_steps)
     meta, resume_digest, resumed = _resume(trainer, rank)
     out.start(meta, resumed, world)
-    shard = ray.train.get_dataset_shard("train")
-
-    def samples_for_epoch(epoch: int) -> Iterator[dict]:
-        return (row_to_sample(row, torch.float32) for row in shard.iter_rows())
-
+    samples_for_epoch = _epoch_source(reader, training.seed, rank, world)
     try:
         st = trainer.fit(samples_for_epoch)
     except BaseException:
-        out.end("FAILED")
+        out.end(failed=True)
         raise
     out.end()
     return {"step": st.step, "resumed_from_step": st.resumed_from_step, "resume_optimizer_digest": resume_digest,
-            "history": st.history, "mlflow_run_id": out.tracker.run_id if out.tracker else None}
+            "history": st.history, "mlflow_run_id": out.tracker.run_id if out.tracker else None,
+            "mlflow_outages": out.tracker.num_outages if out.tracker else 0}

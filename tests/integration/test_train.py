@@ -1,9 +1,16 @@
 """Ray Train stage on CPU with real Ray (2 workers, gloo DDP; and FSDP2), real MLflow (sqlite in tmp_path) and
 captured SmolLM2-135M-Instruct hidden states: the loss decreases, checkpoints are written, the head
 exports through the contract; a run killed after its first checkpoint resumes at that step with
-the optimizer state restored."""
+the optimizer state restored and trains the same sample ids per epoch as an uninterrupted run; a
+worker process SIGKILLed mid-epoch is restarted by Ray Train (training.max_failures) and the run
+finishes by itself with the same steps, samples and weights."""
 
 import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,29 +81,50 @@ def configs(**kw):
     return TrainingConfig(**base), spec, TargetConfig()
 
 
-def run(capture, tmp_path, name, training_kw=None, **kw):
-    from pipelines.capture import captured_dataset
-
+def run(capture, tmp_path, name, training_kw=None, mlflow_tracking_uri=None, **kw):
     plan = T.plan_from_capture(*configs(**(training_kw or {})), capture)
-    return T.run_train(plan, captured_dataset(capture), tmp_path / f"out-{name}",
+    return T.run_train(plan, T.OrderedCapture(str(capture)), tmp_path / f"out-{name}",
                        run_name=name, storage_path=tmp_path / "ray_results",
-                       mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", log_every_steps=2,
-                       export_dtype="float32", **kw)
+                       mlflow_tracking_uri=mlflow_tracking_uri or f"sqlite:///{tmp_path / 'mlflow.db'}",
+                       log_every_steps=2, export_dtype="float32", **kw)
 
 
-def test_train_kill_resume_loss_decreases_and_export(capture, ray_local, tmp_path):
+def sample_logs(run_dir: Path) -> dict[str, dict]:
+    """``sample_ids/epoch_XXXX.json`` of a Ray Train run directory, by file name."""
+    return {p.name: json.loads(p.read_text()) for p in sorted((run_dir / T.SAMPLE_LOG_DIR).glob("epoch_*.json"))}
+
+
+@pytest.fixture(scope="module")
+def reference(capture, ray_local, tmp_path_factory):
+    """The uninterrupted run every fault test compares with: ``(output, run dir, seconds)``."""
+    tmp = tmp_path_factory.mktemp("reference")
+    t0 = time.monotonic()
+    out = run(capture, tmp, "reference")
+    seconds = time.monotonic() - t0
+    logs = sample_logs(tmp / "ray_results" / "reference")
+    assert out.step == 8 and len(logs) >= 2
+    for log in logs.values():  # every rank trained the planned order's prefix, each sample once per epoch
+        assert all(r["matches_digest"] for r in log["ranks"]) and log["world_size"] == 2
+        ids = [s for r in log["ranks"] for s in r["sample_ids"]]
+        assert len(ids) == len(set(ids)) == log["num_samples"] > 0
+    return out, tmp / "ray_results" / "reference", seconds
+
+
+def test_train_kill_resume_loss_decreases_and_export(capture, ray_local, reference, tmp_path):
     """Run 1 (2 workers) is killed right after its step-4 checkpoint; run 2 (same run name and storage)
-    resumes there with the optimizer state restored, finishes at step 8 and exports the head."""
+    resumes there with the optimizer state restored, finishes at step 8 and exports the head; it trained
+    the same sample ids per epoch, in the same order, as the uninterrupted run."""
     with pytest.raises(Exception, match="fail_after_step"):
-        run(capture, tmp_path, "peagle", callbacks=[FailAfterStep(4)])
+        run(capture, tmp_path, "peagle", training_kw={"max_failures": 0}, callbacks=[FailAfterStep(4)])
     ck4 = tmp_path / "ray_results" / "peagle" / "checkpoint_00000004"
     state4 = json.loads((ck4 / T.STATE_FILE).read_text())
     assert state4["step"] == 4 and state4["world_size"] == 2
     saved = torch.load(ck4 / T.OPTIMIZER_FILE, weights_only=True)
     assert not (tmp_path / "out-peagle").exists()  # nothing exported by the failed run
 
-    out = run(capture, tmp_path, "peagle")
-    assert out.resumed_from_step == 4 and out.step == 8
+    out = run(capture, tmp_path, "peagle", training_kw={"max_failures": 0})
+    assert out.resumed_from_step == 4 and out.step == 8 == reference[0].step
+    assert sample_logs(tmp_path / "ray_results" / "peagle") == sample_logs(reference[1])
     # the optimizer the workers resumed with equals the one checkpointed at step 4
     assert out.return_value["resume_optimizer_digest"] == pytest.approx(T.optimizer_digest(saved), rel=1e-12)
     # and AdamW kept counting from there: 8 steps per parameter, not 4
@@ -154,3 +182,71 @@ def test_train_fsdp_two_workers_checkpoint_resume_export(capture, ray_local, tmp
     again = run(capture, tmp_path, "fsdp", training_kw={**kw, "max_steps": 4})
     assert again.resumed_from_step == 3 and again.step == 4
     assert again.return_value["resume_optimizer_digest"] == pytest.approx(T.optimizer_digest(saved), rel=1e-12)
+
+
+class WritePid(T.TrainCallback):
+    """Test harness, not a fault: rank ``rank`` writes its process id to ``path`` at its first checkpoint
+    (once: not again after the restart) so that the test can SIGKILL the process."""
+
+    def __init__(self, path: Path, rank: int = 1) -> None:
+        self.path, self.rank = Path(path), rank
+
+    def on_checkpoint(self, step: int, metrics: dict) -> None:
+        import ray.train
+
+        if ray.train.get_context().get_world_rank() == self.rank and not self.path.exists():
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(str(os.getpid()))
+            os.replace(tmp, self.path)
+
+
+def kill_when_written(pid_file: Path, killed: dict, timeout_s: float = 300) -> threading.Thread:
+    """A thread that SIGKILLs the process whose id appears in ``pid_file`` (records pid and time in ``killed``)."""
+
+    def target() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not pid_file.exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed.update(pid=pid, t=time.monotonic())
+
+    thread = threading.Thread(target=target, name="killer", daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigkill_a_worker_mid_epoch_the_run_recovers_by_itself(capture, ray_local, reference, tmp_path):
+    """Rank 1's process is SIGKILLed right after the step-4 checkpoint, in the middle of an epoch; Ray Train
+    (training.max_failures=2, the default) restarts the workers from that checkpoint and the run finishes
+    with the uninterrupted run's final step, sample ids per epoch and weights; the head passes the contract."""
+    import psutil
+    from safetensors.torch import load_file
+
+    ref, ref_dir, ref_s = reference
+    killed: dict = {}
+    killer = kill_when_written(tmp_path / "rank1.pid", killed)
+    t0 = time.monotonic()
+    out = run(capture, tmp_path, "sigkill", callbacks=[WritePid(tmp_path / "rank1.pid")])
+    total_s = time.monotonic() - t0
+    killer.join(1)
+    assert killed and not psutil.pid_exists(killed["pid"])
+    assert out.resumed_from_step == 4 and out.step == ref.step == 8
+    run_dir = tmp_path / "ray_results" / "sigkill"
+    logs = sample_logs(run_dir)
+    assert logs == sample_logs(ref_dir)
+    pos = torch.load(run_dir / "checkpoint_00000004" / "rank_0001.pt", weights_only=True)["position"]
+    epoch_log = logs[f"epoch_{pos['epoch']:04d}.json"]
+    assert 0 < pos["samples_consumed"] < epoch_log["ranks"][1]["num_samples"]  # killed mid-epoch
+    a = load_file(str(run_dir / "checkpoint_00000008" / T.MODEL_FILE))
+    b = load_file(str(ref_dir / "checkpoint_00000008" / T.MODEL_FILE))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    cfg = validate_head(out.head_dir, parallel_drafting=True)
+    assert cfg["peagle"]["step"] == 8
+    print(f"\nSIGKILL rank 1 (pid {killed['pid']}) after checkpoint 4 (epoch {pos['epoch']}, "
+          f"{pos['samples_consumed']}/{epoch_log['ranks'][1]['num_samples']} samples): killed run {total_s:.0f} s "
+          f"(kill -> end {time.monotonic() - killed['t']:.0f} s), uninterrupted run {ref_s:.0f} s; "
+          f"recovery overhead {total_s - ref_s:.0f} s")

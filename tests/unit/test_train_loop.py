@@ -302,3 +302,125 @@ def test_run_train_rejects_bad_input_before_any_worker(tmp_path):
     with pytest.raises(ValueError, match=r"aux_layer_ids=\[1, 2, 3\]"):  # the default is (2, 2, 2) for 5 layers
         T.plan_from_capture(config(), spec, target, cap)
     assert not (tmp_path / "out").exists()
+
+
+# -- the planned sample order (pipelines/train/order.py) -------------------------------------------------
+
+
+def test_epoch_order_is_a_pure_function_of_seed_epoch_rank_world():
+    ids = [f"c{i:03d}" for i in range(23)]
+    a = T.epoch_order(ids, seed=0, epoch=0, rank=1, world_size=2)
+    # pinned: the order may not depend on the process, the library versions or the id list's order
+    assert a[:4] == ["c012", "c006", "c009", "c011"], a[:4]
+    assert T.epoch_order(reversed(ids), seed=0, epoch=0, rank=1, world_size=2) == a
+    assert T.epoch_order(ids, seed=0, epoch=1, rank=1, world_size=2) != a
+    assert T.epoch_order(ids, seed=1, epoch=0, rank=1, world_size=2) != a
+    for world in (1, 2, 3):
+        ranks = [T.epoch_order(ids, seed=0, epoch=2, rank=r, world_size=world) for r in range(world)]
+        assert all(len(r) == len(ids) // world for r in ranks)  # equal slices: the n % W rest sits out
+        flat = [s for r in ranks for s in r]
+        assert len(set(flat)) == len(flat) and set(flat) <= set(ids)
+    # each epoch leaves out other samples: over a few epochs every sample is trained
+    left_out = set()
+    for epoch in range(6):
+        left_out |= set(ids) - {s for r in range(2) for s in T.epoch_order(ids, seed=0, epoch=epoch, rank=r,
+                                                                           world_size=2)}
+    assert len(left_out) > 1
+    with pytest.raises(ValueError, match="rank=2"):
+        T.epoch_order(ids, seed=0, epoch=0, rank=2, world_size=2)
+
+
+def test_chain_digest_is_resumable_and_order_sensitive():
+    ids = ["a", "b", "c", "d"]
+    assert T.chain_digest(ids) == T.chain_digest(ids[2:], start=T.chain_digest(ids[:2]))
+    assert T.chain_digest(ids) != T.chain_digest(["b", "a", "c", "d"])
+    assert T.chain_digest([]) == ""
+
+
+@pytest.fixture
+def capture_dir(tmp_path):
+    """A finished capture of 14 ``make_samples`` rows in 3 shards (manifest and shards as capture writes them)."""
+    from peagle_core import shards
+
+    d = tmp_path / "capture"
+    samples = [{**s, "input_ids": s["input_ids"].int()} for s in make_samples(14)]  # int32 as capture writes
+    rows = []
+    for k, lo in enumerate(range(0, 14, 5)):
+        rows += shards.write_shard(d / shards.shard_name(k), samples[lo:lo + 5])
+    shards.write_manifest(d, rows)
+    return d
+
+
+def test_capture_reader_reads_samples_by_id_and_checks_them(capture_dir):
+    from peagle_core import shards
+
+    want = {s["sample_id"]: s for s in shards.iter_samples(capture_dir)}
+    reader = T.OrderedCapture(str(capture_dir)).open()
+    assert reader.sample_ids == list(want)
+    for sid in ("s13", "s0", "s7"):
+        got = reader.read(sid)
+        assert got["sample_id"] == sid and got["input_ids"].dtype == torch.int64
+        torch.testing.assert_close(got["aux"], want[sid]["aux"].float(), rtol=0, atol=0)
+        assert torch.equal(got["loss_mask"], want[sid]["loss_mask"])
+    samples = T.OrderedCapture.epoch(reader, seed=0, epoch=0, rank=0, world_size=2)
+    assert len(samples) == 7 and samples.sample_ids == T.epoch_order(list(want), seed=0, epoch=0, world_size=2)
+    assert samples[2:].sample_ids == samples.sample_ids[2:]
+    shard = capture_dir / "shard-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF  # a bit flip in the last sample's final_hidden
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(shards.ShardError, match="checksum mismatch for sample 's9'"):
+        T.OrderedCapture(str(capture_dir)).open().read("s9")
+
+
+class RecordingCapture:
+    """``epoch -> OrderedCapture.epoch(...)`` that records the ids it reads (a resume must read none it skips)."""
+
+    def __init__(self, capture_dir) -> None:
+        self.reader = T.OrderedCapture(str(capture_dir)).open()
+        self.read_ids: list[str] = []
+        read = self.reader.read
+
+        def recorded(sid, *a):
+            self.read_ids.append(sid)
+            return read(sid, *a)
+
+        self.reader.read = recorded
+
+    def __call__(self, epoch: int):
+        return T.OrderedCapture.epoch(self.reader, seed=0, epoch=epoch)
+
+
+def test_ordered_capture_resume_trains_the_same_sample_ids(capture_dir, tmp_path):
+    """Killed after its step-5 checkpoint and resumed, a run over a capture trains the same ids in the same
+    order per epoch as an uninterrupted one; the resume reads no sample it skips."""
+    import json
+
+    def run(ck, data, **kw):
+        cfg = config(max_steps=11, checkpoint_every_steps=5, **kw)
+        return T.train_in_process(data, make_drafter(), LM_HEAD, StandInObjective(), cfg, checkpoint_dir=ck,
+                                  device="cpu", log_every_steps=1, pack_fn=pack_samples)
+
+    full = run(tmp_path / "a", RecordingCapture(capture_dir))
+    with pytest.raises(RuntimeError, match="fail_after_step"):
+        T.train_in_process(RecordingCapture(capture_dir), make_drafter(), LM_HEAD, StandInObjective(),
+                           config(max_steps=11, checkpoint_every_steps=5), checkpoint_dir=tmp_path / "b",
+                           device="cpu", log_every_steps=1, pack_fn=pack_samples, callbacks=[FailAfterStep(5)])
+    pos = torch.load(T.latest_checkpoint(tmp_path / "b") / "rank_0000.pt", weights_only=True)["position"]
+    assert pos["samples_consumed"] > 0  # the kill is mid-epoch
+    recording = RecordingCapture(capture_dir)
+    resumed = run(tmp_path / "b", recording)
+    assert resumed.resumed_from_step == 5 and resumed.step == full.step == 11
+    assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in full.history[5:]], rel=1e-6)
+    files = sorted(p.name for p in (tmp_path / "a" / T.SAMPLE_LOG_DIR).iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "b" / T.SAMPLE_LOG_DIR).iterdir()) and len(files) >= 2
+    for name in files:
+        a, b = (json.loads((tmp_path / x / T.SAMPLE_LOG_DIR / name).read_text()) for x in "ab")
+        assert a == b and a["ranks"][0]["sha256"] and a["num_samples"] > 0
+    # the digests are of the ids actually trained: the planned order's prefix
+    first = json.loads((tmp_path / "a" / T.SAMPLE_LOG_DIR / files[0]).read_text())
+    ids = T.epoch_order(recording.reader.sample_ids, seed=0, epoch=0)
+    assert first["ranks"][0]["sha256"] == T.chain_digest(ids[:first["num_samples"]])
+    # resumed mid-epoch: the first sample read is the first one not trained, nothing before it is read
+    planned = T.epoch_order(recording.reader.sample_ids, seed=0, epoch=pos["epoch"])
+    assert recording.read_ids[0] == planned[pos["samples_consumed"]]
