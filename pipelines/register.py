@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CHALLENGER = "challenger"
 HEAD_ARTIFACT_PATH = "head"
+HEAD_SHA256_TAG = "head_sha256"  # version tag: sha256 of the head's peagle_checksums.json
 
 
 # ---------------------------------------------------------------------------------------------- store
@@ -401,7 +402,7 @@ def _version_tags(head: Path, head_cfg: Mapping[str, Any], *, eval_al: float, K:
         "eval_set": eval_set,
         "K": str(int(K)),
         "acceptance_length": f"{float(eval_al):.4f}",
-        "head_sha256": hashlib.sha256(checksums).hexdigest(),
+        HEAD_SHA256_TAG: hashlib.sha256(checksums).hexdigest(),
         f"al.K{int(K)}": f"{float(eval_al):.4f}",
     }
     for k, al in (al_by_K or {}).items():

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines import settings
+from pipelines.register import HEAD_SHA256_TAG
 
 try:  # light module (stdlib only); Ray Serve LLM calls its hooks inside each LLMServer replica.
     from ray.llm._internal.common.callbacks.base import CallbackBase
@@ -43,7 +44,6 @@ except ImportError:  # pragma: no cover - ray without the llm package
 
 log = logging.getLogger(__name__)
 
-HEAD_SHA256_TAG = "head_sha256"  # version tag pipelines.register writes: sha256 of peagle_checksums.json
 FETCH_LOG = "fetches.jsonl"  # per registered model in the node cache: one line per fetch_head
 
 
