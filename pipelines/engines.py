@@ -205,13 +205,29 @@ class RayDataLLMEngine:
 
 
 class TransformersEngine:
-    """HF ``generate`` (left padding, stops at the tokenizer's/generation config's EOS ids)."""
+    """HF ``generate`` (left padding, stops at the tokenizer's/generation config's EOS ids).
+
+    Prompts are sorted by length and generated in batches of at most ``batch_size`` prompts and
+    ``max_batch_tokens`` tokens (length buckets: similar lengths share a batch, so little padding; the
+    token cap bounds the prefill's activations and the cache, so long prompts get smaller batches).
+
+    ``static_cache=True`` is the fast GPU path (issue 14 item 3): a transformers ``StaticCache``, with
+    which ``generate`` on CUDA compiles the decoding step (``torch.compile`` mode ``reduce-overhead``:
+    CUDA graphs). Every new shape costs a compilation (~30 s for SmolLM2 on an H100), so shapes are
+    few: cache lengths 512, 1024 and ``max_model_len`` (the smallest that holds prompt + new tokens),
+    one batch size per cache length (``_cap``), short batches filled up with copies of their first
+    prompt (outputs dropped), one cache object per shape, reset and reused.
+    On CPU the static cache runs uncompiled (same results, no speed-up).
+    """
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: int = 2048,
-                 name: str | None = None, num_threads: int | None = None, model=None, tokenizer=None):
+                 name: str | None = None, num_threads: int | None = None, model=None, tokenizer=None,
+                 batch_size: int = 64, static_cache: bool = False, max_batch_tokens: int = 262_144):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if min(batch_size, max_batch_tokens) < 1:
+            raise ValueError(f"batch_size={batch_size}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         if num_threads:
             torch.set_num_threads(num_threads)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_path))
@@ -221,6 +237,16 @@ class TransformersEngine:
             self.model = self.model.to("cuda")
         self.model.eval()
         self.max_model_len = max_model_len
+        self.batch_size, self.static_cache, self.max_batch_tokens = batch_size, static_cache, max_batch_tokens
+        # static cache lengths (tokens): a few fixed sizes, so few compiled decoding graphs
+        self.cache_lengths = tuple(sorted({c for c in (512, 1024) if c < max_model_len} | {max_model_len}))
+        self.max_new_hint = 0
+        self._caches: dict[tuple[int, int], Any] = {}
+        if static_cache:
+            import torch._dynamo
+
+            # one compiled decoding step per cache shape, and recompiles for guards: above dynamo's default 8
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self.name = name or str(model_path)
         eos = self.model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -238,42 +264,86 @@ class TransformersEngine:
         return self._run([_text_ids(self.tokenizer, t) for t in prompts], params, seeds)
 
     def _run(self, prompt_ids: list[list[int]], p: CompletionParams, seeds) -> list[Generation | None]:
+        out: list[Generation | None] = [None] * len(prompt_ids)
+        self.max_new_hint = p.max_tokens
+        fits = sorted((j for j, ids in enumerate(prompt_ids) if self.max_model_len - len(ids) >= 1),
+                      key=lambda j: len(prompt_ids[j]))
+        s = 0
+        while s < len(fits):
+            n = 1
+            while s + n < len(fits) and n < self._cap(len(prompt_ids[fits[s + n]])):
+                n += 1
+            chunk, s = fits[s:s + n], s + n
+            gens = self._generate_batch([list(prompt_ids[j]) for j in chunk], p, int(seeds[chunk[0]]))
+            for j, g in zip(chunk, gens):
+                out[j] = g
+        return out
+
+    def _cache_len(self, length: int) -> int:
+        """Static cache length for a prompt of ``length`` tokens: the smallest of ``cache_lengths`` that
+        holds it and ``max_new_tokens`` more (the last one is ``max_model_len``)."""
+        return next((c for c in self.cache_lengths if c >= length + self.max_new_hint), self.max_model_len)
+
+    def _cap(self, length: int) -> int:
+        """Most prompts in a batch whose longest prompt has ``length`` tokens (static cache: per cache length,
+        so every batch of one cache length has the same shape)."""
+        size = self._cache_len(length) if self.static_cache else length
+        return max(1, min(self.batch_size, self.max_batch_tokens // size))
+
+    def _static_cache(self, batch_size: int, length: int):
+        """The reused ``StaticCache`` of shape (``batch_size``, ``length``), reset (same tensors, so the
+        compiled decoding step replays its CUDA graph instead of recompiling)."""
+        from transformers import StaticCache
+
+        key = (batch_size, length)
+        if key not in self._caches:
+            self._caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+        else:
+            self._caches[key].reset()
+        return self._caches[key]
+
+    def _generate_batch(self, batch: list[list[int]], p: CompletionParams, seed: int) -> list[Generation]:
+        """One ``generate`` call over ``batch`` (token ids, each fits the context); one seed per batch."""
         import torch
 
-        out: list[Generation | None] = [None] * len(prompt_ids)
-        encoded = [(j, list(ids)) for j, ids in enumerate(prompt_ids) if self.max_model_len - len(ids) >= 1]
-        if not encoded:
-            return out
         eos_ids = sorted(set(self.eos_ids) | set(p.stop_token_ids))
-        t_max = max(len(ids) for _, ids in encoded)
+        t_max = max(len(ids) for ids in batch)
+        max_new = max(1, min(p.max_tokens, self.max_model_len - t_max))
+        rows, kwargs = list(batch), {}
+        if self.static_cache:  # one shape per cache length: batch filled up to its cap, prompts padded to
+            rows += [batch[0]] * (self._cap(t_max) - len(batch))  # cache length - new tokens, cache reused
+            t_max = max(t_max, self._cache_len(t_max) - max_new)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        input_ids = torch.full((len(encoded), t_max), pad, dtype=torch.long)  # [B, T] left-padded
+        input_ids = torch.full((len(rows), t_max), pad, dtype=torch.long)  # [B, T] left-padded
         attn = torch.zeros_like(input_ids)
-        for b, (_, ids) in enumerate(encoded):
+        for b, ids in enumerate(rows):
             input_ids[b, t_max - len(ids):] = torch.tensor(ids)
             attn[b, t_max - len(ids):] = 1
-        max_new = min(p.max_tokens, self.max_model_len - t_max)
-        kwargs: dict[str, Any] = {"do_sample": False}
+        kwargs["do_sample"] = False
         if p.temperature > 0:
-            torch.manual_seed(int(seeds[encoded[0][0]]))
-            kwargs = {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p}
+            torch.manual_seed(seed)
+            kwargs |= {"do_sample": True, "temperature": p.temperature, "top_p": p.top_p}
         device = next(self.model.parameters()).device
-        with torch.inference_mode():
+        with torch.inference_mode():  # the cache's tensors are inference tensors: reset them in here
+            if self.static_cache:
+                kwargs["past_key_values"] = self._static_cache(len(rows), self._cache_len(t_max))
             gen = self.model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device),
-                                      max_new_tokens=max(1, max_new), eos_token_id=eos_ids, pad_token_id=pad,
+                                      max_new_tokens=max_new, eos_token_id=eos_ids, pad_token_id=pad,
                                       top_k=None, **kwargs)
-        for b, (j, _) in enumerate(encoded):
+        out = []
+        for b in range(len(batch)):
             new = gen[b, t_max:].tolist()
             stop = next((k for k, t in enumerate(new) if t in eos_ids), None)
             toks = new if stop is None else new[:stop]
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
-            out[j] = Generation(text, len(toks) + (stop is not None), "stop" if stop is not None else "length")
+            out.append(Generation(text, len(toks) + (stop is not None), "stop" if stop is not None else "length"))
         return out
 
 
 def make_engine(backend: str, model_path: str | Path, *, dtype: str, max_model_len: int, seed: int = 0,
                 name: str | None = None, num_threads: int | None = None, **engine_kwargs: Any) -> Engine:
-    """:class:`VLLMEngine` or :class:`TransformersEngine` for ``backend``.
+    """:class:`VLLMEngine` or :class:`TransformersEngine` for ``backend`` (``engine_kwargs`` go to its
+    constructor: e.g. ``batch_size``/``static_cache`` for transformers, vLLM engine arguments for vllm).
 
     Raises:
         ValueError: unknown backend, or ``vllm`` when vLLM is not installed (use transformers).
@@ -286,7 +356,7 @@ def make_engine(backend: str, model_path: str | Path, *, dtype: str, max_model_l
         return VLLMEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, name=name, **engine_kwargs)
     if backend == "transformers":
         return TransformersEngine(model_path, dtype=dtype, max_model_len=max_model_len, name=name,
-                                  num_threads=num_threads)
+                                  num_threads=num_threads, **engine_kwargs)
     raise ValueError(f"regenerate.backend={backend!r}; use 'vllm' or 'transformers'")
 
 
@@ -294,8 +364,8 @@ def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg
                  num_cpus_per_worker: float = 1, engine_kwargs: Mapping[str, Any] | None = None,
                  ) -> tuple[Path, dict[str, Any]]:
     """(target directory, :func:`make_engine` keyword arguments) of the recipe's engine: the target's
-    dtype, context ``data.max_length_tokens``, ``regenerate.seed``, a name with the weights' sha256,
-    then ``engine_kwargs``."""
+    dtype, context ``data.max_length_tokens``, ``regenerate.seed``, a name with the weights' sha256
+    (transformers: threads, ``regenerate.batch_size`` and ``regenerate.static_cache``), then ``engine_kwargs``."""
     from pipelines.capture import resolve_target
 
     asset, _ = resolve_target(target_cfg)
@@ -303,4 +373,6 @@ def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg
               "name": f"{target_cfg.model}@sha256:{asset.sha256[:16]}", **(engine_kwargs or {})}
     if regen_cfg.backend == "transformers":
         kwargs.setdefault("num_threads", max(1, int(num_cpus_per_worker)))
+        kwargs.setdefault("batch_size", regen_cfg.batch_size)
+        kwargs.setdefault("static_cache", bool(regen_cfg.static_cache))
     return Path(asset.path), kwargs

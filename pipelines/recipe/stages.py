@@ -36,6 +36,9 @@ class RegenerateConfig(Section):
     )
     max_turns: int | None = Field(None, ge=1, description="Regenerate at most this many assistant turns per "
                                   "conversation (later turns are cut); None = all.")
+    static_cache: bool | None = Field(None, description="backend=transformers: static KV cache, compiled decoding "
+                                      "on CUDA, length-bucketed batches (pipelines.engines.TransformersEngine); "
+                                      "None/false = plain generate.")
 
 
 class CaptureConfig(Section):

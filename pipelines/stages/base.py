@@ -97,6 +97,7 @@ def digest(*parts: Any) -> str:
 # None (their default), so a recipe that does not use them keeps its key and its run directory.
 KEY_NEUTRAL_WHEN_NONE: dict[str, tuple[str, ...]] = {
     "SourceConfig": ("weight", "turns", "self_instruct"),
+    "RegenerateConfig": ("static_cache",),
 }
 
 

@@ -95,6 +95,30 @@ def test_transformers_engine_greedy_matches_generate():
     assert eng.generate(prompts[:1], cfg, [0]) == [None]
 
 
+def test_transformers_engine_static_cache_buckets_and_caps():
+    """The fast path (static cache, fixed shapes) gives the plain path's greedy text; batches respect the
+    prompt and token caps; one reused cache per shape."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_target_config(eos_token_id=2)).eval()
+    tok = tiny_tokenizer()
+    prompts = [[{"role": "user", "content": " ".join(["hi"] * n)}] for n in (1, 7, 2, 12, 3, 5, 9)]
+    cfg = RegenerateConfig(max_tokens_per_turn=4, temperature=0.0)
+    plain = engines.TransformersEngine("tiny", model=model, tokenizer=tok, max_model_len=64, batch_size=1)
+    static = engines.TransformersEngine("tiny", model=model, tokenizer=tok, max_model_len=64, batch_size=3,
+                                        static_cache=True, max_batch_tokens=150)
+    calls = []
+    real = static._generate_batch
+    static._generate_batch = lambda batch, p, seed: calls.append([len(b) for b in batch]) or real(batch, p, seed)
+    want, got = plain.generate(prompts, cfg, [0] * 7), static.generate(prompts, cfg, [0] * 7)
+    assert [g.text for g in got] == [g.text for g in want]  # float32: left padding does not change greedy text
+    assert [g.num_tokens for g in got] == [g.num_tokens for g in want]
+    assert sorted(n for c in calls for n in c) == sorted(len(engines._chat_ids(tok, m)) for m in prompts)
+    assert all(c == sorted(c) for c in calls) and max(map(len, calls)) <= 2  # 150 // 64 (the only cache length)
+    assert static.cache_lengths == (64,) and set(static._caches) == {(2, 64)}  # short batches filled up to 2
+    with pytest.raises(ValueError, match="batch_size=0"):
+        engines.TransformersEngine("tiny", model=model, tokenizer=tok, batch_size=0)
+
+
 def test_bad_config_raises_before_engine():
     with pytest.raises(ValueError, match="regenerate.backend='sglang'"):
         engines.make_engine("sglang", "x", dtype="float32", max_model_len=8)
