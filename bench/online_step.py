@@ -1,0 +1,144 @@
+"""Online vs offline training step (issue 14 item 4; goal: online step at N=8192 <= 1.15x offline).
+
+Both steps train a P-EAGLE drafter (SmolLM2-135M sizes, 4 layers, K=8, COD, the recipe's objective)
+on packed batches of ``--num-tokens`` real ShareGPT tokens:
+
+* ``offline``: the captured samples were materialized before (host memory, as read from shards);
+  a step = pack -> host-to-device copy -> ``forward_backward`` -> AdamW;
+* ``online``: a step first runs the capture on the GPU for that batch's conversations
+  (:func:`pipelines.capture.capture_batch`: tokenization, target forward, aux + final hidden states)
+  and then trains on them as above; no hidden state reaches the disk.
+
+Median over ``--iters`` steps after ``--warmup``, CUDA synchronized. Also on CPU with ``--smoke``.
+
+    python -m bench.online_step --data ~/keep/sharegpt.jsonl.xz            # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import lzma
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from bench.common import write_result
+
+
+def _conversations(path: Path, limit: int) -> list[dict]:
+    with lzma.open(path, "rt") as f:
+        return [json.loads(line) for _, line in zip(range(limit), f)]
+
+
+def _batches(rows, tokenizer, num_tokens: int, max_len: int, count: int) -> list[list[dict]]:
+    """Groups of conversations whose tokens fill one packed batch of ``num_tokens``."""
+    from pipelines.capture import prepare_samples
+
+    lengths = {p[0]: len(p[1]) for p in prepare_samples(tokenizer, rows, max_length_tokens=max_len,
+                                                        on_too_long="truncate")}
+    out, cur, used = [], [], 0
+    for r in rows:
+        n = lengths.get(str(r["id"]))
+        if not n:
+            continue
+        if used + n > num_tokens and cur:
+            out.append(cur)
+            cur, used = [], 0
+            if len(out) == count:
+                break
+        cur.append(r)
+        used += n
+    return out
+
+
+def main() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from peagle_core.batch import pack_samples
+    from peagle_core.drafter import Eagle3Drafter
+    from peagle_core.drafter_config import DrafterConfig
+    from peagle_core.objectives import build_objective
+    from pipelines.assets import ensure_target
+    from pipelines.capture import capture_batch
+    from pipelines.recipe import load_recipe
+    from pipelines.train import load_target_lm_head
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--num-tokens", type=int, default=8192)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--capture-batch", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny: 1024 tokens, 2 iterations")
+    args = ap.parse_args()
+    if args.smoke:
+        args.num_tokens, args.warmup, args.iters = 1024, 1, 2
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = "bfloat16" if cuda else "float32"
+    tdir = ensure_target("smollm2-135m-instruct", dtype=dtype).path
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-gpu.yaml")
+    tok = AutoTokenizer.from_pretrained(tdir)
+    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=getattr(torch, dtype)).to(device).eval()
+    dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(tdir), num_hidden_layers=4,
+                                     mask_token_id=recipe.drafter.mask_token_id)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(dcfg).to(device)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=cuda)
+    lm_head = load_target_lm_head(tdir).to(device=device, dtype=getattr(torch, dtype))
+    obj_cfg = recipe.training.objective_config(8)
+    if not cuda:
+        obj_cfg = dataclasses.replace(obj_cfg, attention="dense")
+    obj = build_objective("peagle", **dataclasses.asdict(obj_cfg))
+    cap_cfg = SimpleNamespace(dtype=dtype, on_too_long="truncate", batch_size=args.capture_batch)
+    rows = _conversations(Path(args.data).expanduser(), 4000)
+    groups = _batches(rows, tok, args.num_tokens, args.max_length, args.warmup + args.iters)
+    layer_ids = dcfg.aux_layer_ids
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    def capture(group):
+        return capture_batch(target, tok, group, cap_cfg, layer_ids, max_length_tokens=args.max_length,
+                             validate=False)
+
+    def train_on(samples) -> int:
+        (packed,) = pack_samples(samples, args.num_tokens)
+        packed = packed.to(device)
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            obj.forward_backward(drafter, packed, target_lm_head=lm_head)
+        opt.step()
+        return int(packed.input_ids.numel())
+
+    def timed(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    materialized = [capture(g) for g in groups]  # offline: captured before training (host tensors)
+    res: dict = {"num_tokens": args.num_tokens, "dtype": dtype, "K": 8, "layers": 4,
+                 "device": torch.cuda.get_device_name() if cuda else "cpu",
+                 "tokens_per_batch": [sum(len(s["input_ids"]) for s in m) for m in materialized]}
+    for label, step in (("offline", lambda i: train_on(materialized[i])),
+                        ("online", lambda i: train_on(capture(groups[i]))),
+                        ("capture_only", lambda i: capture(groups[i]))):
+        times = [timed(lambda i=i: step(i)) for i in range(len(groups))][args.warmup:]
+        res[f"{label}_ms"] = statistics.median(times) * 1e3
+        print(label, f"{res[f'{label}_ms']:.1f} ms", flush=True)
+    res["online_over_offline"] = res["online_ms"] / res["offline_ms"]
+    print(json.dumps(res))
+    write_result("online_step_smoke" if args.smoke else "online_step", res)
+
+
+if __name__ == "__main__":
+    main()
