@@ -132,7 +132,7 @@ def main() -> None:
     for label, step in (("offline", lambda i: train_on(materialized[i])),
                         ("online", lambda i: train_on(capture(groups[i]))),
                         ("capture_only", lambda i: capture(groups[i]))):
-        times = [timed(lambda i=i: step(i)) for i in range(len(groups))][args.warmup:]
+        times = [timed(lambda i=i, step=step: step(i)) for i in range(len(groups))][args.warmup:]
         res[f"{label}_ms"] = statistics.median(times) * 1e3
         print(label, f"{res[f'{label}_ms']:.1f} ms", flush=True)
     res["online_over_offline"] = res["online_ms"] / res["offline_ms"]
