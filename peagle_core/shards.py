@@ -10,8 +10,9 @@ A shard ``shard-00000.safetensors`` holds its samples concatenated along tokens:
     offsets [S] int64, lengths [S] int64
 
 plus header metadata (JSON strings): ``sample_ids``, ``checksums`` (sha256 per sample over its
-bytes), ``format_version`` and the writer's own keys. Files are written to a temporary name and
-renamed, so a shard on disk is either absent or complete; bit rot or truncation is caught by
+bytes), ``format_version`` and the writer's own keys. Files are written to a temporary name,
+fsynced and renamed (``peagle_core.atomic.atomic_write_bytes``), so a shard on disk is either
+absent or complete, also after a crash or power loss; bit rot or truncation is caught by
 checksums on read (:class:`ShardError`, naming the file).
 
 Shape legend: N tokens of one sample, S samples in a shard, Ht target hidden size.
@@ -20,8 +21,6 @@ Shape legend: N tokens of one sample, S samples in a shard, Ht target hidden siz
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from peagle_core.atomic import atomic_write_bytes  # re-exported: shards.atomic_write_bytes
 from peagle_core.samples import SAMPLE_KEYS, as_tensor, sample_checksum, validate_sample
 
 FORMAT_VERSION = "1"
@@ -83,22 +83,6 @@ class Shard:
             {"sample_id": s, "shard": self.path.name, "offset": o, "length": n, "checksum": c}
             for s, o, n, c in zip(self.sample_ids, offs, lens, self.checksums)
         ]
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same directory, fsync, rename: readers
-    never see a partial file, and on any error the old file (if any) is left intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_shard(

@@ -16,15 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from peagle_core.atomic import recover_dir, replace_dir, temp_dir_for
 from pipelines import settings
 
 log = logging.getLogger(__name__)
@@ -255,9 +254,11 @@ def ensure_target(
     """Materialize a target as an HF safetensors directory and return it.
 
     ``name_or_path``: an embedded asset name (see ``EMBEDDED_TARGETS``) or a local HF directory.
-    For an asset, the directory is ``<home>/targets/<name>-<dtype>``; it is built once (temp dir +
-    atomic rename, manifest with sha256 per file, greedy-generation check) and afterwards returned
-    after a cheap manifest check (``verify=True`` re-hashes all files). A broken directory is rebuilt.
+    For an asset, the directory is ``<home>/targets/<name>-<dtype>``; it is built once (temp dir,
+    fsynced and renamed by ``peagle_core.atomic.replace_dir``, manifest with sha256 per file,
+    greedy-generation check) and afterwards returned after a cheap manifest check (``verify=True``
+    re-hashes all files). A broken directory is rebuilt; one a killed rebuild left moved aside is
+    restored first (``peagle_core.atomic.recover_dir``).
     For a local directory, ``config.json`` must exist; ``dtype`` is recorded, not applied.
 
     Raises:
@@ -272,6 +273,7 @@ def ensure_target(
     spec = EMBEDDED_TARGETS[name_or_path]
     root = settings.targets_dir(home)
     final = root / f"{spec.name}-{dtype}"
+    recover_dir(final)
     manifest = check_manifest(final, verify=verify)
     if manifest is not None:
         return TargetAsset(final, manifest["sha256"], dtype, spec.name, manifest)
@@ -281,17 +283,15 @@ def ensure_target(
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(root, final.name)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    tmp = temp_dir_for(final)
     try:
         source = _convert(spec, dtype, tmp, home)
         manifest = _write_manifest(tmp, {"name": spec.name, "dtype": dtype, **source})
         tmp.chmod(0o755)  # mkdtemp makes 0700
         for p in tmp.iterdir():
             p.chmod(0o644)
-        if final.exists():  # a broken earlier copy (an intact one was returned above)
-            shutil.rmtree(final)
         try:
-            os.rename(tmp, final)
+            replace_dir(tmp, final)  # replaces a broken earlier copy (an intact one was returned above)
         except OSError:  # another process finished first; keep its copy if intact
             winner = check_manifest(final)
             if winner is None:
@@ -309,6 +309,8 @@ def _remove_stale_tmp(root: Path, name: str, max_age_s: float = 3600.0) -> None:
     """Remove temp dirs of conversions that were killed (older than ``max_age_s``)."""
     now = time.time()
     for p in root.glob(f".{name}.*"):
+        if ".old-" in p.name:
+            continue  # a moved-aside copy: peagle_core.atomic.recover_dir restores or deletes it
         try:
             if p.is_dir() and now - p.stat().st_mtime > max_age_s:
                 shutil.rmtree(p, ignore_errors=True)

@@ -13,6 +13,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from peagle_core.atomic import atomic_write_text, replace_file
 from pipelines import settings
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def json_array_to_jsonl(src: Path, dst: Path) -> dict[str, int]:
                     break
                 out.write(json.dumps(obj, ensure_ascii=False) + "\n")
                 count += 1
-        os.replace(tmp, dst)
+        replace_file(tmp, dst)  # fsync, rename, fsync the directory
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -77,7 +78,7 @@ def as_jsonl(path: Path, home: Path | None) -> Path:
         info = json.loads(meta.read_text())
     else:
         info = json_array_to_jsonl(path, dst)
-        meta.write_text(json.dumps(info))
+        atomic_write_text(meta, json.dumps(info))  # the cache's commit marker: whole or absent
     if info["truncated_at_char"] >= 0:
         log.warning(
             "%s is cut off at character %d (an incomplete last element); using its %d complete rows",

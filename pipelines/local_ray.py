@@ -41,6 +41,8 @@ from pathlib import Path
 
 import typer
 
+from peagle_core.atomic import atomic_write_text
+
 STATE_FILE = "peagle_head.json"
 TOKEN_FILE = "auth_token"
 
@@ -82,6 +84,22 @@ def read_head(temp_dir: str | os.PathLike) -> HeadInfo | None:
     return info if _port_open(host, int(port)) else None
 
 
+def ensure_token(path: Path) -> Path:
+    """The Ray auth token file ``path``, created when missing: mode 0600 from its creation on
+    (umask-proof, never a 0644 window), whole or absent after a crash, never replaced
+    (``peagle_core.atomic.atomic_write_text`` with ``exclusive=True``).
+
+    Returns:
+        ``path``.
+    """
+    if not path.is_file():
+        try:
+            atomic_write_text(path, secrets.token_hex(32), mode=0o600, exclusive=True)
+        except FileExistsError:
+            pass  # another start made it first: both use that one
+    return path
+
+
 def start(
     temp_dir: str | os.PathLike,
     *,
@@ -109,10 +127,7 @@ def start(
         if _port_open("127.0.0.1", p):
             raise ValueError(f"{name}={p} is in use by another process; pick a free one (e.g. {free_port()})")
     temp.mkdir(parents=True, exist_ok=True)
-    token_path = temp / TOKEN_FILE
-    if not token_path.is_file():
-        token_path.write_text(secrets.token_hex(32))
-        token_path.chmod(0o600)
+    token_path = ensure_token(temp / TOKEN_FILE)
     num_cpus = num_cpus or 2 * (os.cpu_count() or 1)
     venv_bin = str(Path(sys.executable).parent)
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
@@ -135,7 +150,7 @@ def start(
             raise RuntimeError(f"Ray head dashboard did not open port {dashboard_port} in {timeout_s:.0f}s; "
                                f"see {temp}/session_latest/logs")
         time.sleep(1)
-    (temp / STATE_FILE).write_text(json.dumps(asdict(info), indent=2))
+    atomic_write_text(temp / STATE_FILE, json.dumps(asdict(info), indent=2))
     if not quiet:
         print(f"Ray head up: {info.dashboard_url} (GCS {info.gcs_address}, temp dir {temp}, token auth on)")
     return info

@@ -146,9 +146,12 @@ def _check_registered_hash(head_dir: Path, want: str | None) -> None:
 
 def _cached(dst: Path, sha256: str | None) -> bool:
     """Whether ``dst`` holds the head: its files match the checksum manifest and the manifest hashes
-    to ``sha256``. A stale or partial entry is deleted (and False returned)."""
+    to ``sha256``. A stale or partial entry is deleted (and False returned); an entry a killed
+    download left moved aside is restored first (``peagle_core.atomic.recover_dir``)."""
+    from peagle_core.atomic import recover_dir
     from peagle_core.contract import HeadContractError, verify_checksums
 
+    recover_dir(dst)
     if not dst.exists():
         return False
     try:

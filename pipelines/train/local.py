@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from peagle_core.atomic import recover_dirs_in, replace_dir, temp_dir_for
 from peagle_core.batch import pack_samples
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.objectives import Objective
@@ -40,13 +40,16 @@ class TrainResult:
 
 
 def _save_rotating(trainer: Trainer, root: Path, step: int, metrics: dict, num_to_keep: int | None) -> None:
-    """``<root>/checkpoint_<step>`` written atomically (temp dir + rename); the oldest beyond ``num_to_keep`` removed."""
+    """``<root>/checkpoint_<step>`` written crash-safely (temp sibling, fsync, rename:
+    ``peagle_core.atomic.replace_dir``); the oldest beyond ``num_to_keep`` removed."""
     final = root / checkpoint_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=root))
-    trainer.save_checkpoint(tmp, extra_state={"metrics": metrics})
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    tmp = temp_dir_for(final)
+    try:
+        trainer.save_checkpoint(tmp, extra_state={"metrics": metrics})
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if num_to_keep:
         for old in sorted(root.glob("checkpoint_*"))[:-num_to_keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -100,6 +103,7 @@ def train_in_process(
     root = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
+        recover_dirs_in(root)  # a checkpoint a killed run left moved aside counts for resume
 
     def write_checkpoint(step: int, metrics: dict) -> None:
         _save_rotating(trainer, root, step, metrics, num_to_keep)

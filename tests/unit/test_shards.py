@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_core import shards, storage, vocab
+from peagle_core import atomic, shards, storage, vocab
 from peagle_core.samples import dtype_name, sample_checksum, validate_sample
 from peagle_core.shards import ShardError
 
@@ -111,7 +111,7 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(shards.os, "replace", boom)
+    monkeypatch.setattr(atomic.os, "replace", boom)  # the rename of peagle_core.atomic.atomic_write_bytes
     with pytest.raises(RuntimeError):
         shards.write_shard(path, [make_sample("new", 3)])
     assert shards.read_shard(path).sample_ids == ["old"]  # old file intact
