@@ -7,23 +7,42 @@ Stages are deprecated in MLflow 3; the registry uses aliases:
   (gate: new acceptance length (AL) at the gate K beats the champion's on the same eval set by
   ``promote_margin``), :func:`promote` (forced) and :func:`rollback`.
 
-Every champion move appends to the registered model tag ``champion_history`` (JSON list of
-versions), so :func:`rollback` can restore the previous champion. A gate's outcome is written to the
-version tags ``promotion_decision``/``promotion_reason`` (and to its run's tags).
+Champion history (what :func:`rollback` restores): every champion move adds its own registered model
+tag ``champion_history.<time_ns>-v<version>-<random>`` (JSON ``{"event": "promote"|"rollback", ...}``);
+the history is those entries replayed in key order, after the versions of the single JSON-list tag
+``champion_history`` that registries written before kept (read, never rewritten). Writers never
+rewrite a shared value, so concurrent moves cannot drop each other's entries. A gate's outcome is
+written to the version tags ``promotion_decision``/``promotion_reason`` (and to its run's tags).
+
+Concurrency: :func:`maybe_promote`, :func:`promote` and :func:`rollback` hold an exclusive file lock
+per (store, model) for their read-decide-write (``settings.locks_dir``: beside a local sqlite
+database, else ``$PEAGLE_HOME/locks``), so on one host (or on hosts sharing a sqlite file) champion
+moves are serialized and the champion is the newest entry. Across hosts of one tracking server the
+lock does not reach: the per-entry tags still keep every entry, but two gates may decide against the
+same champion.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from pipelines import settings
 from pipelines.register import CHALLENGER, get_client, version_tag
 
 log = logging.getLogger(__name__)
 
 CHAMPION = "champion"
-HISTORY_TAG = "champion_history"
+HISTORY_TAG = "champion_history"  # legacy: one JSON list of versions (read, never written)
+HISTORY_ENTRY_PREFIX = HISTORY_TAG + "."  # one tag per champion move, keys ordered by time
+LOCK_TIMEOUT_S = 120.0  # longest wait for another process's champion move
 
 
 @dataclass
@@ -45,10 +64,63 @@ class PromotionDecision:
     champion_al: float | None = None
 
 
+@contextmanager
+def champion_lock(model_name: str, tracking_uri: str | None = None, *,
+                  timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the exclusive champion lock of ``model_name`` in the store ``tracking_uri`` (``fcntl.flock`` on
+    a file under ``settings.locks_dir``; per open file, so threads of one process exclude each other too).
+
+    Raises:
+        TimeoutError: not acquired within ``timeout_s`` (the lock file is named).
+    """
+    uri = settings.tracking_uri(tracking_uri)
+    d = settings.locks_dir(uri)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"champion-{hashlib.sha256(f'{uri}|{model_name}'.encode()).hexdigest()[:16]}.lock"
+    deadline = time.monotonic() + timeout_s
+    with open(path, "a") as f:
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{model_name}: champion lock {path} still held after {timeout_s:g} s by "
+                                       "another promote/rollback; retry, or delete the file if no such process "
+                                       "runs") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def history_entries(client, model_name: str) -> list[tuple[str, dict]]:
+    """The champion-history entries ``(tag key, event)`` of ``model_name``, oldest first: the legacy
+    ``champion_history`` list's versions as promote events (keys ``champion_history[i]``), then the
+    per-move tags in key order."""
+    tags = client.get_registered_model(model_name).tags or {}
+    legacy = json.loads(tags[HISTORY_TAG]) if tags.get(HISTORY_TAG) else []
+    entries = [(f"{HISTORY_TAG}[{i}]", {"event": "promote", "version": str(v)}) for i, v in enumerate(legacy)]
+    return entries + [(k, json.loads(tags[k])) for k in sorted(tags) if k.startswith(HISTORY_ENTRY_PREFIX)]
+
+
 def _history(client, model_name: str) -> list[str]:
-    """Past champion versions, oldest first (registered model tag ``champion_history``)."""
-    raw = (client.get_registered_model(model_name).tags or {}).get(HISTORY_TAG)
-    return [str(v) for v in json.loads(raw)] if raw else []
+    """Past champion versions, oldest first (the last one the current champion): the entries replayed,
+    a promote pushing its version, a rollback popping its version when it is on top."""
+    stack: list[str] = []
+    for _, e in history_entries(client, model_name):
+        if e.get("event") == "promote":
+            stack.append(str(e["version"]))
+        elif e.get("event") == "rollback" and stack and stack[-1] == str(e["version"]):
+            stack.pop()
+    return stack
+
+
+def _add_entry(client, model_name: str, event: dict) -> None:
+    """Add one history entry under a key no other writer uses (time-ordered, random suffix)."""
+    key = f"{HISTORY_ENTRY_PREFIX}{time.time_ns():020d}-v{event['version']}-{secrets.token_hex(4)}"
+    client.set_registered_model_tag(model_name, key, json.dumps(event, separators=(",", ":")))
 
 
 def _current_champion(client, model_name: str):
@@ -62,9 +134,11 @@ def _current_champion(client, model_name: str):
 
 
 def _set_champion(client, model_name: str, version: str, *, history: list[str]) -> None:
-    """Point ``champion`` at ``version`` and store ``history`` (ending with the new champion)."""
+    """Point ``champion`` at ``version``, then add its history entry unless ``history`` (the current one)
+    already ends with it (a move interrupted between the two, repeated)."""
     client.set_registered_model_alias(model_name, CHAMPION, str(version))
-    client.set_registered_model_tag(model_name, HISTORY_TAG, json.dumps(history))
+    if not history or history[-1] != str(version):
+        _add_entry(client, model_name, {"event": "promote", "version": str(version)})
 
 
 def _record(client, model_name: str, d: PromotionDecision) -> None:
@@ -105,10 +179,23 @@ def maybe_promote(
         promote_margin: required AL improvement (AL units, tokens per target step).
         eval_set: required eval set of both versions; None = the candidate's.
 
+    The read-decide-move runs under :func:`champion_lock`. A version that already holds ``champion`` but
+    has no recorded decision (a promotion interrupted after the alias moved) is reported promoted, and
+    its history entry added if missing.
+
     Raises:
         mlflow.exceptions.MlflowException: unknown model or version, or no ``challenger`` when ``version``
             is None.
+        TimeoutError: the champion lock was not acquired in ``LOCK_TIMEOUT_S``.
     """
+    with champion_lock(model_name, tracking_uri):
+        return _gate(model_name, version, K=K, promote_margin=promote_margin, eval_set=eval_set,
+                     tracking_uri=tracking_uri)
+
+
+def _gate(model_name: str, version: str | int | None, *, K: int, promote_margin: float, eval_set: str | None,
+          tracking_uri: str | None) -> PromotionDecision:
+    """:func:`maybe_promote` without the lock."""
     client = get_client(tracking_uri)
     mv = (client.get_model_version_by_alias(model_name, CHALLENGER) if version is None
           else client.get_model_version(model_name, str(version)))
@@ -122,7 +209,7 @@ def maybe_promote(
         d = PromotionDecision(promoted=promoted, reason=reason, version=v, K=K, new_al=new_al, champion_al=champ_al,
                               champion_version=v if promoted else (str(champ.version) if champ else None))
         if promoted:
-            _set_champion(client, model_name, v, history=history + [v])
+            _set_champion(client, model_name, v, history=history)
         _record(client, model_name, d)
         return d
 
@@ -133,6 +220,8 @@ def maybe_promote(
     if champ is None:
         return decide(True, f"no champion yet; version {v} (AL {new_al:.3f} at K={K} on {new_set}) becomes champion")
     if str(champ.version) == v:
+        if version_tag(mv, "promotion_decision") is None:  # alias moved, then interrupted before the record
+            return decide(True, f"version {v} already holds {CHAMPION} (an interrupted promotion); decision recorded")
         return decide(False, f"version {v} is already the champion")
     champ_al, champ_set = _al_at(champ, K), version_tag(champ, "eval_set")
     if champ_set != new_set:
@@ -152,42 +241,74 @@ def promote(model_name: str, version: str | int, *, reason: str = "forced promot
             tracking_uri: str | None = None) -> PromotionDecision:
     """Move ``champion`` to ``version`` without the gate (history kept for :func:`rollback`).
 
+    Serialized with the other champion moves (:func:`champion_lock`): concurrent calls each add their
+    history entry; the champion afterwards is the last entry.
+
+    Raises:
+        mlflow.exceptions.MlflowException: unknown model or version.
+        TimeoutError: the champion lock was not acquired in ``LOCK_TIMEOUT_S``.
+    """
+    with champion_lock(model_name, tracking_uri):
+        client = get_client(tracking_uri)
+        mv = client.get_model_version(model_name, str(version))
+        champ = _current_champion(client, model_name)
+        history = _history(client, model_name)
+        if champ is not None and str(champ.version) == str(mv.version):
+            d = PromotionDecision(False, f"version {mv.version} is already the champion", str(mv.version),
+                                  str(mv.version), int(version_tag(mv, "K") or 0))
+        else:
+            _set_champion(client, model_name, str(mv.version), history=history)
+            d = PromotionDecision(True, reason, str(mv.version), str(mv.version), int(version_tag(mv, "K") or 0))
+        _record(client, model_name, d)
+        return d
+
+
+def rollback(model_name: str, *, tracking_uri: str | None = None):
+    """Restore the previous champion (from the champion history) and return its version.
+
+    Adds a ``rollback`` history entry (the replayed history drops the rolled-back version; the entry
+    that promoted it stays) and tags the dropped version ``rolled_back``; under :func:`champion_lock`.
+
+    Raises:
+        ValueError: there is no previous champion to roll back to.
+        mlflow.exceptions.MlflowException: unknown model.
+        TimeoutError: the champion lock was not acquired in ``LOCK_TIMEOUT_S``.
+    """
+    with champion_lock(model_name, tracking_uri):
+        client = get_client(tracking_uri)
+        history = _history(client, model_name)
+        champ = _current_champion(client, model_name)
+        if champ is not None and (not history or history[-1] != str(champ.version)):
+            history.append(str(champ.version))  # alias moved by hand outside peagle: not in the entries
+        if len(history) < 2:
+            raise ValueError(f"{model_name}: champion history {history} has no previous champion to roll back to")
+        dropped, previous = history[-1], history[-2]
+        # entry first: interrupted before the alias moved, a repeated rollback still ends at ``previous``
+        _add_entry(client, model_name, {"event": "rollback", "version": dropped, "to": previous})
+        client.set_registered_model_alias(model_name, CHAMPION, previous)
+        client.set_model_version_tag(model_name, dropped, "rolled_back", "true")
+        log.warning("%s: rolled champion back from v%s to v%s", model_name, dropped, previous)
+        return client.get_model_version(model_name, previous)
+
+
+def recorded_decision(model_name: str, version: str | int, *, K: int,
+                      tracking_uri: str | None = None) -> PromotionDecision | None:
+    """The gate decision already recorded on ``version`` (tags ``promotion_decision``/``promotion_reason``),
+    with the current champion; None when the version has none. The register stage re-reads it on a
+    re-run instead of deciding again.
+
     Raises:
         mlflow.exceptions.MlflowException: unknown model or version.
     """
     client = get_client(tracking_uri)
     mv = client.get_model_version(model_name, str(version))
+    decision = version_tag(mv, "promotion_decision")
+    if decision is None:
+        return None
     champ = _current_champion(client, model_name)
-    history = _history(client, model_name)
-    if champ is not None and str(champ.version) == str(mv.version):
-        d = PromotionDecision(False, f"version {mv.version} is already the champion", str(mv.version),
-                              str(mv.version), int(version_tag(mv, "K") or 0))
-    else:
-        _set_champion(client, model_name, str(mv.version), history=history + [str(mv.version)])
-        d = PromotionDecision(True, reason, str(mv.version), str(mv.version), int(version_tag(mv, "K") or 0))
-    _record(client, model_name, d)
-    return d
-
-
-def rollback(model_name: str, *, tracking_uri: str | None = None):
-    """Restore the previous champion (from the ``champion_history`` tag) and return its version.
-
-    Raises:
-        ValueError: there is no previous champion to roll back to.
-        mlflow.exceptions.MlflowException: unknown model.
-    """
-    client = get_client(tracking_uri)
-    history = _history(client, model_name)
-    champ = _current_champion(client, model_name)
-    if champ is not None and (not history or history[-1] != str(champ.version)):
-        history.append(str(champ.version))  # alias moved by hand outside peagle
-    if len(history) < 2:
-        raise ValueError(f"{model_name}: champion history {history} has no previous champion to roll back to")
-    dropped, previous = history[-1], history[-2]
-    _set_champion(client, model_name, previous, history=history[:-1])
-    client.set_model_version_tag(model_name, dropped, "rolled_back", "true")
-    log.warning("%s: rolled champion back from v%s to v%s", model_name, dropped, previous)
-    return client.get_model_version(model_name, previous)
+    return PromotionDecision(promoted=decision == "promoted", reason=version_tag(mv, "promotion_reason") or "",
+                             version=str(mv.version), champion_version=str(champ.version) if champ else None, K=K,
+                             new_al=_al_at(mv, K))
 
 
 def _al_at(mv, K: int) -> float | None:

@@ -10,10 +10,18 @@ the ``challenger`` alias at the new version; ``champion`` (the version served) i
 Version tags written here (all strings): ``target``, ``method`` (peagle|eagle3), ``eval_set``,
 ``K`` (K of ``acceptance_length``), ``acceptance_length``, ``al.K<k>`` (AL per measured K),
 ``K_best.c<c>`` (best served K per concurrency c), ``parallel_drafting``, ``head_sha256``
-(``promotion_decision``/``promotion_reason`` are written by the gate).
+(``promotion_decision``/``promotion_reason`` are written by the gate; the register stage adds the K
+schedule, tag ``pipelines.k_schedule.K_SCHEDULE_TAG``).
 
-Tracking store: ``RegistryConfig.tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else
-``sqlite:///$PEAGLE_HOME/mlflow.db`` with artifacts under ``$PEAGLE_HOME/mlartifacts``.
+Tracking store and its client: :mod:`pipelines.mlflow_client` (``get_client``, ``tracking_guard``); the
+pipeline's run (recipe, curves, eval table): :mod:`pipelines.mlflow_runs` (``log_run``). Both are
+re-exported here, the registry's public API.
+
+Outages and re-runs (issue 15): the register stage tags its run and its version with its stage key
+(:data:`PIPELINE_KEY_TAG`) and looks for them first (:func:`find_registered`), so a re-run after an
+interruption reuses them and never registers a second version. :func:`tracking_guard` probes an
+``http(s)://`` server first, bounds MLflow's own HTTP retries (minutes by default) and turns a failure
+while the server is down into one :class:`TrackingUnreachableError` line.
 """
 
 from __future__ import annotations
@@ -23,235 +31,21 @@ import json
 import logging
 import os
 import shutil
-import tempfile
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipelines import settings
-from pipelines.mlflow_params import flatten
+from pipelines.mlflow_client import TrackingUnreachableError, _experiment_id, get_client, tracking_guard
+from pipelines.mlflow_runs import eval_metric_name, log_run, manifest_hash
 
 log = logging.getLogger(__name__)
 
 CHALLENGER = "challenger"
 HEAD_ARTIFACT_PATH = "head"
 HEAD_SHA256_TAG = "head_sha256"  # version tag: sha256 of the head's peagle_checksums.json
-
-
-# ---------------------------------------------------------------------------------------------- store
-
-
-def get_client(tracking_uri: str | None = None):
-    """An ``MlflowClient`` on the resolved tracking URI (the registry uses the same store).
-
-    Also points the ``mlflow`` fluent API at it (``download_artifacts`` of ``models:/`` URIs uses it).
-    The directory of a local sqlite store is created.
-    """
-    import mlflow
-    from mlflow import MlflowClient
-
-    uri = settings.tracking_uri(tracking_uri)
-    d = settings.local_sqlite_dir(uri)
-    if d is not None:
-        d.mkdir(parents=True, exist_ok=True)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
-
-
-def _experiment_id(client, name: str) -> str:
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    d = settings.local_sqlite_dir(client.tracking_uri)
-    # A local store keeps its artifacts beside the database (MLflow's default is ./mlruns of the cwd).
-    location = (d / "mlartifacts" / name).as_uri() if d is not None else None
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except Exception:  # created concurrently by another process
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
-
-
-# ---------------------------------------------------------------------------------------------- runs
-
-
-def _param_value(v: Any) -> str:
-    s = v if isinstance(v, str) else json.dumps(v, default=str)
-    return s if len(s) <= 6000 else s[:5990] + "…"
-
-
-def manifest_hash(manifest: str | os.PathLike | Mapping[str, Any] | None) -> str | None:
-    """sha256 of a data manifest: a file's bytes, or the canonical JSON of a mapping."""
-    if manifest is None:
-        return None
-    if isinstance(manifest, Mapping):
-        return hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()
-    return hashlib.sha256(Path(manifest).read_bytes()).hexdigest()
-
-
-def eval_metric_name(row: Mapping[str, Any], field: str, gate_eval_set: str | None = None) -> str:
-    """Metric key of one eval-table cell: ``eval.<method>.K<k>.c<c>.<field>`` (K0 = no speculation) for the
-    gate set's rows (or rows without ``eval_set``), ``eval.<eval_set>.<method>.K<k>.c<c>.<field>`` for the
-    other sets' rows."""
-    cell = f"{row.get('method', 'peagle')}.K{int(row.get('K') or 0)}.c{int(row.get('concurrency', 1))}.{field}"
-    other = row.get("eval_set")
-    return f"eval.{other}.{cell}" if other and gate_eval_set and other != gate_eval_set else f"eval.{cell}"
-
-
-def log_run(
-    *,
-    config: Any = None,
-    training_curves: Iterable[Mapping[str, float]] = (),
-    eval_table: Iterable[Mapping[str, Any]] = (),
-    artifacts: Mapping[str, str | os.PathLike] | None = None,
-    data_manifest: str | os.PathLike | Mapping[str, Any] | None = None,
-    run_name: str | None = None,
-    run_id: str | None = None,
-    experiment: str = settings.EXPERIMENT,
-    tags: Mapping[str, str] | None = None,
-    tracking_uri: str | None = None,
-    gate_eval_set: str | None = None,
-) -> str:
-    """Log one pipeline run to MLflow and return its run id.
-
-    Args:
-        config: the resolved recipe (a pydantic model with ``dump_resolved()``, a model, or a dict);
-            logged flattened as params (``training.lr`` ...) and in full as ``config/recipe.yaml``.
-        training_curves: rows ``{"step": int, "<metric>": float, ...}`` (e.g. ``loss``, ``lr``,
-            ``acc_depth0``); each non-step key is logged as a metric at that step.
-        eval_table: rows of :func:`pipelines.evaluate.evaluate` (``method``, ``K``, ``concurrency``,
-            ``acceptance_length``, ``tokens_per_s``, ...); numbers logged as
-            ``eval.<method>.K<k>.c<c>.<field>`` (rows of an eval set other than ``gate_eval_set`` as
-            ``eval.<eval_set>.<method>...``, :func:`eval_metric_name`); the table also as ``eval/table.json``
-            and ``.md``.
-        artifacts: ``{artifact_dir: local file or directory}`` (head dir, plots, ...).
-        data_manifest: data manifest file or mapping; its sha256 is the param ``data_manifest_sha256``.
-        run_id: continue an existing run instead of creating one.
-        tracking_uri: see :func:`pipelines.settings.tracking_uri`.
-
-    Params always include ``git_sha``, ``git_dirty`` and ``pkg.<dist>`` versions
-    (``pipelines.provenance.provenance``).
-
-    Raises:
-        ValueError: an ``artifacts`` path does not exist (raised after params, metrics and tables are logged).
-    """
-    client = get_client(tracking_uri)
-    run_id = _open_run(client, run_id, run_name=run_name, experiment=experiment, tags=tags)
-    params = _provenance_params(data_manifest)
-    rows = [dict(r) for r in eval_table]
-    with tempfile.TemporaryDirectory(prefix="peagle-run-") as tmp:
-        params |= _write_run_files(Path(tmp), config, rows)
-        if any(Path(tmp).iterdir()):
-            client.log_artifacts(run_id, tmp)
-    _log_params(client, run_id, params)
-    _log_metrics(client, run_id, training_curves, rows, gate_eval_set)
-    _log_artifact_paths(client, run_id, artifacts or {})
-    return run_id
-
-
-def _open_run(client, run_id: str | None, *, run_name: str | None, experiment: str,
-              tags: Mapping[str, str] | None) -> str:
-    """``run_id`` with ``tags`` added, or a new run in ``experiment`` carrying them."""
-    from mlflow.entities import RunTag
-
-    if run_id is None:
-        run = client.create_run(_experiment_id(client, experiment), run_name=run_name, tags=dict(tags or {}))
-        return run.info.run_id
-    if tags:
-        client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-    return run_id
-
-
-def _provenance_params(data_manifest: str | os.PathLike | Mapping[str, Any] | None) -> dict[str, Any]:
-    """``git_sha``, ``git_dirty``, ``pkg.<dist>`` and (with a manifest) ``data_manifest_sha256``."""
-    from pipelines.provenance import provenance
-
-    prov = provenance()
-    params: dict[str, Any] = {"git_sha": prov.get("git_sha"), "git_dirty": prov.get("git_dirty")}
-    params |= {f"pkg.{k}": v for k, v in prov.get("packages", {}).items()}
-    digest = manifest_hash(data_manifest)
-    if digest:
-        params["data_manifest_sha256"] = digest
-    return params
-
-
-def _write_run_files(out: Path, config: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Write ``config/recipe.yaml`` and ``eval/table.{json,md}`` under ``out``; return the config's
-    flattened params (empty without a config)."""
-    params: dict[str, Any] = {}
-    if config is not None:
-        if hasattr(config, "dump_resolved"):
-            text = config.dump_resolved()
-            cfg_dict = config.model_dump(mode="json")
-        elif hasattr(config, "model_dump"):
-            cfg_dict = config.model_dump(mode="json")
-            text = json.dumps(cfg_dict, indent=2)
-        else:
-            cfg_dict = dict(config)
-            text = json.dumps(cfg_dict, indent=2, default=str)
-        params = dict(flatten(cfg_dict))
-        (out / "config").mkdir()
-        (out / "config" / "recipe.yaml").write_text(text)
-    if rows:
-        (out / "eval").mkdir()
-        (out / "eval" / "table.json").write_text(json.dumps(rows, indent=2, default=str))
-        from pipelines.eval_report import table_markdown
-
-        (out / "eval" / "table.md").write_text(table_markdown(rows))
-    return params
-
-
-def _log_params(client, run_id: str, params: Mapping[str, Any]) -> None:
-    """Log the non-None params the run does not have yet (MLflow params are write-once)."""
-    from mlflow.entities import Param
-
-    existing = client.get_run(run_id).data.params
-    items = [Param(k, _param_value(v)) for k, v in params.items() if v is not None and k not in existing]
-    for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
-        client.log_batch(run_id, params=items[i:i + 100])
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _log_metrics(client, run_id: str, training_curves: Iterable[Mapping[str, float]],
-                 rows: list[dict[str, Any]], gate_eval_set: str | None = None) -> None:
-    """Training curves at their steps; every number of the eval table at step 0 (:func:`eval_metric_name`)."""
-    from mlflow.entities import Metric
-
-    now_ms = int(time.time() * 1000)
-    metrics = []
-    for row in training_curves:
-        step = int(row.get("step", 0))
-        metrics += [Metric(k, float(v), now_ms, step) for k, v in row.items() if k != "step" and _is_number(v)]
-    for row in rows:
-        for k, v in row.items():
-            if _is_number(v) and k not in ("K", "concurrency"):
-                metrics.append(Metric(eval_metric_name(row, k, gate_eval_set), float(v), now_ms, 0))
-    for i in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[i:i + 1000])
-
-
-def _log_artifact_paths(client, run_id: str, artifacts: Mapping[str, str | os.PathLike]) -> None:
-    """Log each ``{artifact_dir: local file or directory}``.
-
-    Raises:
-        ValueError: a path that does not exist.
-    """
-    for dest, path in artifacts.items():
-        p = Path(path)
-        if p.is_dir():
-            client.log_artifacts(run_id, str(p), dest)
-        elif p.is_file():
-            client.log_artifact(run_id, str(p), dest)
-        else:
-            raise ValueError(f"artifacts[{dest!r}] = {p} does not exist; pass an existing file or directory")
-
+PIPELINE_KEY_TAG = "peagle.pipeline_key"  # run and version tag: the register stage's key (idempotent re-runs)
 
 # ---------------------------------------------------------------------------------------------- registry
 
@@ -259,6 +53,80 @@ def _log_artifact_paths(client, run_id: str, artifacts: Mapping[str, str | os.Pa
 def version_tag(mv, key: str) -> str | None:
     """Tag ``key`` of a model version, else None."""
     return (mv.tags or {}).get(key)
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What an earlier register of one pipeline key left in MLflow (:func:`find_registered`).
+
+    ``version``: its model version (``ModelVersion``, aliases and tags included), None when none was
+    registered; ``run_id``: the version's run, else the newest active run of the experiment tagged with
+    the key (a register interrupted before its version), else None.
+    """
+
+    version: Any
+    run_id: str | None
+
+
+def _tag_filter(key: str, value: str) -> str:
+    """An MLflow search clause ``tags.`key` = 'value'`` (backquotes: the key may contain dots).
+
+    Raises:
+        ValueError: a quote in ``value`` (MLflow's filter grammar has no escape for it).
+    """
+    if "'" in value or "`" in key:
+        raise ValueError(f"tag {key}={value!r}: quotes cannot be searched for")
+    return f"tags.`{key}` = '{value}'"
+
+
+def head_sha256(head_dir: str | os.PathLike) -> str | None:
+    """The :data:`HEAD_SHA256_TAG` of a head: sha256 of its ``peagle_checksums.json`` (None when it has none)."""
+    from peagle_core.contract import CHECKSUMS_FILE
+
+    f = Path(head_dir) / CHECKSUMS_FILE
+    return hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None
+
+
+def find_registered(model_name: str, pipeline_key: str, *, head_sha: str | None = None,
+                    experiment: str = settings.EXPERIMENT, tracking_uri: str | None = None) -> Registered:
+    """The model version and run an earlier register of ``pipeline_key`` left (tag :data:`PIPELINE_KEY_TAG`).
+
+    Used by the register stage before it logs or registers anything: a re-run after an interruption
+    (version registered, stage output never written; or run logged, version never registered) reuses
+    them, so one stage key never gets two versions of one head. Works on sqlite and server stores
+    (MLflow's ``search_model_versions`` / ``search_runs`` tag filters).
+
+    Args:
+        head_sha: only a version of this head counts (its :data:`HEAD_SHA256_TAG`, :func:`head_sha256`):
+            a head retrained under the same key (``--force``) is a new version. None: any head.
+
+    Returns:
+        The newest matching version (a warning names the others, registered before this lookup existed)
+        with its run; else no version and the newest active run of ``experiment`` with the key that no
+        version of the key was registered from; else neither.
+
+    Raises:
+        ValueError: a quote in ``pipeline_key`` or ``model_name``.
+        mlflow.exceptions.MlflowException: the store refused the search.
+    """
+    client = get_client(tracking_uri)
+    clause = _tag_filter(PIPELINE_KEY_TAG, pipeline_key)
+    if "'" in model_name:
+        raise ValueError(f"model name {model_name!r}: quotes cannot be searched for")
+    keyed = sorted(client.search_model_versions(f"name = '{model_name}' AND {clause}"), key=lambda m: int(m.version))
+    versions = [m for m in keyed if head_sha is None or version_tag(m, HEAD_SHA256_TAG) == head_sha]
+    if versions:
+        if len(versions) > 1:
+            log.warning("%s: versions %s all carry %s=%s; using the newest", model_name,
+                        [m.version for m in versions], PIPELINE_KEY_TAG, pipeline_key[:12])
+        mv = client.get_model_version(model_name, versions[-1].version)
+        return Registered(mv, mv.run_id)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return Registered(None, None)
+    taken = {m.run_id for m in keyed}
+    runs = client.search_runs([exp.experiment_id], filter_string=clause, order_by=["attributes.start_time DESC"])
+    return Registered(None, next((r.info.run_id for r in runs if r.info.run_id not in taken), None))
 
 
 def register_head(
@@ -391,10 +259,9 @@ def _version_tags(head: Path, head_cfg: Mapping[str, Any], *, eval_al: float, K:
                   target: str | None, parallel_drafting: bool, al_by_K: Mapping[int, float] | None,
                   K_best: Mapping[int, int] | None, tags: Mapping[str, Any] | None) -> dict[str, str]:
     """The version tags listed in the module docstring, then ``tags`` (which win)."""
-    from peagle_core.contract import CHECKSUMS_FILE
-
     meta = head_cfg.get("peagle", {}) or {}
-    checksums = (head / CHECKSUMS_FILE).read_bytes()
+    sha = head_sha256(head)
+    assert sha is not None, f"{head}: checksums missing after _checked_head"
     vtags: dict[str, str] = {
         "target": str(target or meta.get("target") or meta.get("target_name") or ""),
         "method": "peagle" if parallel_drafting else "eagle3",
@@ -402,7 +269,7 @@ def _version_tags(head: Path, head_cfg: Mapping[str, Any], *, eval_al: float, K:
         "eval_set": eval_set,
         "K": str(int(K)),
         "acceptance_length": f"{float(eval_al):.4f}",
-        HEAD_SHA256_TAG: hashlib.sha256(checksums).hexdigest(),
+        HEAD_SHA256_TAG: sha,
         f"al.K{int(K)}": f"{float(eval_al):.4f}",
     }
     for k, al in (al_by_K or {}).items():
@@ -435,8 +302,9 @@ def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, par
     """Download ``models:/NAME@ALIAS`` (or ``NAME/VERSION``) into ``dst`` and verify it.
 
     The files are fetched into a temporary sibling directory, their sha256 checked against
-    ``peagle_checksums.json`` and the head validated (``validate_head``) before ``dst`` is replaced,
-    so a failed download never destroys an existing ``dst``.
+    ``peagle_checksums.json`` and the head validated (``validate_head``) before ``dst`` is replaced
+    (fsynced, renamed: ``peagle_core.atomic.replace_dir``), so a failed or killed download never
+    destroys an existing ``dst``.
 
     Returns:
         ``dst`` (the head directory).
@@ -448,22 +316,20 @@ def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, par
     """
     import mlflow
 
+    from peagle_core.atomic import replace_dir, temp_dir_for
     from peagle_core.contract import CONFIG_FILE, validate_head, verify_checksums
 
     name, selector = parse_model_ref(ref)
     get_client(tracking_uri)
     out = Path(dst)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_dir_for(out)
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}{selector}", dst_path=str(tmp)))
         verify_checksums(local)
         if parallel_drafting is None:
             parallel_drafting = json.loads((local / CONFIG_FILE).read_text()).get("mask_token_id") is not None
         validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(local, out)
+        replace_dir(local, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -495,6 +361,7 @@ def list_versions(model_name: str | None = None, *, tracking_uri: str | None = N
 
 
 __all__ = [
-    "CHALLENGER", "download", "eval_metric_name", "get_client", "list_versions", "log_run", "manifest_hash",
-    "parse_model_ref", "register_head", "version_tag",
+    "CHALLENGER", "PIPELINE_KEY_TAG", "Registered", "TrackingUnreachableError", "download", "eval_metric_name",
+    "find_registered", "get_client", "head_sha256", "list_versions", "log_run", "manifest_hash", "parse_model_ref", "register_head",
+    "tracking_guard", "version_tag",
 ]

@@ -19,6 +19,8 @@ Layout of ``PEAGLE_HOME``::
     data/  hf-datasets/            normalized prompt files, datasets' Arrow cache
     runs/<recipe name>/            one pipeline run: stage outputs, ray_results/, summary.json
     serve/heads/<model>/vN-<sha>/  heads cached on each Serve replica's node
+    locks/                         promotion locks of stores other than a local sqlite one (pipelines.promotion)
+    traffic/<model id>/            the opt-in traffic log of Serve (Parquet shards, pipelines.traffic)
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ SERVE_APP_NAME = "peagle"  # the Ray Serve application the serve stage deploys
 
 __all__ = [
     "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "SERVE_APP_NAME", "SQLITE_NAME",
-    "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_sqlite_dir", "model_name",
-    "peagle_home", "run_dir", "serve_heads_dir", "targets_dir", "tracking_uri",
+    "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_sqlite_dir", "locks_dir",
+    "model_name", "peagle_home", "run_dir", "serve_heads_dir", "targets_dir", "tracking_uri", "traffic_dir",
 ]
 
 
@@ -99,3 +101,18 @@ def run_dir(recipe_name: str, home: str | os.PathLike | None = None) -> Path:
 def serve_heads_dir(home: str | os.PathLike | None = None) -> Path:
     """Heads cached on a Serve replica's node: ``$PEAGLE_HOME/serve/heads``."""
     return peagle_home(home) / "serve" / "heads"
+
+
+def traffic_dir(model_id: str | None = None, home: str | os.PathLike | None = None) -> Path:
+    """The traffic log of Serve: ``$PEAGLE_HOME/traffic`` (every served model), or
+    ``$PEAGLE_HOME/traffic/<model_id>`` (one served model's shards)."""
+    root = peagle_home(home) / "traffic"
+    return root / model_id if model_id else root
+
+
+def locks_dir(uri: str | None = None, home: str | os.PathLike | None = None) -> Path:
+    """Lock files of the tracking store ``uri`` (resolved by :func:`tracking_uri`): ``<db dir>/locks`` of a
+    local sqlite store (so every process that shares the database shares its locks, whatever its
+    ``PEAGLE_HOME``), else ``$PEAGLE_HOME/locks`` (one host's processes only)."""
+    d = local_sqlite_dir(tracking_uri(uri, home=home))
+    return (d if d is not None else peagle_home(home)) / "locks"
