@@ -54,7 +54,8 @@ def load_eval_prompts(
     first-turn prompt and then the second-turn prompt asked after the target's own answer to the first
     (greedy, ``max_tokens`` new tokens, written by ``engine``: a ``pipelines.engines`` engine of the
     target); a question whose first answer the engine could not write keeps its first turn only.
-    Prompts longer than ``max_prompt_tokens`` are dropped (with a warning).
+    Prompts longer than ``max_prompt_tokens`` are dropped (with a warning). A ``traffic`` source gives
+    its held-out slice (the newest rows of the log, ``pipelines.traffic``) unless its ``split`` says otherwise.
 
     Raises:
         ValueError: MT-Bench ``turns: 2`` without ``engine``; every error of ``load_conversations``
@@ -64,7 +65,7 @@ def load_eval_prompts(
 
     out: dict[str, list[list[int]]] = {}
     for src in sources:
-        ds = sample(load_conversations(src, seed=seed), num_prompts, seed)
+        ds = sample(load_conversations(src, seed=seed, heldout=True), num_prompts, seed)
         convs = list(ds["messages"])
         if src.kind == "mtbench" and src.turns == 2:
             convs = mtbench_two_turns(ds.to_list(), engine, max_tokens)
@@ -80,7 +81,10 @@ def load_eval_prompts(
 
 def eval_set_name(src: SourceConfig) -> str:
     """Name of an eval source's prompt set (rows carry it as ``eval_set``): the user file's stem, else
-    the kind (``mtbench-2turn`` for MT-Bench with ``turns: 2``)."""
+    the kind (``mtbench-2turn`` for MT-Bench with ``turns: 2``); a traffic log: ``traffic``, or
+    ``traffic-<directory name>`` with a path."""
+    if src.kind == "traffic":
+        return f"traffic-{Path(src.path.rstrip('/')).name}" if src.path else "traffic"
     if src.path:
         return Path(src.path).stem
     return "mtbench-2turn" if src.kind == "mtbench" and src.turns == 2 else src.kind

@@ -16,7 +16,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelines.prompts import SELF_INSTRUCT_NEEDS_ENGINE, finish_source, load_conversations, sample
+from pipelines.prompts import (
+    KEEP_ANSWERS,
+    SELF_INSTRUCT_NEEDS_ENGINE,
+    finish_source,
+    load_conversations,
+    sample,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -75,10 +81,16 @@ def rows_dataset(rows: Sequence[dict]) -> datasets.Dataset:
 
 
 def _concatenate(parts: list[datasets.Dataset]) -> datasets.Dataset:
+    """``parts`` one after the other; when some carry ``keep_answers`` (a traffic source), the others
+    get it as False."""
     import datasets
 
     if len(parts) == 1:
         return parts[0]
+    if any(KEEP_ANSWERS in p.column_names for p in parts):
+        parts = [p if KEEP_ANSWERS in p.column_names else p.add_column(KEEP_ANSWERS, [False] * len(p))
+                 for p in parts]
+        parts = [p.select_columns(parts[0].column_names) for p in parts]
     return datasets.concatenate_datasets([p if p.features == parts[0].features else p.cast(parts[0].features)
                                           for p in parts])
 

@@ -12,6 +12,10 @@ Sources (``pipelines.recipe.SourceConfig.kind``):
   user turn, id = ``mtbench/<question_id>`` (two-turn evaluation: ``pipelines.eval_prompts.load_eval_prompts``).
 - ``sharegpt_file``: a user ShareGPT JSON array or JSONL file.
 - ``openai_jsonl``: a user JSONL file of ``{"messages": [{"role", "content"}], "id"?}``.
+- ``traffic``: the Serve traffic log (``pipelines.traffic``): served chat requests, deduplicated, split by
+  time (the newest slice is the held-out set: ``load_conversations(..., heldout=True)``, which
+  evaluation uses). Its rows carry the optional column ``keep_answers`` (:data:`KEEP_ANSWERS`): True
+  when the last assistant turn is the target's own greedy served answer, which regeneration keeps.
 - ``self_instruct``: prompts written by the target itself (``pipelines.selfinstruct``). They need the
   target's engine, so :func:`load_conversations` refuses them;
   :func:`pipelines.prompt_dataset.load_prompt_dataset` takes them from its ``write_prompts`` callable
@@ -66,6 +70,7 @@ ROLE_ALIASES = {
     "model": "assistant",
 }
 MAX_REPORTED_BAD_ROWS = 5
+KEEP_ANSWERS = "keep_answers"  # optional bool column: the assistant turns are the target's own; regenerate keeps them
 _MODULE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
@@ -227,6 +232,10 @@ def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
         return assets.mtbench_path(), "mtbench"
     if source_cfg.kind == "self_instruct":
         raise ValueError(SELF_INSTRUCT_NEEDS_ENGINE)
+    if source_cfg.kind == "traffic":
+        from pipelines.traffic import SOURCE_LABEL, source_uri
+
+        return Path(source_uri(source_cfg)), SOURCE_LABEL
     path = source_cfg.resolved_path()
     if path is None or not path.is_file():
         raise ValueError(f"source {source_cfg.kind} path={source_cfg.path!r} is not a file; fix data.sources[].path")
@@ -246,14 +255,16 @@ SELF_INSTRUCT_NEEDS_ENGINE = (
 
 
 def load_conversations(
-    source_cfg: SourceConfig, on_bad_row: str = "skip", home: Path | None = None, seed: int = 0
+    source_cfg: SourceConfig, on_bad_row: str = "skip", home: Path | None = None, seed: int = 0, *,
+    heldout: bool = False,
 ) -> datasets.Dataset:
     """Load one source as a normalized ``datasets.Dataset`` (columns id, messages, source).
 
     Malformed rows are skipped or fail (``on_bad_row``), exact-duplicate conversations dropped, repeated
     ids made unique (all counted in the log). ``source_cfg.num_samples`` (if set) draws that many
     conversations deterministically (``seed``) after that. Datasets' Arrow cache lives under
-    ``$PEAGLE_HOME/hf-datasets``.
+    ``$PEAGLE_HOME/hf-datasets``. A ``traffic`` source is read by :func:`pipelines.traffic.load_traffic`
+    (its own dedup and time split; ``heldout``: its newest slice when its split is ``auto``).
 
     Raises:
         ValueError: a missing file; a self_instruct source (needs an engine:
@@ -265,6 +276,10 @@ def load_conversations(
 
     if on_bad_row not in ("skip", "fail"):
         raise ValueError(f"on_bad_row={on_bad_row!r}; use 'skip' or 'fail'")
+    if source_cfg.kind == "traffic":
+        from pipelines.traffic import SOURCE_LABEL, load_traffic
+
+        return finish_source(load_traffic(source_cfg, heldout=heldout), source_cfg, SOURCE_LABEL, seed)
     path, label = source_file(source_cfg)
     jsonl = as_jsonl(path, home)
     cache_dir = str(settings.hf_datasets_dir(home))

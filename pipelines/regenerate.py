@@ -13,8 +13,12 @@ pool (:class:`RegenerateActor`) or one in-process engine (``use_ray=False``) run
 
 Context = ``data.max_length_tokens`` (vLLM ``max_model_len``): prompt + response must fit.
 
+Rows whose ``keep_answers`` column (``pipelines.prompts.KEEP_ANSWERS``) is true -- a traffic source's
+greedy served answers, already the target's own -- are not regenerated: :func:`run_regenerate` passes
+them through with ``regen_model = "served"`` (counted ``kept_served_answers``).
+
 Output rows: ``id, messages, source`` (the prompt schema) plus provenance ``source_id``,
-``regen_model`` (target path + sha256), ``sampling`` and ``num_generated_tokens``.
+``regen_model`` (target path + sha256, or ``served``), ``sampling`` and ``num_generated_tokens``.
 Note: captured token ids come from re-tokenizing the regenerated text, which can differ from the
 generated ids at a few merge boundaries.
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelines.engines import Engine, RayDataLLMEngine, engine_setup, make_engine, request_seed
+from pipelines.prompts import KEEP_ANSWERS
 
 if TYPE_CHECKING:
     from pipelines.recipe import DataConfig, RegenerateConfig, TargetConfig
@@ -166,7 +171,8 @@ def run_regenerate(
     target on Ray Data: ``ray.data.llm`` passes (backend vllm, runner ray_data_llm) or an actor pool
     (``regen_cfg.num_workers`` engines of ``num_cpus_per_worker`` CPUs); ``use_ray=False``: one
     in-process engine. Context = ``data_cfg.max_length_tokens``.
-    ``out_path``: also write the rows as parquet (``.parquet``) or JSONL.
+    ``out_path``: also write the rows as parquet (``.parquet``) or JSONL. Rows with ``keep_answers``
+    true pass through unregenerated (module doc); when every row does, no engine starts.
 
     Raises:
         ValueError: ``regen_cfg.enabled`` is false, an unknown backend, or no conversations (before any
@@ -179,17 +185,22 @@ def run_regenerate(
     rows = conversations.to_list() if hasattr(conversations, "to_list") else list(conversations)
     if not rows:
         raise ValueError("run_regenerate got no conversations; check data.sources / num_samples")
+    keep = [bool(r.get(KEEP_ANSWERS)) for r in rows]
     rows = [{"id": str(r["id"]), "messages": [{"role": m["role"], "content": m["content"]} for m in r["messages"]],
              "source": r.get("source", ""), "_order": i} for i, r in enumerate(rows)]
-    model_path, kwargs = engine_setup(target_cfg, regen_cfg, data_cfg, num_cpus_per_worker=num_cpus_per_worker,
-                                      engine_kwargs=engine_kwargs)
+    todo = [r for r, k in zip(rows, keep) if not k]
     from pipelines.console import progress
 
     t0 = time.perf_counter()
     totals: Counter = Counter()
-    with progress("regenerate", total=len(rows), unit="conversations") as advance:
-        out = _generate(rows, model_path, regen_cfg, kwargs, num_cpus_per_worker=num_cpus_per_worker,
-                        use_ray=use_ray, stats=totals, progress=advance)
+    out = [served_row(r, regen_cfg) for r, k in zip(rows, keep) if k]
+    totals["kept_served_answers"] = len(out)
+    if todo:
+        model_path, kwargs = engine_setup(target_cfg, regen_cfg, data_cfg, num_cpus_per_worker=num_cpus_per_worker,
+                                          engine_kwargs=engine_kwargs)
+        with progress("regenerate", total=len(todo), unit="conversations") as advance:
+            out += _generate(todo, model_path, regen_cfg, kwargs, num_cpus_per_worker=num_cpus_per_worker,
+                             use_ray=use_ray, stats=totals, progress=advance)
     order = {r["id"]: r["_order"] for r in rows}
     out.sort(key=lambda r: order[r["id"]])
     seconds = time.perf_counter() - t0
@@ -204,6 +215,14 @@ def run_regenerate(
     if out_path is not None:
         result.path = _write_rows(Path(out_path), out)
     return result
+
+
+def served_row(row: Mapping[str, Any], cfg: RegenerateConfig) -> dict[str, Any]:
+    """An output row for a conversation whose assistant turns are the target's own greedy served answers
+    (``keep_answers``): kept as they are, ``regen_model = "served"``, no tokens generated here."""
+    return {"id": str(row["id"]), "messages": [dict(m) for m in row["messages"]], "source": row.get("source", ""),
+            "source_id": str(row.get("source_id", row["id"])), "regen_model": "served",
+            "sampling": sampling_dict(cfg) | {"temperature": 0.0, "greedy": True}, "num_generated_tokens": 0}
 
 
 def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: RegenerateConfig, kwargs: dict[str, Any], *,
@@ -248,16 +267,22 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """``rows`` as parquet or JSONL, crash-safely (temp sibling, fsync, rename: ``peagle_core.atomic``)."""
     import json
-    import os
+
+    from peagle_core.atomic import atomic_write_text, replace_file
+
+    if path.suffix != ".parquet":
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        return path
+    import datasets
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    if path.suffix == ".parquet":
-        import datasets
-
+    try:
         datasets.Dataset.from_list(rows).to_parquet(str(tmp))
-    else:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+        replace_file(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path

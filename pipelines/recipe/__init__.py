@@ -10,7 +10,8 @@ Aux layer ids use vLLM's meaning, "input of layer i" = HF ``hidden_states[i]``; 
 (2, N // 2, N - 3) (vllm/model_executor/models/llama_eagle3.py).
 
 Modules: ``base`` (the section base class, dtype literals), ``target``, ``data`` (prompt sources),
-``stages`` (regenerate, capture, drafter, training, evaluation, registry, serving), ``load`` (the whole
+``stages`` (regenerate, capture, drafter, training, evaluation, registry, serving), ``traffic`` (the
+Serve traffic log and the traffic source), ``load`` (the whole
 :class:`Recipe` and loading it), ``checks`` (:func:`validate_against_target`). This package's names are
 its interface: import them from ``pipelines.recipe``.
 """
@@ -36,6 +37,7 @@ from pipelines.recipe.stages import (
     TrainingConfig,
 )
 from pipelines.recipe.target import TargetConfig, check_aux_layer_ids
+from pipelines.recipe.traffic import TrafficLogConfig, TrafficSourceConfig
 
 __all__ = [
     "FILE_KINDS",
@@ -55,6 +57,8 @@ __all__ = [
     "SourceConfig",
     "SourceKind",
     "TargetConfig",
+    "TrafficLogConfig",
+    "TrafficSourceConfig",
     "TrainingConfig",
     "chat_template_token_ids",
     "check_aux_layer_ids",

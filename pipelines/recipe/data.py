@@ -10,8 +10,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipelines.recipe.base import OnBadRow, Section
+from pipelines.recipe.traffic import TrafficSourceConfig
 
-SourceKind = Literal["sharegpt", "humaneval", "sharegpt_file", "openai_jsonl", "mtbench", "self_instruct"]
+SourceKind = Literal["sharegpt", "humaneval", "sharegpt_file", "openai_jsonl", "mtbench", "self_instruct", "traffic"]
 PACKAGED_KINDS = ("sharegpt", "humaneval", "mtbench")
 FILE_KINDS = ("sharegpt_file", "openai_jsonl")
 
@@ -56,10 +57,12 @@ class SourceConfig(Section):
         description="sharegpt / humaneval / mtbench: the packaged files (ShareGPT V3 split, HumanEval, MT-Bench's "
         "80 questions); sharegpt_file: a user ShareGPT JSON or JSONL file ({conversations:[{from,value}]}); "
         "openai_jsonl: a user JSONL file of {messages:[{role,content}]}; self_instruct: prompts written by the "
-        "target (settings in `self_instruct`; needs the regenerate stage's engine).",
+        "target (settings in `self_instruct`; needs the regenerate stage's engine); traffic: the Serve traffic log "
+        "(serving.traffic_log; settings in `traffic`).",
     )
     path: str | None = Field(
-        None, description="File for sharegpt_file / openai_jsonl (~ and $VARS expanded); unused otherwise."
+        None, description="File for sharegpt_file / openai_jsonl (~ and $VARS expanded); traffic: the log directory "
+        "or a pyarrow.fs URI (None = every log under $PEAGLE_HOME/traffic); unused otherwise."
     )
     num_samples: int | None = Field(
         None, ge=1, description="Conversations drawn from this source (deterministic, data.seed); None = all."
@@ -84,6 +87,9 @@ class SourceConfig(Section):
     self_instruct: SelfInstructConfig | None = Field(
         None, description="self_instruct only: generation, filter and dedup settings (defaults when omitted)."
     )
+    traffic: TrafficSourceConfig | None = Field(
+        None, description="traffic only: time split, dedup and greedy-answer settings (defaults when omitted)."
+    )
 
     @field_validator("filter_regex")
     @classmethod
@@ -99,7 +105,7 @@ class SourceConfig(Section):
     def _path_matches_kind(self):
         if self.kind in FILE_KINDS and not self.path:
             raise ValueError(f"source kind {self.kind!r} needs `path`: set it to a local JSON/JSONL file")
-        if self.kind not in FILE_KINDS and self.path:
+        if self.kind not in FILE_KINDS and self.kind != "traffic" and self.path:
             what = "reads its packaged file" if self.kind in PACKAGED_KINDS else "is written by the target"
             raise ValueError(
                 f"source kind {self.kind!r} {what}; drop `path` or use kind "
@@ -112,6 +118,11 @@ class SourceConfig(Section):
                              f"{self.kind!r} source or set kind: self_instruct")
         if self.kind == "self_instruct" and self.self_instruct is None:
             object.__setattr__(self, "self_instruct", SelfInstructConfig())  # no validate_assignment loop
+        if self.traffic is not None and self.kind != "traffic":
+            raise ValueError(f"`traffic` settings belong to kind traffic; drop them from the {self.kind!r} source "
+                             "or set kind: traffic")
+        if self.kind == "traffic" and self.traffic is None:
+            object.__setattr__(self, "traffic", TrafficSourceConfig())
         return self
 
     def resolved_path(self) -> Path | None:
