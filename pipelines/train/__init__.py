@@ -11,6 +11,8 @@ One job per file:
 * ``order.py``: the seeded per-epoch sample order of a materialized capture (a pure function of seed,
   epoch, rank and world size; sample-exact resume) and the record of the sample ids trained per epoch;
 * ``target_weights.py``: the target's ``lm_head`` / embeddings and the drafter's init from them;
+* ``warm_start.py``: ``training.init_from``: resolve a registered (or local) head, fetch it, check it against
+  the plan's drafter, load it on every worker;
 * ``tracking.py``: progress lines and rank-0 MLflow (buffered through tracking-server outages);
 * ``worker.py``: the Ray Train worker (``train_loop_per_worker``, its typed :class:`WorkerConfig`);
 * ``driver.py``: :func:`run_train`, the Ray driver (fit, then export the head);
@@ -58,14 +60,23 @@ from pipelines.train.target_weights import (
     load_target_tensor,
 )
 from pipelines.train.tracking import MlflowTracker, TrackingConfig
+from pipelines.train.warm_start import (
+    InitHead,
+    check_init_head,
+    fetch_init_head,
+    load_init_weights,
+    resolve_init_from,
+)
 from pipelines.train.worker import WorkerConfig, build_drafter, train_loop_per_worker
 
 __all__ = [
     "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SAMPLE_LOG_DIR", "SCHEDULER_FILE", "STATE_FILE", "CaptureReader",
-    "Checkpointer", "DataPosition", "EpochRecord", "MlflowTracker", "OrderedCapture", "ShardedCheckpointer", "TrackingConfig", "TrainCallback", "TrainPlan",
+    "Checkpointer", "DataPosition", "EpochRecord", "InitHead", "MlflowTracker", "OrderedCapture", "ShardedCheckpointer", "TrackingConfig", "TrainCallback", "TrainPlan",
     "TrainResult", "TrainRunResult", "TrainState", "Trainer", "WorkerConfig", "build_drafter", "build_optimizer", "build_scheduler",
-    "chain_digest", "epoch_file", "epoch_order", "estimate_steps_per_epoch", "init_drafter_from_target", "iter_packed_batches", "latest_checkpoint",
-    "load_target_embed", "load_target_lm_head", "load_target_tensor", "lr_multiplier", "optimizer_digest",
-    "plan_from_capture", "plan_from_conversations", "plan_from_dataset", "run_train", "total_steps",
+    "chain_digest", "check_init_head", "epoch_file", "epoch_order", "estimate_steps_per_epoch", "fetch_init_head",
+    "init_drafter_from_target", "iter_packed_batches", "latest_checkpoint",
+    "load_init_weights", "load_target_embed", "load_target_lm_head", "load_target_tensor", "lr_multiplier",
+    "optimizer_digest", "plan_from_capture", "plan_from_conversations", "plan_from_dataset", "resolve_init_from",
+    "run_train", "total_steps",
     "train_in_process", "train_loop_per_worker",
 ]

@@ -141,6 +141,8 @@ def _export(plan: TrainPlan, checkpoint_dir: Path, head_dir: Path, *, run_name: 
              "target": plan.target_name, "target_sha256": plan.target_sha256, "step": state["step"],
              "tokens_seen": state.get("tokens_seen"), "run_name": run_name,
              "recipe": {"training": training.model_dump(mode="json"), "drafter": spec.model_dump(mode="json")}}
+    if plan.init_head is not None:  # provenance: the head this one was fine-tuned from
+        extra["init_from"] = {"ref": plan.init_head.ref, **plan.init_head.key()}
     head = export_head(drafter, head_dir, dtype=dtype, extra_config=extra,
                        extra_files={"recipe.yaml": recipe_text} if recipe_text else None, overwrite=True,
                        include_embed_tokens=spec.train_embed_tokens)

@@ -15,6 +15,9 @@ Three sources, one builder each:
 * :func:`plan_from_dataset`: any Ray Dataset of captured rows, scanned once (``input_ids``/``loss_mask``
   columns only).
 
+A warm start (``training.init_from``, :mod:`pipelines.train.warm_start`) is checked here against the
+drafter, before any data is read, and gives the plan its ``d2t``/``t2d`` (no token counts needed).
+
 Shape legend: V target vocab, Vd draft vocab.
 """
 
@@ -36,6 +39,7 @@ from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts, vocab_mappin
 from pipelines.capture import count_assistant_tokens, resolve_target, tokenize_rows
 from pipelines.recipe import DrafterSpec, TargetConfig, TrainingConfig
 from pipelines.train.data import estimate_steps_per_epoch
+from pipelines.train.warm_start import InitHead, check_init_head, is_registry_ref, resolve_init_from
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,8 @@ class TrainPlan:
         steps_per_epoch: optimizer steps per worker per epoch, estimated from the sample lengths (None when
             not counted: then ``training.max_steps`` bounds the run).
         total_steps: optimizer steps of the run (cosine horizon and hard stop).
+        init_head: the head ``training.init_from`` resolved to (local, checked against ``drafter``; its
+            ``d2t``/``t2d`` are the plan's); every worker loads it over the target init. None: from scratch.
     """
 
     training: TrainingConfig
@@ -78,6 +84,7 @@ class TrainPlan:
     num_tokens: int | None = None
     steps_per_epoch: int | None = None
     total_steps: int
+    init_head: InitHead | None = None
 
     @property
     def fixed_steps_per_epoch(self) -> int | None:
@@ -128,22 +135,28 @@ def check_capture(capture_dir: str | Path, dcfg: DrafterConfig, target_sha256: s
 
 
 def plan_from_capture(training: TrainingConfig, drafter: DrafterSpec, target: TargetConfig,
-                      capture_dir: str | Path, *, always_keep_token_ids: Iterable[int] = ()) -> TrainPlan:
+                      capture_dir: str | Path, *, always_keep_token_ids: Iterable[int] = (),
+                      init_head: InitHead | None = None) -> TrainPlan:
     """The plan of training on a materialized capture (``pipelines.capture.run_capture``).
 
+    ``init_head``: ``training.init_from`` resolved and made local (``pipelines.train.warm_start``); None
+    resolves a local ``init_from`` here (a registry one must be fetched first). Same in the other builders.
+
     Raises:
-        ValueError: a bad configuration, or a capture that does not fit the drafter (:func:`check_capture`).
+        ValueError: a bad configuration, a warm-start head that does not fit the drafter, or a capture
+            that does not fit the drafter (:func:`check_capture`).
         ShardError: a pruned draft vocabulary and no readable ``token_counts.safetensors``.
     """
-    sizes = _Sizing(training, drafter, target)
+    sizes = _Sizing(training, drafter, target, init_head)
     lengths = check_capture(capture_dir, sizes.drafter, sizes.target_sha256)
-    counts = load_token_counts(Path(capture_dir) / TOKEN_COUNTS_NAME) if sizes.pruned else None
+    counts = load_token_counts(Path(capture_dir) / TOKEN_COUNTS_NAME) if sizes.needs_counts else None
     return sizes.plan(lengths, counts, always_keep_token_ids)
 
 
 def plan_from_conversations(training: TrainingConfig, drafter: DrafterSpec, target: TargetConfig,
                             conversations: Iterable[dict[str, Any]], *, max_length_tokens: int | None,
-                            on_too_long: str = "truncate", always_keep_token_ids: Iterable[int] = ()) -> TrainPlan:
+                            on_too_long: str = "truncate", always_keep_token_ids: Iterable[int] = (),
+                            init_head: InitHead | None = None) -> TrainPlan:
     """The plan of training on a streaming capture of ``conversations`` (rows ``{id, messages}``): they
     are tokenized as capture tokenizes them (chat template, ``max_length_tokens``, ``on_too_long``), with
     no target forward, for the epoch length and the assistant-token counts.
@@ -153,34 +166,34 @@ def plan_from_conversations(training: TrainingConfig, drafter: DrafterSpec, targ
     """
     from transformers import AutoTokenizer
 
-    sizes = _Sizing(training, drafter, target)
+    sizes = _Sizing(training, drafter, target, init_head)
     tokenizer = AutoTokenizer.from_pretrained(str(sizes.target_dir))
     samples = tokenize_rows(tokenizer, conversations, max_length_tokens=max_length_tokens, on_too_long=on_too_long)
-    counts = count_assistant_tokens(samples, sizes.drafter.vocab_size) if sizes.pruned else None
+    counts = count_assistant_tokens(samples, sizes.drafter.vocab_size) if sizes.needs_counts else None
     return sizes.plan([len(s[INPUT_IDS]) for s in samples], counts, always_keep_token_ids)
 
 
 def plan_from_dataset(training: TrainingConfig, drafter: DrafterSpec, target: TargetConfig, dataset: Any, *,
-                      always_keep_token_ids: Iterable[int] = ()) -> TrainPlan:
+                      always_keep_token_ids: Iterable[int] = (), init_head: InitHead | None = None) -> TrainPlan:
     """The plan of training on a Ray Dataset of captured rows: one pass over its ``input_ids`` (and, for a
-    pruned draft vocabulary, ``loss_mask``) columns, skipped when ``max_steps`` bounds the run and the
-    vocabulary is whole.
+    pruned draft vocabulary counted from the data, ``loss_mask``) columns, skipped when ``max_steps`` bounds
+    the run and the vocabulary is whole or comes from the warm-start head.
 
     Raises:
         ValueError: a bad configuration (before the dataset is read), or an empty dataset.
     """
-    sizes = _Sizing(training, drafter, target)
+    sizes = _Sizing(training, drafter, target, init_head)
     lengths: list[int] = []
     counts = None
-    if sizes.pruned or not training.max_steps:
-        rows = dataset.select_columns([INPUT_IDS, LOSS_MASK] if sizes.pruned else [INPUT_IDS]).iter_rows()
+    if sizes.needs_counts or not training.max_steps:
+        rows = dataset.select_columns([INPUT_IDS, LOSS_MASK] if sizes.needs_counts else [INPUT_IDS]).iter_rows()
 
         def counted(rows: Iterable[dict]) -> Iterable[dict]:
             for row in rows:
                 lengths.append(len(row[INPUT_IDS]))
                 yield row
 
-        if sizes.pruned:
+        if sizes.needs_counts:
             counts = count_assistant_tokens(counted(rows), sizes.drafter.vocab_size)
         else:
             for _ in counted(rows):
@@ -189,14 +202,16 @@ def plan_from_dataset(training: TrainingConfig, drafter: DrafterSpec, target: Ta
 
 
 class _Sizing:
-    """The part of a plan that needs no data: the target, the drafter and objective configs, the checks
-    (all before any data is read); :meth:`plan` adds the vocabulary and the step counts.
+    """The part of a plan that needs no data: the target, the drafter and objective configs, the warm-start
+    head, the checks (all before any data is read); :meth:`plan` adds the vocabulary and the step counts.
 
     Raises:
-        ValueError: the recipe sections do not fit the target or each other.
+        ValueError: the recipe sections do not fit the target or each other, or the warm-start head does not
+            fit the drafter (naming ``training.init_from`` and every field that differs).
     """
 
-    def __init__(self, training: TrainingConfig, spec: DrafterSpec, target: TargetConfig) -> None:
+    def __init__(self, training: TrainingConfig, spec: DrafterSpec, target: TargetConfig,
+                 init_head: InitHead | None = None) -> None:
         asset, hf_config = resolve_target(target)
         self.training, self.spec = training, spec
         self.drafter = spec.to_drafter_config(hf_config, method=training.method, target=target)
@@ -207,17 +222,44 @@ class _Sizing:
                              "default) or 'fsdp' (FSDP2-sharded head, for 8B+ targets with large vocabularies)")
         if training.parallel_strategy == "fsdp" and training.num_workers == 1:
             log.warning("parallel_strategy='fsdp' with training.num_workers=1: nothing to shard, training unsharded")
+        self.init_head = self._warm_start(training, init_head)
+        self.head_d2t = self.head_t2d = None
+        if self.init_head is not None:
+            self.head_d2t, self.head_t2d = check_init_head(self.init_head, self.drafter,
+                                                           target_sha256=self.target_sha256)
+
+    @staticmethod
+    def _warm_start(training: TrainingConfig, init_head: InitHead | None) -> InitHead | None:
+        """``init_head``, else ``training.init_from`` resolved (a local head; a registry one must be fetched).
+
+        Raises:
+            ValueError: ``init_head`` without (or for another) ``training.init_from``; a bad local head.
+        """
+        ref = training.init_from
+        if init_head is not None and init_head.ref != ref:
+            raise ValueError(f"init_head resolves {init_head.ref!r} but training.init_from={ref!r}")
+        if ref is None or init_head is not None:
+            return init_head
+        if is_registry_ref(ref):
+            raise ValueError(f"training.init_from={ref!r} is a registry head: download it first "
+                             "(pipelines.train.warm_start.resolve_init_from, fetch_init_head; the train stage does)")
+        return resolve_init_from(ref)
 
     @property
     def pruned(self) -> bool:
-        """A draft vocabulary smaller than the target's (needs token counts)."""
+        """A draft vocabulary smaller than the target's (d2t/t2d)."""
         return self.drafter.draft_vocab_size < self.drafter.vocab_size
+
+    @property
+    def needs_counts(self) -> bool:
+        """A pruned vocabulary chosen from this run's token counts (a warm start takes the head's instead)."""
+        return self.pruned and self.init_head is None
 
     def plan(self, lengths: Sequence[int], counts: torch.Tensor | None, always_keep: Iterable[int]) -> TrainPlan:
         """Raises:
             ValueError: the run has no step (empty data), or a pruned vocabulary without counts."""
-        d2t = t2d = None
-        if self.pruned:
+        d2t, t2d = self.head_d2t, self.head_t2d
+        if self.needs_counts:
             if counts is None:
                 raise ValueError(f"draft_vocab_size={self.drafter.draft_vocab_size} < vocab_size="
                                  f"{self.drafter.vocab_size} needs token counts (the capture's token_counts.safetensors)")
@@ -231,4 +273,4 @@ class _Sizing:
                          target_dir=self.target_dir, target_name=self.target_name, target_sha256=self.target_sha256,
                          d2t=d2t, t2d=t2d, num_samples=len(lengths) if lengths else None,
                          num_tokens=sum(lengths) if lengths else None, steps_per_epoch=steps_per_epoch,
-                         total_steps=steps)
+                         total_steps=steps, init_head=self.init_head)

@@ -60,6 +60,7 @@ from pipelines.train.order import (
 from pipelines.train.plan import TrainPlan
 from pipelines.train.target_weights import init_drafter_from_target, load_target_embed, load_target_lm_head
 from pipelines.train.tracking import MlflowTracker, TrackingConfig, progress_logger
+from pipelines.train.warm_start import load_init_weights
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,16 @@ class WorkerConfig:
 
 
 def build_drafter(plan: TrainPlan) -> tuple[Eagle3Drafter, torch.Tensor]:
-    """The drafter of ``plan`` on CPU (vocabulary mapping installed, initialized from the target,
-    ``embed_tokens`` frozen unless ``drafter.train_embed_tokens``) and the target's ``lm_head [V, Ht]``."""
+    """The drafter of ``plan`` on CPU (vocabulary mapping installed, initialized from the target, then from
+    the warm-start head ``plan.init_head`` if any, ``embed_tokens`` frozen unless
+    ``drafter.train_embed_tokens``) and the target's ``lm_head [V, Ht]``."""
     drafter = Eagle3Drafter(plan.drafter)
     if plan.d2t is not None:
         drafter.set_vocab_mapping(plan.d2t, plan.t2d)
     lm_head = load_target_lm_head(plan.target_dir)
     init_drafter_from_target(drafter, load_target_embed(plan.target_dir), lm_head)
+    if plan.init_head is not None:  # every weight the head has; the optimizer and schedule start fresh
+        load_init_weights(drafter, plan.init_head, train_embed_tokens=plan.drafter_spec.train_embed_tokens)
     if not plan.drafter_spec.train_embed_tokens:
         # frozen target embeddings: no [V, H] gradient and AdamW state (the largest tensors of a
         # small head); the exported head then omits embed_tokens and vLLM shares the target's
