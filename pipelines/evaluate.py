@@ -69,6 +69,7 @@ class EngineSpec:
     max_tokens: int = 128
     engine_kwargs: dict[str, Any] = field(default_factory=lambda: dict(CPU_ENGINE_KWARGS))
     warmup: bool = True
+    k_schedule: list[list[int]] | None = None  # vLLM num_speculative_tokens_per_batch_size (then K is unused)
 
 
 def _spec_counters(llm) -> dict[str, Any]:
@@ -92,10 +93,12 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
 
     kwargs = dict(spec.engine_kwargs)
     if spec.method != "none":
-        kwargs["speculative_config"] = {
-            "method": "eagle3", "model": spec.head, "num_speculative_tokens": spec.K,
-            "parallel_drafting": spec.method == "peagle",
-        }
+        from pipelines.k_schedule import vllm_speculative_config
+
+        spec_config = vllm_speculative_config(spec.head, num_speculative_tokens=spec.K,
+                                              parallel_drafting=spec.method == "peagle", k_schedule=spec.k_schedule)
+        if spec_config is not None:  # None: a schedule that is K=0 everywhere, i.e. no speculation
+            kwargs["speculative_config"] = spec_config
     t0 = time.perf_counter()
     llm = LLM(model=spec.target, disable_log_stats=False, **kwargs)
     load_s = time.perf_counter() - t0

@@ -14,6 +14,7 @@ from pipelines import settings
 from pipelines.recipe.base import Section
 from pipelines.recipe.data import SourceConfig
 from pipelines.recipe.target import TargetConfig
+from pipelines.recipe.traffic import TrafficLogConfig
 
 if TYPE_CHECKING:
     from peagle_core.objectives import ObjectiveConfig
@@ -147,6 +148,33 @@ class TrainingConfig(Section):
     attention: Literal["auto", "flex", "dense"] = Field(
         "auto", description="Training attention: flex (FlexAttention block mask), dense mask, or auto."
     )
+    init_from: str | None = Field(
+        None,
+        description="Warm start: begin from an existing head instead of the target's embeddings, e.g. the served "
+        "head, models:/NAME@champion (also models:/NAME@ALIAS, models:/NAME/VERSION, or a local head directory). "
+        "Resolved before any compute to a model version and its head_sha256 (the train stage's key covers those, "
+        "not the alias: after a promotion the same recipe trains from the new champion), downloaded, and checked "
+        "against the drafter section and method (hidden size, layers, vocab and draft vocab, aux layer ids, "
+        "parallel drafting: a mismatch raises ValueError naming each field); all its weights (mask_hidden, "
+        "embed_tokens, lm_head) and its d2t/t2d are loaded, the optimizer and LR schedule start fresh. Replay: "
+        "list the new data and the old sources in data.sources with weights, e.g. the new source weight 3 and "
+        "the old training sources weight 1 in total = a 25% replay share of data.num_samples. A fine-tune "
+        "usually wants a lower lr and fewer steps than training from scratch. None = from scratch.",
+    )
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from_ref(cls, ref: str | None) -> str | None:
+        if ref is None:
+            return None
+        ref = ref.strip()
+        if not ref:
+            raise ValueError("training.init_from is empty: give models:/NAME@ALIAS, a head directory, or null")
+        if ref.startswith("models:/"):
+            from pipelines.register import parse_model_ref
+
+            parse_model_ref(ref)  # ValueError: neither NAME@ALIAS nor NAME/VERSION
+        return ref
 
     @model_validator(mode="after")
     def _cod(self):
@@ -243,6 +271,23 @@ class ServeConfig(Section):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     head_alias: str = Field("champion", description="Registry alias of the head to serve.")
+    k_schedule: Literal["auto", "off"] | None = Field(
+        None, description="auto (None, the default): pass the served version's measured K schedule (tag "
+        "k_schedule: batch-size ranges -> K, pipelines.k_schedule) to vLLM as "
+        "num_speculative_tokens_per_batch_size, num_speculative_tokens = its largest K; a version without the tag "
+        "is served at num_speculative_tokens. off: always the fixed num_speculative_tokens.",
+    )
+
+    @field_validator("k_schedule", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        """YAML 1.1 reads a bare ``off``/``on`` as a boolean."""
+        return ("auto" if value else "off") if isinstance(value, bool) else value
+    traffic_log: TrafficLogConfig | None = Field(
+        None, description="Opt-in log of served chat completions (messages, served answer, model version, K, "
+        "per-request acceptance) to Parquet shards, read back by source kind traffic (pipelines.traffic; "
+        "docs/traffic.md, personal data included); None = no log.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self):

