@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle_core.atomic import atomic_write_text
+
 
 @dataclass
 class EvalReport:
@@ -151,8 +153,8 @@ def build_report(rows: list[dict[str, Any]], eval_set: str, *, offline: Sequence
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "table.json").write_text(json.dumps({"eval_set": eval_set, "rows": rows, "best_K": report.best_K,
-                                                    "offline": offline}, indent=2))
-        (out / "table.md").write_text(report.markdown)
+        atomic_write_text(out / "table.json", json.dumps({"eval_set": eval_set, "rows": rows, "best_K": report.best_K,
+                                                          "offline": offline}, indent=2))
+        atomic_write_text(out / "table.md", report.markdown)
         report.plots = plot(rows, out, title=f"({eval_set})")
     return report

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from peagle_core.atomic import atomic_write_text
 from pipelines.eval_report import EvalReport, build_report
 
 if TYPE_CHECKING:
@@ -295,7 +296,7 @@ def _engine_runs(cfg: EvalConfig, heads: dict[str, str | os.PathLike | None]) ->
 def _worker_main(spec_path: str, out_path: str) -> None:
     spec = EngineSpec(**json.loads(Path(spec_path).read_text()))
     rows = _run_engine(spec)
-    Path(out_path).write_text(json.dumps(rows))
+    atomic_write_text(out_path, json.dumps(rows))
 
 
 if __name__ == "__main__":  # vLLM spawns: the engine only ever starts under this guard

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from peagle_core.atomic import atomic_write_text
 from pipelines import settings
 from pipelines.stages import STAGE_TYPES, STAGES
 from pipelines.stages.base import (
@@ -145,7 +146,7 @@ class PipelineRun:
 
             init_ray(verbose=self.verbose)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "recipe.yaml").write_text(self.recipe.dump_resolved())
+        atomic_write_text(self.run_dir / "recipe.yaml", self.recipe.dump_resolved())
         self._say(f"peagle pipeline {self.recipe.name!r}: stages {', '.join(self.stages)}; run dir {self.run_dir}")
         t0 = time.perf_counter()
         for name in self.stages:

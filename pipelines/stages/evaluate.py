@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle_core.atomic import atomic_write_text
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, write_json
 from pipelines.stages.train import TrainOutput
 
@@ -116,7 +117,7 @@ class EvaluateStage(Stage):
                                              "best_K": {name: rep.best_K for name, rep in reports.items()},
                                              "k_schedule": {"eval_set": gate, "method": r.training.method,
                                                             "schedule": k_schedule}})
-        (self.dir / "table.md").write_text(markdown)
+        atomic_write_text(self.dir / "table.md", markdown)
         self.ctx.say(f"table {self.dir / 'table.md'}" if not self.ctx.verbose else "\n" + markdown)
         plots = {f"{name}/{k}": str(v) for name, rep in reports.items() for k, v in rep.plots.items()}
         return EvaluateOutput(table=str(self.dir / "table.json"), rows=rows, eval_set=gate,

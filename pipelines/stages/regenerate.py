@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peagle_core.atomic import atomic_write_text
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, write_json
 
 
@@ -65,8 +66,8 @@ class RegenerateStage(Stage):
         write_json(self.dir / "heldout_ids.json", [str(i) for i in heldout["id"]])
         if not r.regenerate.enabled:
             rows = train.to_list()
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text("".join(json.dumps({k: x[k] for k in ("id", "messages", "source")}) + "\n" for x in rows))
+            atomic_write_text(out, "".join(json.dumps({k: x[k] for k in ("id", "messages", "source")}) + "\n"
+                                           for x in rows))
             return RegenerateOutput(path=str(out), num_conversations=len(rows), regenerated=False,
                                     self_instruct=written)
         res = run_regenerate(train, r.target, r.regenerate, r.data, out_path=out,
