@@ -39,7 +39,6 @@ QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TQDM_DISABLE": "1",  # plain tqdm bars, e.g. transformers' GGUF conversion (read when tqdm is imported)
     "TRANSFORMERS_VERBOSITY": "warning",
     "MLFLOW_LOGGING_LEVEL": "WARNING",
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",

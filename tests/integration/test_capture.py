@@ -103,15 +103,25 @@ def test_crash_and_resume_gives_the_same_manifest(reference, convos, tmp_path, m
 
 class PidFileShardActor(CaptureShardActor):
     """Test harness, not a fault: a shard actor that writes its process id to ``<out_dir>.pid`` when it
-    starts (so that the test can SIGKILL it); it captures and writes shards unchanged. Module level: Ray
-    workers import it by name."""
+    starts (so that the test can SIGKILL it) and captures and writes shards unchanged. The first actor
+    holds at the start of its second shard task (marker ``<out_dir>.held``) until the test kills it, so
+    the kill lands mid-shard however fast the box is. Module level: Ray workers import it by name."""
 
     def __init__(self, *args, out_dir: str, **kwargs):
         super().__init__(*args, out_dir=out_dir, **kwargs)
+        self._tasks = 0
+        self._held = Path(f"{out_dir}.held")
         pid_file = Path(f"{out_dir}.pid")
         tmp = pid_file.with_suffix(".tmp")
         tmp.write_text(str(os.getpid()))
         os.replace(tmp, pid_file)
+
+    def __call__(self, batch):
+        self._tasks += 1
+        if self._tasks == 2 and not self._held.exists():
+            self._held.write_text(str(os.getpid()))
+            time.sleep(300)  # SIGKILLed here by the test
+        return super().__call__(batch)
 
 
 def test_sigkill_capture_actor_mid_shard_loses_and_duplicates_nothing(reference, convos, tmp_path, monkeypatch):
@@ -127,7 +137,7 @@ def test_sigkill_capture_actor_mid_shard_loses_and_duplicates_nothing(reference,
 
     def killer() -> None:
         deadline = time.monotonic() + 300
-        while not (pid_file.exists() and (out / shards.shard_name(0)).exists()):
+        while not (pid_file.exists() and Path(f"{out}.held").exists()):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.02)
