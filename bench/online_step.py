@@ -20,14 +20,12 @@ import argparse
 import dataclasses
 import json
 import lzma
-import statistics
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from bench.common import write_result
+from bench.common import time_ms, write_result
 
 
 def _conversations(path: Path, limit: int) -> list[dict]:
@@ -116,15 +114,6 @@ def main() -> None:
         opt.step()
         return int(packed.input_ids.numel())
 
-    def timed(fn) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     materialized = [capture(g) for g in groups]  # offline: captured before training (host tensors)
     res: dict = {"num_tokens": args.num_tokens, "dtype": dtype, "K": 8, "layers": 4,
                  "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -132,8 +121,9 @@ def main() -> None:
     for label, step in (("offline", lambda i: train_on(materialized[i])),
                         ("online", lambda i: train_on(capture(groups[i]))),
                         ("capture_only", lambda i: capture(groups[i]))):
-        times = [timed(lambda i=i, step=step: step(i)) for i in range(len(groups))][args.warmup:]
-        res[f"{label}_ms"] = statistics.median(times) * 1e3
+        batches = iter(range(len(groups)))  # every timed call trains on the next batch
+        res[f"{label}_ms"] = time_ms(lambda step=step, batches=batches: step(next(batches)), warmup=args.warmup,
+                                     iters=len(groups) - args.warmup)
         print(label, f"{res[f'{label}_ms']:.1f} ms", flush=True)
     res["online_over_offline"] = res["online_ms"] / res["offline_ms"]
     print(json.dumps(res))
