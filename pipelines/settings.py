@@ -36,12 +36,14 @@ SQLITE_NAME = "mlflow.db"
 EXPERIMENT = "peagle"  # one MLflow run per pipeline run (params, eval table, head artifact)
 TRAIN_EXPERIMENT = "peagle-train"  # live training metrics from rank 0
 MODEL_NAME_PREFIX = "peagle-"
-SERVE_APP_NAME = "peagle"  # the Ray Serve application the serve stage deploys
+SERVE_APP_NAME = "peagle"  # the Ray Serve application the serve stage deploys (the gateway, route "/")
+SERVE_BACKEND_PREFIX = f"{SERVE_APP_NAME}-backend-"  # its backend apps (pipelines.serve.rollout), no route
 
 __all__ = [
-    "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "SERVE_APP_NAME", "SQLITE_NAME",
-    "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_sqlite_dir", "locks_dir",
-    "model_name", "peagle_home", "run_dir", "serve_heads_dir", "targets_dir", "tracking_uri", "traffic_dir",
+    "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
+    "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_sqlite_dir",
+    "locks_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",
+    "targets_dir", "tracking_uri", "traffic_dir",
 ]
 
 
@@ -101,6 +103,20 @@ def run_dir(recipe_name: str, home: str | os.PathLike | None = None) -> Path:
 def serve_heads_dir(home: str | os.PathLike | None = None) -> Path:
     """Heads cached on a Serve replica's node: ``$PEAGLE_HOME/serve/heads``."""
     return peagle_home(home) / "serve" / "heads"
+
+
+def serve_backend_app_name(label: str, digest: str) -> str:
+    """The Serve app of one backend (an ``LLMServer`` deployment, no route) behind the gateway
+    ``SERVE_APP_NAME``: ``peagle-backend-<label>-<digest[:8]>``, e.g. ``peagle-backend-v3-1a2b3c4d`` for
+    version 3 of the registered head; ``digest`` (hex) tells apart two configs of the same head.
+
+    Raises:
+        ValueError: ``label`` or ``digest`` is empty or holds other characters than ``[A-Za-z0-9_.]``.
+    """
+    for part in (label, digest):
+        if not part or not all(c.isascii() and (c.isalnum() or c in "_.") for c in part):
+            raise ValueError(f"backend app name part {part!r}: use letters, digits, '_' or '.'")
+    return f"{SERVE_BACKEND_PREFIX}{label}-{digest[:8]}"
 
 
 def traffic_dir(model_id: str | None = None, home: str | os.PathLike | None = None) -> Path:

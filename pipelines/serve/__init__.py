@@ -25,6 +25,11 @@ pinned version in ``HeadDownloadCallback.on_before_node_init`` -- from its node 
 (``$PEAGLE_HOME/serve/heads/NAME/vN-<sha>``, checksums verified) when it is there, so a restarted
 replica comes back while MLflow is down, else from the registry.
 
+Two shapes: :func:`build_app` returns one complete app (ingress + ``LLMServer``; ``serve run``, RayService);
+the serve stage instead rolls blue/green (:mod:`pipelines.serve.rollout`): a gateway app
+``settings.SERVE_APP_NAME`` (the same ingress, :class:`pipelines.serve.gateway.PeagleIngress`) forwards to
+one backend app per head (:func:`resolve_backend`), switched in place with no failed request.
+
 Autoscaling: Ray's builder defaults ``max_ongoing_requests`` and ``target_ongoing_requests`` to 1e9
 (no scale-up ever); both are always set here, for the LLM deployment and for the ingress.
 
@@ -36,9 +41,11 @@ with SmolLM2 with and without speculation), so no custom AsyncLLM deployment is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -283,26 +290,42 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
     return LLMConfig(**kw)
 
 
-def build_app(args: dict[str, Any] | ServeAppArgs):
-    """Serve application builder (``import_path: pipelines.serve:build_app``).
+@dataclass(frozen=True)
+class Backend:
+    """One resolved backend: the ``LLMServer`` of the target + a pinned head, ready to deploy.
 
-    Resolves the target and the head (pinning an alias to its version and content hash, downloading
-    and validating it here before anything is deployed), then returns Ray Serve LLM's OpenAI app: an
-    ingress deployment (behind :class:`~pipelines.serve.ingress.RequestGuard`) in front of an
-    autoscaled ``LLMServer`` deployment.
+    ``args``: the app args with the tracking URI, the K schedule and the engine kwargs resolved;
+    ``llm_config``: its ``ray.serve.llm.LLMConfig``; ``head_ref``: the pinned ``models:/NAME/VERSION`` (or
+    local directory, or None); ``served``: ``head``, ``num_speculative_tokens``, ``k_schedule`` (JSON text or
+    None) -- the traffic log's columns and the gateway's answer header; ``label`` and ``digest``: what
+    :attr:`app_name` is made of (``vN`` / ``dir`` / ``nohead``, and a hash of the LLM config + head).
+    """
+
+    args: ServeAppArgs
+    llm_config: Any
+    head_ref: str | None
+    served: dict[str, Any]
+    label: str
+    digest: str
+
+    @property
+    def model_id(self) -> str:
+        return self.llm_config.model_id
+
+    @property
+    def app_name(self) -> str:
+        """Its Serve app when deployed behind the gateway (``settings.serve_backend_app_name``)."""
+        return settings.serve_backend_app_name(self.label, self.digest)
+
+
+def resolve_backend(args: dict[str, Any] | ServeAppArgs) -> Backend:
+    """Validate ``args``, pin the head (alias -> version + content hash), download and validate it here on
+    the driver, resolve the K schedule and build the ``LLMConfig``. Nothing is deployed.
 
     Raises:
         pydantic.ValidationError / ValueError: bad args, unknown alias, API key env var not set.
         peagle_core.contract.HeadContractError: the head does not fit the target / vLLM contract.
     """
-    from ray import serve
-    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
-    from ray.llm._internal.serve.core.ingress.ingress import init as ray_llm_fastapi_app
-    from ray.serve.llm import build_llm_deployment
-    from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
-
-    from pipelines.serve.ingress import RequestGuard
-
     args = args if isinstance(args, ServeAppArgs) else ServeAppArgs.model_validate(args or {})
     if args.api_key_env and not os.environ.get(args.api_key_env):
         raise ValueError(f"api_key_env={args.api_key_env!r} but that env var is not set: export it (on every "
@@ -310,7 +333,7 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
     args = args.model_copy(update={"tracking_uri": settings.tracking_uri(args.tracking_uri)})
     target_path, target_config = _target_path_and_config(args)
     head: PinnedHead | str | None = None
-    ref = None
+    ref, sha256 = None, None
     if args.head is not None:
         head = pin_head(args.head, args.tracking_uri) if is_registry_ref(args.head) else str(
             Path(args.head).expanduser().resolve())
@@ -324,34 +347,100 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
         args = args.model_copy(update={"engine_kwargs": {"per_request_spec_decode_metrics": "summary"}
                                        | args.engine_kwargs})
     llm_config = build_llm_config(args, target_path=target_path, target_config=target_config, head=head)
-    server = build_llm_deployment(llm_config)
+    served = {"head": ref,
+              "num_speculative_tokens": (llm_config.engine_kwargs.get("speculative_config") or {}).get(
+                  "num_speculative_tokens"),
+              "k_schedule": json.dumps(args.k_schedule) if isinstance(args.k_schedule, list) else None}
+    label = f"v{head.version}" if isinstance(head, PinnedHead) else ("dir" if head else "nohead")
+    content = json.dumps({"llm_config": llm_config.model_dump(mode="json", exclude={"callback_config"}),
+                          "head": ref, "sha256": sha256}, sort_keys=True, default=str)
+    log.info("peagle serve: model_id=%s target=%s head=%s K=%s", llm_config.model_id, target_path, ref,
+             args.k_schedule if isinstance(args.k_schedule, list) else args.num_speculative_tokens)
+    return Backend(args=args, llm_config=llm_config, head_ref=ref, served=served, label=label,
+                   digest=hashlib.sha256(content.encode()).hexdigest())
 
+
+def build_ingress(backend: Backend, *, server=None, route: dict[str, Any] | None = None):
+    """The ingress deployment (:class:`pipelines.serve.gateway.PeagleIngress` behind
+    :class:`~pipelines.serve.ingress.RequestGuard` and, when configured, the traffic log), bound.
+
+    Exactly one of: ``server`` (the bound ``LLMServer`` app: one complete app) or ``route`` (a gateway:
+    :class:`pipelines.serve.gateway.Route` as a dict, applied as ``user_config`` under the fixed deployment
+    ``version`` :func:`gateway_version`, so a later route is switched in place).
+    """
+    from ray import serve
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+    from ray.llm._internal.serve.core.ingress.ingress import init as ray_llm_fastapi_app
+    from ray.serve.llm.ingress import make_fastapi_ingress
+
+    from pipelines.serve.gateway import PeagleIngress
+    from pipelines.serve.ingress import RequestGuard
+
+    assert (server is None) != (route is None), "build_ingress: pass server or route"
+    args, model_id = backend.args, backend.model_id
     app = ray_llm_fastapi_app()  # Ray's app: OpenAI-style errors, 400 for invalid / malformed bodies
     if args.traffic_log is not None:  # inside RequestGuard (added later = outer): only admitted requests
         from pipelines.serve.traffic import TrafficLog
         from pipelines.traffic import resolve_log_uri
 
-        log_uri = resolve_log_uri(args.traffic_log.uri, llm_config.model_id)
-        app.add_middleware(TrafficLog, config=args.traffic_log, uri=log_uri, meta={
-            "model": llm_config.model_id, "head": ref,
-            "num_speculative_tokens": (llm_config.engine_kwargs.get("speculative_config") or {}).get(
-                "num_speculative_tokens"),
-            "k_schedule": json.dumps(args.k_schedule) if isinstance(args.k_schedule, list) else None})
+        log_uri = resolve_log_uri(args.traffic_log.uri, model_id)
+        app.add_middleware(TrafficLog, config=args.traffic_log, uri=log_uri,
+                           meta={"model": model_id} | backend.served)
         log.info("peagle serve: traffic log -> %s (sample_rate=%s)", log_uri, args.traffic_log.sample_rate)
     app.add_middleware(RequestGuard, max_body_bytes=args.max_body_bytes, api_key_env=args.api_key_env)
-    ingress_cls = make_fastapi_ingress(OpenAiIngress, app=app)
-    ingress_options = {
+    ingress_cls = make_fastapi_ingress(PeagleIngress, app=app)
+    ingress_options: dict[str, Any] = {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": args.ingress_max_replicas,
                                "target_ongoing_requests": max(1, args.ingress_max_ongoing_requests // 2)},
         "max_ongoing_requests": args.ingress_max_ongoing_requests,
         "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
     }
-    model_id = llm_config.model_id
-    log.info("peagle serve: model_id=%s target=%s head=%s K=%s", model_id, target_path, ref,
-             args.k_schedule if isinstance(args.k_schedule, list) else args.num_speculative_tokens)
+    if route is not None:
+        # Ray 2.60 took ``version`` out of the public options (declarative apps get it from a hash of
+        # import_path + args); ``_internal=True`` still sets it for this imperative app. Without it every
+        # redeploy draws a random version and restarts the gateway replica.
+        version = gateway_version(args, model_id)
+        deployment = serve.deployment(ingress_cls, **ingress_options, user_config=route)
+        return deployment.options(version=version, _internal=True).bind(version=version)
     return serve.deployment(ingress_cls, **ingress_options).bind(
-        llm_deployments={model_id: server}, model_cards={model_id: to_model_metadata(model_id, llm_config)},
-    )
+        llm_deployments={model_id: server}, model_cards={model_id: to_model_metadata(model_id, backend.llm_config)},
+        served=backend.served)
 
 
-__all__ = ["ServeAppArgs", "build_app", "build_llm_config", "resolve_k_schedule", "speculative_config"]
+GATEWAY_FIELDS = ("api_key_env", "max_body_bytes", "traffic_log", "ingress_num_cpus", "ingress_max_replicas",
+                  "ingress_max_ongoing_requests")  # what the gateway deployment itself is built from
+
+
+def gateway_version(args: ServeAppArgs, model_id: str) -> str:
+    """The gateway deployment's ``version``: a hash of the model id, the :data:`GATEWAY_FIELDS` of ``args``
+    and the source of ``pipelines/serve`` -- the same for every backend, so switching backends (a new
+    ``user_config``) reconfigures the running gateway replica; any change of these restarts it."""
+    h = hashlib.sha256(json.dumps([model_id, args.model_dump(mode="json", include=set(GATEWAY_FIELDS))],
+                                  sort_keys=True).encode())
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    return "gw-" + h.hexdigest()[:16]
+
+
+def build_app(args: dict[str, Any] | ServeAppArgs):
+    """Serve application builder (``import_path: pipelines.serve:build_app``): one complete app.
+
+    Resolves the target and the head (:func:`resolve_backend`: pinning an alias to its version and content
+    hash, downloading and validating it here before anything is deployed), then returns Ray Serve LLM's
+    OpenAI app: the ingress (behind :class:`~pipelines.serve.ingress.RequestGuard`) in front of an
+    autoscaled ``LLMServer`` deployment. Redeploying it with another head is Ray Serve's rolling update
+    (the replica restarts: requests fail meanwhile); the serve stage uses :func:`pipelines.serve.rollout.roll`
+    (blue/green, no failed request) instead.
+
+    Raises:
+        pydantic.ValidationError / ValueError: bad args, unknown alias, API key env var not set.
+        peagle_core.contract.HeadContractError: the head does not fit the target / vLLM contract.
+    """
+    from ray.serve.llm import build_llm_deployment
+
+    backend = resolve_backend(args)
+    return build_ingress(backend, server=build_llm_deployment(backend.llm_config))
+
+
+__all__ = ["Backend", "ServeAppArgs", "build_app", "build_ingress", "build_llm_config", "gateway_version",
+           "resolve_backend", "resolve_k_schedule", "speculative_config"]

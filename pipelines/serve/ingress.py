@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 API_KEY_HEADER = "authorization"
+SERVED_HEADER = "x-peagle-served"  # JSON of the head that answered (pipelines.serve.gateway; the traffic log reads it)
 BODY_METHODS = ("POST", "PUT", "PATCH")
 STREAM_DONE = b"data: [DONE]"
 STREAM_INTERRUPTED = (b'data: {"error": {"message": "stream interrupted: the model replica serving it stopped '
@@ -157,4 +158,4 @@ def _replay(body: bytes, receive):
     return replay
 
 
-__all__ = ["RequestGuard", "error_response"]
+__all__ = ["SERVED_HEADER", "RequestGuard", "error_response"]

@@ -12,10 +12,12 @@ lives in the ingress replica's process and starts its thread on the first logged
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from pipelines.recipe.traffic import TrafficLogConfig
+from pipelines.serve.ingress import SERVED_HEADER
 from pipelines.traffic import STREAM_DONE, Exchange, TrafficLogWriter
 
 CHAT_PATHS = ("/v1/chat/completions",)
@@ -25,7 +27,9 @@ class TrafficLog:
     """ASGI middleware (``app.add_middleware(TrafficLog, config=..., uri=..., meta=...)``).
 
     ``meta``: columns every row of this app carries (``model``, ``head``: the pinned head reference,
-    ``num_speculative_tokens``, ``k_schedule``).
+    ``num_speculative_tokens``, ``k_schedule``); a response's ``SERVED_HEADER`` (JSON, set by
+    :class:`pipelines.serve.gateway.PeagleIngress`) overrides them for its row, so rows follow the
+    backend that answered across a rollout.
     """
 
     def __init__(self, app, *, config: TrafficLogConfig | dict, uri: str, meta: dict[str, Any] | None = None) -> None:
@@ -68,6 +72,7 @@ class _Tap:
         self.req: list[bytes] = []
         self.res: list[bytes] = []
         self.size, self.status, self.stream, self.ended, self.broken, self.too_large = 0, 0, False, False, False, False
+        self.served: dict[str, Any] = {}
 
     def request(self, message) -> None:
         try:
@@ -80,8 +85,10 @@ class _Tap:
         try:
             if message["type"] == "http.response.start":
                 self.status = message.get("status", 0)
-                ctype = dict(message.get("headers", [])).get(b"content-type", b"")
-                self.stream = ctype.startswith(b"text/event-stream")
+                headers = dict(message.get("headers", []))
+                self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+                served = headers.get(SERVED_HEADER.encode())
+                self.served = json.loads(served) if served else {}
             elif message["type"] == "http.response.body" and not self.broken:
                 chunk = message.get("body", b"")
                 self.size += len(chunk)
@@ -102,7 +109,7 @@ class _Tap:
         if self.stream and STREAM_DONE not in body[-64:]:
             return None
         return Exchange(request=b"".join(self.req), response=body, stream=self.stream, started=self.started,
-                        finished=time.time(), meta=meta)
+                        finished=time.time(), meta=meta | self.served)
 
 
 __all__ = ["CHAT_PATHS", "TrafficLog"]

@@ -1,8 +1,10 @@
 """Stage ``serve``: deploy the champion head behind an OpenAI endpoint on Ray Serve LLM (``pipelines.serve``).
 
-Deploys the Serve application ``settings.SERVE_APP_NAME`` (the head alias pinned to its version),
-then sends one chat request as a smoke test; the app stays up after the job ends. Current when the
-app is RUNNING with the version the alias points at now. Key: serving section.
+Rolls the Serve gateway ``settings.SERVE_APP_NAME`` to a backend app serving the head alias pinned to
+its version (:func:`pipelines.serve.rollout.roll`: blue/green, the old backend keeps answering until the
+new one does; no request fails), then sends one chat request as a smoke test; the apps stay up after
+the job ends. Current when the gateway and a backend app are RUNNING with the version the alias points
+at now. Key: serving section.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class ServeStage(Stage):
         """Serve replaces its own app: nothing to free."""
 
     def run(self) -> ServeOutput:
-        from pipelines.serve import ServeAppArgs, build_app, resolve_k_schedule
-        from pipelines.serve.heads import pin_head, pin_head_ref
+        from pipelines.serve import ServeAppArgs, resolve_k_schedule
+        from pipelines.serve.heads import pin_head
+        from pipelines.serve.rollout import roll
 
         serve = _ray_serve()
 
@@ -62,10 +65,13 @@ class ServeStage(Stage):
             engine_kwargs={"max_model_len": max(1024, r.data.max_length_tokens)} | eng.vllm_kwargs,
             accelerator=eng.accelerator, **eng.serve_resources)
         serve.start(http_options={"host": s.host, "port": s.port})
-        serve.run(build_app(args), name=settings.SERVE_APP_NAME, route_prefix="/", blocking=False)
+        rolled = roll(args)
+        if rolled.changed:
+            self.ctx.say(f"Serve: {settings.SERVE_APP_NAME} -> backend {rolled.backend}" + (
+                f" (replaced {rolled.previous})" if rolled.previous else "") + f" in {rolled.seconds:.0f}s")
         url = f"http://{s.host}:{s.port}"
         answer = chat_once(url, args.resolved_model_id(), api_key_env=s.api_key_env)
-        served = pin_head_ref(args.head, self.ctx.tracking_uri)
+        served = rolled.served["head"]  # the version roll pinned (the alias may have moved since)
         schedule = resolve_k_schedule(args, pin_head(served, self.ctx.tracking_uri))
         K = f"K={s.num_speculative_tokens}" if schedule is None else f"K schedule {schedule}" + (
             "" if any(k for _, _, k in schedule) else ": no speculation")
@@ -75,25 +81,32 @@ class ServeStage(Stage):
 
     def is_valid(self, out: ServeOutput) -> bool:
         from pipelines.serve.heads import pin_head_ref
+        from pipelines.serve.rollout import RUNNING, app_statuses, backend_apps
 
-        app = _ray_serve().status().applications.get(settings.SERVE_APP_NAME)
+        _ray_serve()
+        statuses = app_statuses()
         current = pin_head_ref(f"models:/{self.ctx.model_name}@{self.recipe.serving.head_alias}",
                                self.ctx.tracking_uri)
-        return app is not None and str(app.status) in ("RUNNING", "ApplicationStatus.RUNNING") and out.head == current
+        return (statuses.get(settings.SERVE_APP_NAME) == RUNNING and out.head == current
+                and any(statuses[b] == RUNNING for b in backend_apps(statuses)))
 
     def summary(self, out: ServeOutput) -> tuple[str, dict[str, Any]]:
         return "endpoint", {"url": out.url, "model_id": out.model_id, "head": out.head, "curl": out.curl()}
 
 
 def delete_app_on_cpu(ctx: RunContext) -> None:
-    """A running demo app holds ~2 CPUs of a laptop cluster: delete it before a compute stage runs."""
+    """A running demo endpoint holds ~2 CPUs of a laptop cluster: delete its gateway and backend apps before a
+    compute stage runs."""
     if ctx.engine.use_gpu:
         return
     try:
         serve = _ray_serve()
-        if settings.SERVE_APP_NAME in serve.status().applications:
-            ctx.say(f"deleting the running Serve app {settings.SERVE_APP_NAME!r} to free CPUs for compute stages")
-            serve.delete(settings.SERVE_APP_NAME)
+        from pipelines.serve.rollout import app_statuses, backend_apps
+
+        statuses = app_statuses()
+        for app in [a for a in (settings.SERVE_APP_NAME,) if a in statuses] + backend_apps(statuses):
+            ctx.say(f"deleting the running Serve app {app!r} to free CPUs for compute stages")
+            serve.delete(app)
     except Exception as e:  # noqa: BLE001 - no Serve controller is fine
         log.debug("no Serve app to delete: %s", e)
 

@@ -5,6 +5,7 @@ serves the same one.)"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from pipelines.serve.ingress import SERVED_HEADER  # Ray-free module
 
 MODEL_ID = "smollm2-135m-instruct"
 REGISTERED = "peagle-smollm2-135m-instruct"
@@ -131,3 +134,81 @@ def stream_chat(url: str, prompt: str, *, key: str, max_tokens: int, timeout_s: 
         why = f"stream ended without [DONE] after {num_chunks} chunks"
     return {"ok": not why and num_chunks > 0, "why": why, "num_chunks": num_chunks,
             "seconds": round(time.monotonic() - t0, 3)}
+
+
+def chat_request(url: str, prompt: str, *, key: str, stream: bool, max_tokens: int = 12,
+                 timeout_s: float = 300.0) -> dict:
+    """One chat request (streamed or not). Returns ``{ok, why, prompt, stream, served, started, finished}``: ``ok`` =
+    HTTP 200 with an answer (a stream: no error event and the closing ``[DONE]``); ``served`` = the parsed
+    ``x-peagle-served`` header (None without one). Never raises for transport errors."""
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream}
+    out = {"ok": False, "why": "", "prompt": prompt, "stream": stream, "served": None, "started": time.monotonic()}
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s,
+                          headers={"Authorization": f"Bearer {key}"}) as r:
+            served = r.headers.get(SERVED_HEADER)
+            out["served"] = json.loads(served) if served else None
+            if r.status_code != 200:
+                out["why"] = f"HTTP {r.status_code}: {r.read()[:200]!r}"
+            elif not stream:
+                answer = json.loads(r.read())
+                out["ok"] = bool(answer.get("choices"))
+                out["why"] = "" if out["ok"] else f"no choices: {str(answer)[:200]}"
+            else:
+                done = False
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: ") and "error" in json.loads(line[6:]):
+                        out["why"] = f"error event: {line[:200]}"
+                        break
+                out["ok"] = done and not out["why"]
+                out["why"] = out["why"] or ("" if done else "stream ended without [DONE]")
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        out["why"] = repr(e)[:200]
+    out["finished"] = time.monotonic()
+    return out
+
+
+class ChatLoad:
+    """``num_threads`` clients sending chat requests back to back (every other one streamed) until
+    :meth:`stop`; :attr:`results` holds one :func:`chat_request` dict per request."""
+
+    def __init__(self, url: str, *, key: str, num_threads: int = 3, max_tokens: int = 12) -> None:
+        import threading
+
+        self.url, self.key, self.max_tokens = url, key, max_tokens
+        self.results: list[dict] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(num_threads)]
+
+    def _loop(self, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            r = chat_request(self.url, f"Client {worker}, request {i}: name a colour.", key=self.key,
+                             stream=(i + worker) % 2 == 1, max_tokens=self.max_tokens)
+            self.results.append(r)  # list.append is atomic under the GIL
+            i += 1
+
+    def start(self) -> ChatLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout_s: float = 600.0) -> list[dict]:
+        """Stop after each client's current request; returns :attr:`results`."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout_s)
+        return self.results
+
+    @staticmethod
+    def failures(results: list[dict]) -> list[dict]:
+        return [r for r in results if not r["ok"]]
+
+    @staticmethod
+    def max_gap_s(results: list[dict]) -> float:
+        """The longest time (s) with no request finishing: a stall shows here even when nothing fails."""
+        ends = sorted(r["finished"] for r in results)
+        return max((b - a for a, b in itertools.pairwise(ends)), default=0.0)

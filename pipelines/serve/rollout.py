@@ -1,0 +1,235 @@
+"""Blue/green rollout of the served head: the endpoint moves to a new head with no failed request.
+
+Apps on the Serve cluster::
+
+    peagle (settings.SERVE_APP_NAME, route "/")       the gateway: RequestGuard [+ traffic log] + OpenAI
+                                                      ingress (pipelines.serve.gateway.PeagleIngress)
+        -- handle --> peagle-backend-v3-1a2b3c4d      one backend: the LLMServer deployment, no route
+                      (settings.serve_backend_app_name)
+
+:func:`roll` to a new head (one resolved :class:`pipelines.serve.Backend`):
+
+1. deploy the new backend app beside the old one (two vLLM replicas for a while);
+2. wait until it is RUNNING and answers one chat request through its own handle (else: delete it, keep
+   the old one, raise :class:`RolloutError`);
+3. switch the gateway to it in place: the same gateway deployment ``version`` with a new ``user_config``
+   (:class:`pipelines.serve.gateway.Route`), which Ray Serve applies by calling ``reconfigure`` on the
+   running gateway replica (no restart); wait until the gateway reports it;
+4. wait until the gateway has no request in flight on the old backend (streams included), then delete the
+   old backend app.
+
+First deployment (no gateway): backend, then gateway. The same backend already active: nothing is done.
+A gateway whose own settings (:data:`pipelines.serve.GATEWAY_FIELDS`, model id, code) changed is
+redeployed with a restart -- a short outage, as with any Serve rolling update of a single replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipelines import settings
+
+log = logging.getLogger(__name__)
+
+RUNNING = "RUNNING"
+FAILED = ("DEPLOY_FAILED", "UNHEALTHY")
+
+
+class RolloutError(RuntimeError):
+    """The new backend did not become healthy; the gateway still serves the previous one."""
+
+
+@dataclass
+class RollResult:
+    """``backend``: the app serving now; ``previous``: the backend app it replaced (deleted), None on a first
+    deployment; ``changed``: False when that backend was already active; ``served``: its head description;
+    ``seconds``: wall time of the roll; ``drained``: False when old requests were still in flight at the
+    drain timeout (deleted anyway: Serve's graceful shutdown of the old replica let them finish or cut them)."""
+
+    backend: str
+    previous: str | None
+    changed: bool
+    served: dict[str, Any]
+    seconds: float
+    drained: bool = True
+
+
+def app_statuses() -> dict[str, str]:
+    """``{app name: status}`` of the Serve cluster (``RUNNING``, ``DEPLOYING``, ``DEPLOY_FAILED``, ...)."""
+    from ray import serve
+
+    return {name: str(getattr(app.status, "value", app.status)).split(".")[-1]
+            for name, app in serve.status().applications.items()}
+
+
+def backend_apps(statuses: dict[str, str] | None = None) -> list[str]:
+    """Names of the backend apps on the cluster (``settings.SERVE_BACKEND_PREFIX``)."""
+    return sorted(n for n in (statuses if statuses is not None else app_statuses())
+                  if n.startswith(settings.SERVE_BACKEND_PREFIX))
+
+
+def gateway_state() -> dict[str, Any] | None:
+    """The gateway replica's ``{"backend", "in_flight", "version"}`` (:meth:`PeagleIngress.gateway_state`), or None when
+    there is no gateway app, or the app ``SERVE_APP_NAME`` is not a gateway (a ``build_app`` single app)."""
+    from ray import serve
+
+    if settings.SERVE_APP_NAME not in app_statuses():
+        return None
+    try:
+        return serve.get_app_handle(settings.SERVE_APP_NAME).gateway_state.remote().result(timeout_s=60)
+    except Exception as e:  # noqa: BLE001 - not a gateway (no such method) or not running: no active backend
+        log.debug("no gateway state: %s", e)
+        return None
+
+
+def roll(args, *, ready_timeout_s: float = 900.0, drain_timeout_s: float = 600.0, poll_s: float = 1.0) -> RollResult:
+    """Make the gateway ``settings.SERVE_APP_NAME`` serve ``args`` (a ``ServeAppArgs``), blue/green.
+
+    Serve must be started (``serve.start(http_options=...)``). The model id must not change across rolls
+    of one gateway (it is part of the gateway's version: a new id restarts the gateway).
+
+    Raises:
+        pydantic.ValidationError / ValueError / HeadContractError: from
+            :func:`pipelines.serve.resolve_backend`, before anything is deployed.
+        RolloutError: the new backend failed, or was not RUNNING and answering within ``ready_timeout_s``;
+            it is deleted and the gateway keeps its previous backend.
+    """
+    from pipelines.serve import gateway_version, resolve_backend
+
+    t0 = time.monotonic()
+    backend = resolve_backend(args)
+    name = backend.app_name
+    state = gateway_state()
+    previous = state["backend"] if state else None
+    statuses = app_statuses()
+    if (previous == name and statuses.get(name) == RUNNING
+            and state["version"] == gateway_version(backend.args, backend.model_id)):
+        log.info("peagle serve: %s already serves %s", settings.SERVE_APP_NAME, name)
+        return RollResult(backend=name, previous=None, changed=False, served=backend.served,
+                          seconds=time.monotonic() - t0)
+    deployment = _deploy_backend(backend, ready_timeout_s=ready_timeout_s, poll_s=poll_s)
+    _route_gateway(backend, deployment, timeout_s=ready_timeout_s, poll_s=poll_s)
+    drained = True
+    stale = [n for n in backend_apps() if n != name]  # the old backend, and any a failed run left behind
+    if previous in stale:
+        drained = _drain(previous, timeout_s=drain_timeout_s, poll_s=poll_s)
+    for old in stale:
+        log.info("peagle serve: deleting the old backend app %s", old)
+        _serve().delete(old)
+    seconds = time.monotonic() - t0
+    log.info("peagle serve: %s now serves %s (was %s) after %.1fs", settings.SERVE_APP_NAME, name, previous, seconds)
+    return RollResult(backend=name, previous=previous if previous in stale else None, changed=True,
+                      served=backend.served, seconds=seconds, drained=drained)
+
+
+def _serve():
+    from ray import serve
+
+    return serve
+
+
+def _deploy_backend(backend, *, ready_timeout_s: float, poll_s: float) -> str:
+    """Deploy ``backend`` as its own app (no route) unless it is there; return its deployment name once it
+    is RUNNING and answered one chat request through its handle.
+
+    Raises:
+        RolloutError: failed or timed out (the app is deleted).
+    """
+    from ray.serve.llm import build_llm_deployment
+
+    serve, name = _serve(), backend.app_name
+    if name not in app_statuses():
+        log.info("peagle serve: deploying the backend app %s (head %s)", name, backend.head_ref)
+        serve.run_many([serve.RunTarget(build_llm_deployment(backend.llm_config), name=name, route_prefix=None)],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    deadline, status, why = time.monotonic() + ready_timeout_s, None, None
+    while time.monotonic() < deadline:
+        status = app_statuses().get(name)
+        if status in FAILED:
+            why = f"status {status}: {serve.status().applications[name].message[:2000]}"
+            break
+        if status == RUNNING:
+            handle = serve.get_app_handle(name)
+            try:
+                _probe(handle, backend.model_id)
+                return handle.deployment_name
+            except Exception as e:  # noqa: BLE001 - a replica that cannot answer yet: wait, then give up
+                why = f"RUNNING but the probe request failed: {e!r}"[:2000]
+        time.sleep(poll_s)
+    else:
+        why = why or f"not RUNNING after {ready_timeout_s:.0f}s (status {status})"
+    log.warning("peagle serve: the new backend %s is not healthy (%s): deleting it", name, why)
+    try:
+        serve.delete(name)
+    except Exception as e:  # noqa: BLE001 - report the rollout failure, not the cleanup's
+        log.warning("peagle serve: could not delete %s: %s", name, e)
+    raise RolloutError(f"backend {name} (head {backend.head_ref}) did not become healthy: {why}; "
+                       f"{settings.SERVE_APP_NAME} still serves its previous backend")
+
+
+def _probe(handle, model_id: str) -> None:
+    """One greedy 1-token chat request through an ``LLMServer`` handle.
+
+    Raises:
+        RuntimeError: the answer is an error or has no choice.
+    """
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, ErrorResponse
+
+    request = ChatCompletionRequest(model=model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                    temperature=0, stream=False)
+    answers = list(handle.options(stream=True).chat.remote(request, None))
+    first = answers[0] if answers else None
+    first = first[0] if isinstance(first, list) and first else first
+    if first is None or isinstance(first, ErrorResponse) or not getattr(first, "choices", None):
+        raise RuntimeError(f"probe answer: {str(first)[:500]}")
+
+
+def _route_gateway(backend, deployment: str, *, timeout_s: float, poll_s: float) -> None:
+    """Deploy the gateway with the route to ``backend`` (in place when its version is unchanged) and wait
+    until it reports that backend.
+
+    Raises:
+        RolloutError: the gateway did not take the route within ``timeout_s``.
+    """
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+
+    from pipelines.serve import build_ingress
+    from pipelines.serve.gateway import Route
+
+    serve = _serve()
+    route = Route(app=backend.app_name, deployment=deployment,
+                  model_card=to_model_metadata(backend.model_id, backend.llm_config).model_dump(mode="json"),
+                  served=backend.served)
+    serve.run_many([serve.RunTarget(build_ingress(backend, route=route.model_dump()), name=settings.SERVE_APP_NAME,
+                                    route_prefix="/")],
+                   wait_for_ingress_deployment_creation=True, wait_for_applications_running=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = gateway_state()
+        if state and state["backend"] == backend.app_name:
+            return
+        time.sleep(poll_s)
+    raise RolloutError(f"{settings.SERVE_APP_NAME} did not switch to {backend.app_name} within {timeout_s:.0f}s")
+
+
+def _drain(app: str, *, timeout_s: float, poll_s: float) -> bool:
+    """Wait until the gateway has no request in flight on ``app`` (3 reads in a row: each read reaches one
+    gateway replica). Returns False at the timeout."""
+    deadline, zeros = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        state = gateway_state() or {"in_flight": {}}
+        n = state["in_flight"].get(app, 0)
+        zeros = zeros + 1 if n == 0 else 0
+        if zeros >= 3:
+            return True
+        if n:
+            log.info("peagle serve: %d request(s) still in flight on %s", n, app)
+        time.sleep(poll_s)
+    log.warning("peagle serve: requests still in flight on %s after %.0fs: deleting it anyway", app, timeout_s)
+    return False
+
+
+__all__ = ["RollResult", "RolloutError", "app_statuses", "backend_apps", "gateway_state", "roll"]
