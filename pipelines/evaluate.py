@@ -18,6 +18,12 @@ Rows (one per method x K x concurrency): ``method`` (none|eagle3|peagle), ``K`` 
 output token of one request), ``speedup`` (tokens/s over ``none`` at the same concurrency), ``al_per_pos``
 (acceptance rate per draft position, list of K floats).
 
+Champion vs challenger (``evaluate(champion_head=...)``): the registry's champion head is measured in the
+same call as the trained head -- same prompts, K sweep, concurrency sweep, max tokens and engine
+kwargs -- after it; its rows carry ``method`` = :data:`CHAMPION_LABEL` (``"champion"``) and
+``head_method`` = the decoding method it was served with (peagle|eagle3), so the table, best K, plots
+and the MLflow metrics (``eval.champion.K<k>.c<c>.<field>``) keep it apart from the trained head.
+
 Offline cross-check: :func:`offline_acceptance` runs peagle's reference decoder
 (``peagle_core.decoder.speculative_generate``) on the same prompt token ids.
 
@@ -49,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 METHODS = ("none", "eagle3", "peagle")
+CHAMPION_LABEL = "champion"  # ``method`` of the champion's rows (evaluate(champion_head=...))
 CPU_ENGINE_KWARGS: dict[str, Any] = {
     "dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.25, "enforce_eager": True,
 }
@@ -210,6 +217,8 @@ def evaluate(
     out_dir: str | os.PathLike | None = None,
     timeout_s: float = 1800.0,
     offline_methods: Sequence[str] = ("eagle3", "peagle"),
+    champion_head: str | os.PathLike | None = None,
+    champion_method: str = "peagle",
 ) -> EvalReport:
     """Measure every ``cfg.methods`` x ``cfg.num_speculative_tokens_sweep`` x ``cfg.concurrency_sweep``.
 
@@ -226,6 +235,10 @@ def evaluate(
         out_dir: where ``table.json``, ``table.md`` and the plots go (None: no files).
         offline_methods: methods cross-checked with the reference decoder when
             ``cfg.include_offline_decoder`` (pure torch on CPU: slow for many prompts).
+        champion_head: the registry champion's head, measured after ``heads`` at every K of the sweep
+            with the same prompts and engine kwargs; its rows get ``method`` = :data:`CHAMPION_LABEL`
+            and ``head_method`` = ``champion_method`` (None: not measured).
+        champion_method: how the champion drafts: ``"peagle"`` (parallel drafting) or ``"eagle3"``.
 
     Returns:
         :class:`pipelines.eval_report.EvalReport` (rows tagged ``eval_set``, with ``speedup``).
@@ -235,22 +248,26 @@ def evaluate(
         RuntimeError: a vLLM worker failed.
     """
     _check_inputs(prompts, heads)
+    if champion_head is not None:
+        _check_inputs(prompts, {champion_method: champion_head})
     from pipelines.console import progress
 
     ekw = dict(CPU_ENGINE_KWARGS if engine_kwargs is None else engine_kwargs)
     rows: list[dict[str, Any]] = []
     offline: list[dict[str, Any]] = []
     target_model = None
-    runs = _engine_runs(cfg, heads)
+    runs = _engine_runs(cfg, heads, champion_head=champion_head, champion_method=champion_method)
     requests_per_run = len(prompts) * len(cfg.concurrency_sweep)
     with progress("evaluate", total=len(runs) * requests_per_run, unit="requests") as advance:
-        for method, K, head in runs:
+        for label, method, K, head in runs:
             spec = EngineSpec(target=str(target), method=method, K=K, head=str(head) if head else None,
                               prompts=[list(p) for p in prompts], concurrency=list(cfg.concurrency_sweep),
                               max_tokens=cfg.max_tokens, engine_kwargs=ekw)
             t = time.perf_counter()
             got = run_engine_subprocess(spec, timeout_s=timeout_s)
-            log.info("eval %s K=%d: %s (%.0fs)", method, K,
+            if label != method:  # the champion: labelled apart from the trained head of the same method
+                got = [r | {"method": label, "head_method": method} for r in got]
+            log.info("eval %s K=%d: %s (%.0fs)", label, K,
                      ", ".join(f"c={r['concurrency']} AL={r['acceptance_length']:.3f} {r['tokens_per_s']:.1f} tok/s"
                                for r in got), time.perf_counter() - t)
             rows += got
@@ -261,8 +278,9 @@ def evaluate(
                     from transformers import AutoModelForCausalLM
 
                     target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype="float32").eval()
-                offline.append(offline_acceptance(target, head, prompts, method=method, K=K,
-                                                  max_tokens=cfg.max_tokens, target_model=target_model))
+                off = offline_acceptance(target, head, prompts, method=method, K=K, max_tokens=cfg.max_tokens,
+                                         target_model=target_model)
+                offline.append(off | {"method": label} if label != method else off)
     return build_report(rows, eval_set, offline=offline, out_dir=out_dir)
 
 
@@ -280,16 +298,22 @@ def _check_inputs(prompts: Sequence[Sequence[int]], heads: dict[str, str | os.Pa
             validate_head(head, parallel_drafting=method == "peagle")
 
 
-def _engine_runs(cfg: EvalConfig, heads: dict[str, str | os.PathLike | None]) -> list[tuple[str, int, Any]]:
-    """``(method, K, head)`` of each engine :func:`evaluate` starts, in ``cfg.methods`` order (K=0 for none);
-    a method without a head is skipped with a warning."""
+def _engine_runs(cfg: EvalConfig, heads: dict[str, str | os.PathLike | None], *,
+                 champion_head: str | os.PathLike | None = None,
+                 champion_method: str = "peagle") -> list[tuple[str, str, int, Any]]:
+    """``(row label, method, K, head)`` of each engine :func:`evaluate` starts, in ``cfg.methods`` order (K=0
+    for none; the label is the method), then the champion's (label :data:`CHAMPION_LABEL`) at every K of
+    the sweep; a method without a head is skipped with a warning."""
     runs = []
     for method in cfg.methods:
         head = heads.get(method) if method != "none" else None
         if method != "none" and head is None:
             log.warning("evaluation.methods lists %r but no %s head was given; skipping it", method, method)
             continue
-        runs += [(method, K, head) for K in ([0] if method == "none" else list(cfg.num_speculative_tokens_sweep))]
+        runs += [(method, method, K, head)
+                 for K in ([0] if method == "none" else list(cfg.num_speculative_tokens_sweep))]
+    if champion_head is not None:
+        runs += [(CHAMPION_LABEL, champion_method, K, champion_head) for K in cfg.num_speculative_tokens_sweep]
     return runs
 
 

@@ -7,6 +7,11 @@ Stages are deprecated in MLflow 3; the registry uses aliases:
   (gate: new acceptance length (AL) at the gate K beats the champion's on the same eval set by
   ``promote_margin``), :func:`promote` (forced) and :func:`rollback`.
 
+The champion's AL the gate compares with is, by preference, the one measured in the challenger's own
+evaluate run (:class:`MeasuredChampion`: same prompts, K sweep and engine settings; the evaluate stage
+does this when ``evaluation.compare_champion`` is on, by default for a warm start from the registry);
+otherwise the AL tagged on the champion when it was registered, on the same eval set.
+
 Champion history (what :func:`rollback` restores): every champion move adds its own registered model
 tag ``champion_history.<time_ns>-v<version>-<random>`` (JSON ``{"event": "promote"|"rollback", ...}``);
 the history is those entries replayed in key order, after the versions of the single JSON-list tag
@@ -62,6 +67,19 @@ class PromotionDecision:
     K: int
     new_al: float | None = None
     champion_al: float | None = None
+
+
+@dataclass(frozen=True)
+class MeasuredChampion:
+    """The champion as the challenger's evaluate run measured it (``evaluation.compare_champion``).
+
+    ``version``: the champion version measured (None: there was no champion when the run started);
+    ``al``: its AL at the gate K on the gate eval set (None: not measured at that K); ``eval_set``: that set.
+    """
+
+    version: str | None
+    al: float | None
+    eval_set: str
 
 
 @contextmanager
@@ -123,8 +141,9 @@ def _add_entry(client, model_name: str, event: dict) -> None:
     client.set_registered_model_tag(model_name, key, json.dumps(event, separators=(",", ":")))
 
 
-def _current_champion(client, model_name: str):
-    """The ``champion`` model version, or None when no version holds the alias."""
+def current_champion(client, model_name: str):
+    """The ``champion`` model version (``ModelVersion``, tags included) of ``model_name``, or None when no
+    version holds the alias (or the model does not exist)."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -165,6 +184,7 @@ def maybe_promote(
     K: int,
     promote_margin: float = 0.0,
     eval_set: str | None = None,
+    measured: MeasuredChampion | None = None,
     tracking_uri: str | None = None,
 ) -> PromotionDecision:
     """Promotion gate: move ``champion`` to ``version`` only if its AL at ``K`` beats the champion's.
@@ -173,11 +193,18 @@ def maybe_promote(
     set and ``new_al > champion_al + promote_margin``. Otherwise the champion stays; the reason is
     returned and recorded as tags (``promotion_decision``, ``promotion_reason``).
 
+    With ``measured`` the champion's AL is the one measured in the candidate's evaluate run (same
+    prompts and engine settings), not its registered tag, and the reason says so with both ALs. The
+    champion must still be ``measured.version``: a champion that moved since (another refresh promoted,
+    a rollback), or appeared since, refuses the candidate (re-run evaluate: its key holds the champion
+    version, so it measures the new one).
+
     Args:
         version: candidate version; None = the ``challenger`` alias.
         K: the gate's served K (``RegistryConfig.gate_num_speculative_tokens``).
         promote_margin: required AL improvement (AL units, tokens per target step).
         eval_set: required eval set of both versions; None = the candidate's.
+        measured: the champion as the candidate's evaluate run measured it; None = use the champion's tags.
 
     The read-decide-move runs under :func:`champion_lock`. A version that already holds ``champion`` but
     has no recorded decision (a promotion interrupted after the alias moved) is reported promoted, and
@@ -190,11 +217,11 @@ def maybe_promote(
     """
     with champion_lock(model_name, tracking_uri):
         return _gate(model_name, version, K=K, promote_margin=promote_margin, eval_set=eval_set,
-                     tracking_uri=tracking_uri)
+                     measured=measured, tracking_uri=tracking_uri)
 
 
 def _gate(model_name: str, version: str | int | None, *, K: int, promote_margin: float, eval_set: str | None,
-          tracking_uri: str | None) -> PromotionDecision:
+          measured: MeasuredChampion | None, tracking_uri: str | None) -> PromotionDecision:
     """:func:`maybe_promote` without the lock."""
     client = get_client(tracking_uri)
     mv = (client.get_model_version_by_alias(model_name, CHALLENGER) if version is None
@@ -202,7 +229,7 @@ def _gate(model_name: str, version: str | int | None, *, K: int, promote_margin:
     v = str(mv.version)
     new_al = _al_at(mv, K)
     new_set = version_tag(mv, "eval_set")
-    champ = _current_champion(client, model_name)
+    champ = current_champion(client, model_name)
     history = _history(client, model_name)
 
     def decide(promoted: bool, reason: str, champ_al: float | None = None) -> PromotionDecision:
@@ -217,12 +244,15 @@ def _gate(model_name: str, version: str | int | None, *, K: int, promote_margin:
         return decide(False, f"version {v} was evaluated on {new_set!r}, the gate requires {eval_set!r}")
     if new_al is None:
         return decide(False, f"version {v} has no acceptance length at K={K} (tags al.K{K}); evaluate it at K={K}")
-    if champ is None:
-        return decide(True, f"no champion yet; version {v} (AL {new_al:.3f} at K={K} on {new_set}) becomes champion")
-    if str(champ.version) == v:
+    if champ is not None and str(champ.version) == v:
         if version_tag(mv, "promotion_decision") is None:  # alias moved, then interrupted before the record
             return decide(True, f"version {v} already holds {CHAMPION} (an interrupted promotion); decision recorded")
         return decide(False, f"version {v} is already the champion")
+    if measured is not None:
+        return _gate_measured(decide, champ, measured, v=v, new_al=new_al, new_set=new_set, K=K,
+                              promote_margin=promote_margin)
+    if champ is None:
+        return decide(True, f"no champion yet; version {v} (AL {new_al:.3f} at K={K} on {new_set}) becomes champion")
     champ_al, champ_set = _al_at(champ, K), version_tag(champ, "eval_set")
     if champ_set != new_set:
         return decide(False, f"champion v{champ.version} was evaluated on {champ_set!r}, version {v} on "
@@ -235,6 +265,31 @@ def _gate(model_name: str, version: str | int | None, *, K: int, promote_margin:
                             f"{promote_margin:g} at K={K} on {new_set}", champ_al)
     return decide(False, f"AL {new_al:.3f} does not beat champion v{champ.version} AL {champ_al:.3f} + margin "
                          f"{promote_margin:g} at K={K} on {new_set}; champion stays", champ_al)
+
+
+def _gate_measured(decide, champ, measured: MeasuredChampion, *, v: str, new_al: float, new_set: str | None, K: int,
+                   promote_margin: float) -> PromotionDecision:
+    """The gate's rule against the champion measured in the candidate's evaluate run (``champ``: the current
+    champion version or None; ``decide(promoted, reason, champion_al)`` records the outcome)."""
+    current = str(champ.version) if champ is not None else None
+    if current != measured.version:
+        then = f"v{measured.version}" if measured.version is not None else "no champion"
+        return decide(False, f"the champion is {f'v{current}' if current else 'unset'} now but version {v}'s "
+                             f"evaluate run measured {then}: the ALs are not comparable; re-run evaluate "
+                             "(its key holds the champion version) and register")
+    if measured.version is None:
+        return decide(True, f"no champion yet; version {v} (AL {new_al:.3f} at K={K} on {new_set}) becomes champion")
+    if measured.eval_set != new_set:
+        return decide(False, f"champion v{measured.version} was measured on {measured.eval_set!r}, version {v} on "
+                             f"{new_set!r}: ALs are not comparable; measure both on the gate eval set")
+    if measured.al is None:
+        return decide(False, f"champion v{measured.version} has no AL at K={K} in this evaluate run; add K={K} to "
+                             "evaluation.num_speculative_tokens_sweep")
+    both = (f"AL {new_al:.3f} vs champion v{measured.version} AL {measured.al:.3f} (both measured in this evaluate "
+            f"run) + margin {promote_margin:g} at K={K} on {new_set}")
+    if new_al > measured.al + promote_margin:
+        return decide(True, f"promoted: {both}", measured.al)
+    return decide(False, f"champion stays: {both}", measured.al)
 
 
 def promote(model_name: str, version: str | int, *, reason: str = "forced promotion",
@@ -251,7 +306,7 @@ def promote(model_name: str, version: str | int, *, reason: str = "forced promot
     with champion_lock(model_name, tracking_uri):
         client = get_client(tracking_uri)
         mv = client.get_model_version(model_name, str(version))
-        champ = _current_champion(client, model_name)
+        champ = current_champion(client, model_name)
         history = _history(client, model_name)
         if champ is not None and str(champ.version) == str(mv.version):
             d = PromotionDecision(False, f"version {mv.version} is already the champion", str(mv.version),
@@ -277,7 +332,7 @@ def rollback(model_name: str, *, tracking_uri: str | None = None):
     with champion_lock(model_name, tracking_uri):
         client = get_client(tracking_uri)
         history = _history(client, model_name)
-        champ = _current_champion(client, model_name)
+        champ = current_champion(client, model_name)
         if champ is not None and (not history or history[-1] != str(champ.version)):
             history.append(str(champ.version))  # alias moved by hand outside peagle: not in the entries
         if len(history) < 2:
@@ -305,7 +360,7 @@ def recorded_decision(model_name: str, version: str | int, *, K: int,
     decision = version_tag(mv, "promotion_decision")
     if decision is None:
         return None
-    champ = _current_champion(client, model_name)
+    champ = current_champion(client, model_name)
     return PromotionDecision(promoted=decision == "promoted", reason=version_tag(mv, "promotion_reason") or "",
                              version=str(mv.version), champion_version=str(champ.version) if champ else None, K=K,
                              new_al=_al_at(mv, K))

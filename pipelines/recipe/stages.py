@@ -218,6 +218,22 @@ class EvalConfig(Section):
     include_offline_decoder: bool = Field(
         True, description="Also measure with the pure-torch reference speculative decoder."
     )
+    compare_champion: bool | None = Field(
+        None, description="Also measure the registry's current champion (models:/<registry model>@champion, pinned "
+        "to its version and head_sha256 when the run starts; part of the evaluate stage's key) in the same evaluate "
+        "run: same prompts, K sweep, concurrency sweep and engine settings, its rows labelled method 'champion' "
+        "(pipelines.evaluate.CHAMPION_LABEL). The promotion gate then compares the challenger with the AL the "
+        "champion got in this run on the gate eval set instead of the AL recorded when the champion was "
+        "registered. None (default) = on when training.init_from is a registry reference (models:/...), off "
+        "otherwise. No champion yet: only the challenger is measured and the gate promotes it.",
+    )
+
+    def compares_champion(self, training: TrainingConfig) -> bool:
+        """Whether the evaluate stage measures the champion (``compare_champion``, None = warm start from a
+        registry reference)."""
+        if self.compare_champion is not None:
+            return self.compare_champion
+        return training.init_from is not None and training.init_from.startswith("models:/")
 
     @field_validator("num_speculative_tokens_sweep", "concurrency_sweep")
     @classmethod
@@ -248,6 +264,28 @@ class RegistryConfig(Section):
         0.0, description="Challenger is promoted when its acceptance length beats the champion's by this many "
         "tokens (AL units)."
     )
+    gate_eval_set: str | None = Field(
+        None, description="Eval set (a name pipelines.eval_prompts.eval_set_name gives an evaluation source: "
+        "humaneval, mtbench, traffic, a file's stem, ...) on which the gate compares ALs; it is also the set of "
+        "the registered AL tags and of the K schedule. None = the first traffic source of evaluation.sources "
+        "(the held-out traffic slice) when there is one, else the first source (resolved_gate_eval_set).",
+    )
+
+    def resolved_gate_eval_set(self, evaluation: EvalConfig) -> str:
+        """The gate's eval set (the one rule; the evaluate and register stages both call it).
+
+        Raises:
+            ValueError: ``gate_eval_set`` names none of ``evaluation.sources``' sets (the names are listed).
+        """
+        from pipelines.eval_prompts import eval_set_name
+
+        names = [eval_set_name(s) for s in evaluation.sources]
+        if self.gate_eval_set is not None:
+            if self.gate_eval_set not in names:
+                raise ValueError(f"registry.gate_eval_set={self.gate_eval_set!r} is not an eval set of "
+                                 f"evaluation.sources {names}; use one of them or null")
+            return self.gate_eval_set
+        return next((n for s, n in zip(evaluation.sources, names, strict=True) if s.kind == "traffic"), names[0])
 
     def resolved_tracking_uri(self, home: Path | None = None) -> str:
         """This section's URI, else ``$MLFLOW_TRACKING_URI``, else the local store (one rule:

@@ -1,14 +1,25 @@
 """Stage ``evaluate``: the trained head's acceptance length (AL) and tokens/s with real vLLM (``pipelines.evaluate``).
 
 Measures every method x K x concurrency of the ``evaluation`` section on every eval source
-(``pipelines.eval_prompts``: one eval set per source); the first set is the gate set (the promotion
-gate compares ALs on one eval set). Writes ``evaluate/<eval_set>/`` (``table.json``, ``table.md``,
-plots) per set and ``evaluate/table.json`` / ``table.md`` with the rows of every set. MT-Bench with
+(``pipelines.eval_prompts``: one eval set per source); the gate set
+(``RegistryConfig.resolved_gate_eval_set``: ``registry.gate_eval_set``, else the held-out traffic set
+when there is one, else the first set) is where the promotion gate compares ALs, listed first. Writes
+``evaluate/<eval_set>/`` (``table.json``, ``table.md``, plots) per set and ``evaluate/table.json`` /
+``table.md`` with the rows of every set.
+
+Champion vs challenger (``EvalConfig.compares_champion``: ``evaluation.compare_champion``, by default on
+for a warm start from the registry): the registry's ``champion`` of the recipe's model is resolved once
+per pipeline run, when the stage is built, to a version and its ``head_sha256`` (both in this stage's
+key: a re-run against the same champion is skipped, a promotion re-keys it), downloaded to
+``evaluate/champion_head/`` and measured by the same ``pipelines.evaluate.evaluate`` call as the
+trained head on every set (rows ``method: champion``). The register stage's gate then uses the
+champion's AL from this table. MT-Bench with
 ``turns: 2`` needs the target's answers to the first turns: a transformers engine of the target
 writes them in this process (greedy) and is freed before vLLM starts. The trained method's K schedule
 on the gate set (``pipelines.k_schedule``: batch-size ranges -> best measured K, K=0 where no
 speculation was faster) goes into ``table.json`` and the output; register writes it on the model
-version. Key: evaluation section.
+version. Key: evaluation section (plus the gate set when it is not the first set, and the champion
+version and head_sha256 when comparing).
 """
 
 from __future__ import annotations
@@ -22,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.atomic import atomic_write_text
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, write_json
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, _key_dump, write_json
 from pipelines.stages.train import TrainOutput
+
+CHAMPION_HEAD_DIR = "champion_head"  # under the stage directory: the champion's head, downloaded
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +49,10 @@ class EvaluateOutput(StageOutput):
     ``{"<eval_set>/<plot>": PNG path}``; ``eval_sets``: every set, gate first (None in records
     written before there were several: their rows are all the gate set's); ``k_schedule``: the trained
     method's vLLM schedule ``[[batch_min, batch_max, K], ...]`` on the gate set
-    (``pipelines.k_schedule.build_k_schedule``; None in records written before it existed)."""
+    (``pipelines.k_schedule.build_k_schedule``; None in records written before it existed);
+    ``champion``: the registry champion measured beside the trained head (rows ``method: champion``),
+    ``{"model", "version", "head_sha256", "method"}``, or ``{"model", "version": None}`` when the
+    comparison was on but there was no champion; None when the comparison was off."""
 
     table: str
     rows: list[dict]
@@ -45,6 +61,7 @@ class EvaluateOutput(StageOutput):
     plots: dict[str, str] = field(default_factory=dict)
     eval_sets: list[str] | None = field(default=None, metadata=OMIT_IF_NONE)
     k_schedule: list[list[int]] | None = field(default=None, metadata=OMIT_IF_NONE)
+    champion: dict[str, Any] | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def set_names(self) -> list[str]:
         """The eval sets measured, gate set first."""
@@ -66,6 +83,12 @@ class EvaluateStage(Stage):
     name = "evaluate"
     Output = EvaluateOutput
 
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self._compares = ctx.recipe.evaluation.compares_champion(ctx.recipe.training)
+        # the champion pinned once per run (version + head_sha256): the key and the download agree
+        self._champion = resolve_champion(ctx.model_name, tracking_uri=ctx.tracking_uri) if self._compares else None
+
     @staticmethod
     def check(recipe) -> None:
         from pipelines.eval_prompts import eval_set_name
@@ -80,9 +103,21 @@ class EvaluateStage(Stage):
             raise ValueError(f"evaluation.sources name the eval set(s) {repeated} more than once (a set is named by "
                              "its kind or its file's stem); drop the repeats or rename the files")
 
-    @staticmethod
-    def sections(recipe):
-        return (recipe.evaluation,)
+    def sections(self, recipe):
+        from pipelines.eval_prompts import eval_set_name
+
+        # fields added after the keys were fixed stay out while unused: older recipes keep their keys
+        evaluation = _key_dump(recipe.evaluation)
+        if recipe.evaluation.compare_champion is None:
+            evaluation.pop("compare_champion", None)
+        parts: list[Any] = [evaluation]
+        gate = recipe.registry.resolved_gate_eval_set(recipe.evaluation)
+        if gate != eval_set_name(recipe.evaluation.sources[0]):  # the gate set orders the table, picks the schedule
+            parts.append({"gate_eval_set": gate})
+        if self._compares:
+            parts.append({"champion": self._champion.key() if self._champion is not None
+                          else {"model": self.ctx.model_name, "version": None}})
+        return tuple(parts)
 
     def run(self) -> EvaluateOutput:
         from transformers import AutoTokenizer
@@ -94,6 +129,8 @@ class EvaluateStage(Stage):
 
         r = self.recipe
         head = self.ctx.upstream(TrainOutput).head_dir
+        gate = r.registry.resolved_gate_eval_set(r.evaluation)
+        champion_head, champion = self._fetch_champion()
         asset, _ = resolve_target(r.target)
         tok = AutoTokenizer.from_pretrained(str(asset.path))
         max_len = max(1024, r.data.max_length_tokens)
@@ -102,12 +139,12 @@ class EvaluateStage(Stage):
                                      seed=r.data.seed, max_prompt_tokens=max_len - r.evaluation.max_tokens,
                                      engine=engine, max_tokens=r.evaluation.max_tokens)
         engine_kwargs = {"dtype": r.target.dtype, "max_model_len": max_len} | self.ctx.engine.vllm_kwargs
+        champion_kw = {"champion_head": champion_head, "champion_method": champion["method"]} if champion_head else {}
         reports = {}
-        for eval_set, prompts in sets.items():
-            reports[eval_set] = ev.evaluate(target=asset.path, prompts=prompts, heads={r.training.method: head},
-                                            cfg=r.evaluation, eval_set=eval_set, engine_kwargs=engine_kwargs,
-                                            out_dir=self.dir / eval_set)
-        gate = next(iter(reports))
+        for eval_set in sorted(sets, key=lambda name: name != gate):  # the gate set first
+            reports[eval_set] = ev.evaluate(target=asset.path, prompts=sets[eval_set],
+                                            heads={r.training.method: head}, cfg=r.evaluation, eval_set=eval_set,
+                                            engine_kwargs=engine_kwargs, out_dir=self.dir / eval_set, **champion_kw)
         schedule = schedule_or_none(reports[gate].rows, r.training.method)
         k_schedule = [list(e) for e in schedule] if schedule is not None else None
         rows = [row for rep in reports.values() for row in rep.rows]
@@ -116,13 +153,38 @@ class EvaluateStage(Stage):
         write_json(self.dir / "table.json", {"gate_eval_set": gate, "eval_sets": list(reports), "rows": rows,
                                              "best_K": {name: rep.best_K for name, rep in reports.items()},
                                              "k_schedule": {"eval_set": gate, "method": r.training.method,
-                                                            "schedule": k_schedule}})
+                                                            "schedule": k_schedule},
+                                             "champion": champion})
         atomic_write_text(self.dir / "table.md", markdown)
         self.ctx.say(f"table {self.dir / 'table.md'}" if not self.ctx.verbose else "\n" + markdown)
         plots = {f"{name}/{k}": str(v) for name, rep in reports.items() for k, v in rep.plots.items()}
         return EvaluateOutput(table=str(self.dir / "table.json"), rows=rows, eval_set=gate,
                               best_K=reports[gate].best_K, eval_sets=list(reports), plots=plots,
-                              k_schedule=k_schedule)
+                              k_schedule=k_schedule, champion=champion)
+
+    def _fetch_champion(self) -> tuple[str | None, dict[str, Any] | None]:
+        """``(local head dir, EvaluateOutput.champion)`` of the pinned champion: ``(None, None)`` when not
+        comparing, ``(None, {"model", "version": None})`` when there is no champion.
+
+        Raises:
+            ValueError / peagle_core.contract.HeadContractError: the download fails its digest, checksums
+                or the contract (``pipelines.train.warm_start.fetch_init_head``).
+        """
+        if not self._compares:
+            return None, None
+        if self._champion is None:
+            self.ctx.say(f"no champion of {self.ctx.model_name} yet: measuring the trained head only")
+            return None, {"model": self.ctx.model_name, "version": None}
+        import json
+
+        from peagle_core.contract import CONFIG_FILE
+        from pipelines.train.warm_start import fetch_init_head
+
+        init = fetch_init_head(self._champion, self.dir / CHAMPION_HEAD_DIR, tracking_uri=self.ctx.tracking_uri)
+        config = json.loads((Path(init.head_dir) / CONFIG_FILE).read_text())
+        method = "peagle" if config.get("mask_token_id") is not None else "eagle3"  # as register infers it
+        self.ctx.say(f"champion {init.describe()} ({method}) measured beside the trained head")
+        return init.head_dir, {**init.key(), "method": method}
 
     @contextlib.contextmanager
     def _turn_one_engine(self, target_path: Path, max_len: int) -> Iterator[Any]:
@@ -149,11 +211,39 @@ class EvaluateStage(Stage):
         return Path(out.table).is_file() and bool(out.rows)
 
     def summary(self, out: EvaluateOutput) -> tuple[str, dict[str, Any]]:
+        from pipelines.evaluate import CHAMPION_LABEL
+
         by_set = {name: headline(out.set_rows(name), self.recipe) for name in out.set_names()}
-        return "eval", headline(out.set_rows(), self.recipe) | {
+        s = headline(out.set_rows(), self.recipe) | {
             "eval_set": out.eval_set,
             "by_eval_set": {name: {k: h[k] for k in ("none_tokens_per_s", "per_K")} for name, h in by_set.items()},
         }
+        if out.champion is not None:  # the champion's AL per K on each set, beside the trained head's
+            c = min(self.recipe.evaluation.concurrency_sweep)
+            s["champion"] = out.champion | {"al_by_K": {name: out.al_by_K(CHAMPION_LABEL, c, eval_set=name)
+                                                        for name in out.set_names()}}
+        return "eval", s
+
+
+def resolve_champion(model_name: str, *, tracking_uri: str | None = None):
+    """The ``champion`` of ``model_name`` pinned to its version and ``head_sha256`` tag, as a
+    ``pipelines.train.warm_start.InitHead`` (``fetch_init_head`` downloads it), or None when no version
+    holds the alias (or the model is not registered yet).
+
+    Raises:
+        pipelines.register.TrackingUnreachableError: an ``http(s)://`` tracking server that does not answer.
+    """
+    from pipelines.promotion import CHAMPION, current_champion
+    from pipelines.register import HEAD_SHA256_TAG, get_client, tracking_guard, version_tag
+    from pipelines.train.warm_start import REGISTRY_PREFIX, InitHead
+
+    with tracking_guard(tracking_uri, hint="evaluation.compare_champion needs the registry: start it, or set "
+                        "evaluation.compare_champion: false") as uri:
+        mv = current_champion(get_client(uri), model_name)
+    if mv is None:
+        return None
+    return InitHead(ref=f"{REGISTRY_PREFIX}{model_name}@{CHAMPION}", model_name=model_name, version=str(mv.version),
+                    head_sha256=version_tag(mv, HEAD_SHA256_TAG))
 
 
 def headline(rows: list[dict], recipe) -> dict[str, Any]:

@@ -4,9 +4,13 @@
 One MLflow run per pipeline run (experiment ``peagle``: resolved recipe, training curves, eval
 table, stage timings, data-manifest hash); the head becomes a new model version (alias
 ``challenger``) tagged with this stage's key, and the gate moves ``champion`` only when its AL at
-``registry.gate_num_speculative_tokens`` beats the champion's. The version also carries the evaluate
-stage's K schedule (tag ``pipelines.k_schedule.K_SCHEDULE_TAG``, JSON), which Serve passes to vLLM.
-Key: registry section.
+``registry.gate_num_speculative_tokens`` on the gate eval set (``RegistryConfig.resolved_gate_eval_set``)
+beats the champion's. When the evaluate stage measured the champion beside the trained head
+(``evaluation.compare_champion``), that same-run AL is the champion's
+(``pipelines.promotion.MeasuredChampion``), not the AL tagged on it when it was registered (maybe on
+another set, with other engine settings); the decision's reason names both ALs. The version also
+carries the evaluate stage's K schedule (tag ``pipelines.k_schedule.K_SCHEDULE_TAG``, JSON), which
+Serve passes to vLLM. Key: registry section (``gate_eval_set`` only when set).
 
 Re-runs and outages (issue 15): before logging anything the stage looks up the version and run tagged
 with its key (``pipelines.register.find_registered``) and reuses them, and re-reads the gate's recorded
@@ -21,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.stages.base import Stage, StageOutput
+from pipelines.stages.base import Stage, StageOutput, _key_dump
 from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.evaluate import EvaluateOutput
 from pipelines.stages.train import TrainOutput
@@ -56,10 +60,14 @@ class RegisterStage(Stage):
             raise ValueError(f"registry.gate_num_speculative_tokens={gate_K} is not in "
                              f"evaluation.num_speculative_tokens_sweep={sweep}: the gate compares "
                              "ALs measured at its K; add it to the sweep")
+        recipe.registry.resolved_gate_eval_set(recipe.evaluation)  # ValueError: not an eval set of the recipe
 
     @staticmethod
     def sections(recipe):
-        return (recipe.registry,)
+        registry = _key_dump(recipe.registry)
+        if recipe.registry.gate_eval_set is None:  # added after the keys were fixed: older recipes keep theirs
+            registry.pop("gate_eval_set", None)
+        return (registry,)
 
     def run(self) -> RegisterOutput:
         from pipelines import register as reg
@@ -70,8 +78,13 @@ class RegisterStage(Stage):
         r, uri, name = self.recipe, self.ctx.tracking_uri, self.ctx.model_name
         train, ev = self.ctx.upstream(TrainOutput), self.ctx.upstream(EvaluateOutput)
         method, gate_K = r.training.method, r.registry.gate_num_speculative_tokens
+        gate_set = r.registry.resolved_gate_eval_set(r.evaluation)
+        if gate_set != ev.eval_set:  # the evaluate key covers the gate set: only a hand-edited record gets here
+            raise ValueError(f"the evaluate stage's gate set is {ev.eval_set!r}, the recipe's {gate_set!r}; re-run "
+                             "evaluate (peagle run --stage evaluate --force)")
         # the gate compares ALs on one eval set: the gate set's rows only (best_K is the gate set's too)
         al_by_K = ev.al_by_K(method, min(r.evaluation.concurrency_sweep), eval_set=ev.eval_set)
+        measured = measured_champion(ev, gate_K=gate_K, concurrency=min(r.evaluation.concurrency_sweep))
         # records written before evaluate stored the schedule: the same function on the same gate-set rows
         schedule = ev.k_schedule if ev.k_schedule is not None else schedule_or_none(ev.set_rows(), method)
         schedule_tag = {K_SCHEDULE_TAG: schedule_to_tag(schedule)} if schedule is not None else {}
@@ -95,7 +108,7 @@ class RegisterStage(Stage):
                              "run: reusing it (nothing registered twice)")
             decision = (recorded_decision(name, mv.version, K=gate_K, tracking_uri=uri)
                         or maybe_promote(name, mv.version, K=gate_K, promote_margin=r.registry.promote_margin,
-                                         eval_set=ev.eval_set, tracking_uri=uri))
+                                         eval_set=ev.eval_set, measured=measured, tracking_uri=uri))
             reg.get_client(uri).set_terminated(run_id)
         self.ctx.say(f"{name} v{mv.version} (AL {al_by_K[gate_K]:.3f} at K={gate_K} on {ev.eval_set}; K schedule "
                      f"{schedule_tag.get(K_SCHEDULE_TAG, 'none')}); gate: {decision.reason}")
@@ -109,13 +122,16 @@ class RegisterStage(Stage):
         from pipelines import register as reg
 
         r, uri = self.recipe, self.ctx.tracking_uri
+        champion = {f"peagle.champion_{k}": str(ev.champion.get(k) or "") for k in ("version", "head_sha256")
+                    } if ev.champion is not None else {}
         # every set's rows as metrics: the gate set's as eval.<method>..., the others' as eval.<set>.<method>...
+        # (the champion's rows: method "champion", e.g. eval.champion.K5.c1.acceptance_length)
         run_id = reg.log_run(
             config=r, training_curves=train.history or [], eval_table=ev.rows, gate_eval_set=ev.eval_set,
             data_manifest=self.ctx.upstream(CaptureOutput).manifest(),
             artifacts={"evaluate": str(self.ctx.stage_dir("evaluate"))}, run_name=r.name, run_id=run_id,
             tags={"peagle.recipe": r.name, "peagle.pipeline_key": self.ctx.key(self.name),
-                  "peagle.train_mlflow_run": str(train.mlflow_run_id or "")},
+                  "peagle.train_mlflow_run": str(train.mlflow_run_id or ""), **champion},
             tracking_uri=uri)
         timings = {f"stage_seconds.{n}": rec.seconds for n, rec in self.ctx.records.items() if rec.status == "ran"}
         if timings:
@@ -134,4 +150,19 @@ class RegisterStage(Stage):
 
     def summary(self, out: RegisterOutput) -> tuple[str, dict[str, Any]]:
         return "mlflow", {"tracking_uri": out.tracking_uri, "run_id": out.run_id, "model_name": out.model_name,
-                          "version": out.version, "promoted": out.promoted, "champion_version": out.champion_version}
+                          "version": out.version, "promoted": out.promoted, "champion_version": out.champion_version,
+                          "reason": out.reason}
+
+
+def measured_champion(ev: EvaluateOutput, *, gate_K: int, concurrency: int):
+    """The champion as ``ev`` measured it on its gate set (``pipelines.promotion.MeasuredChampion``: version and
+    AL at ``gate_K`` and ``concurrency``), or None when the evaluate stage did not compare (the gate then
+    reads the champion's registered AL)."""
+    from pipelines.evaluate import CHAMPION_LABEL
+    from pipelines.promotion import MeasuredChampion
+
+    if ev.champion is None:
+        return None
+    version = ev.champion.get("version")
+    al = ev.al_by_K(CHAMPION_LABEL, concurrency, eval_set=ev.eval_set).get(gate_K) if version is not None else None
+    return MeasuredChampion(version=str(version) if version is not None else None, al=al, eval_set=ev.eval_set)
