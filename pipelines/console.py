@@ -89,7 +89,9 @@ def init_ray(verbose: bool = False) -> None:
         os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # the driver's own core worker only
     import ray
 
-    kwargs = {"num_cpus": 2 * (os.cpu_count() or 1)} if address == "local" else {}
+    from pipelines.settings import local_num_cpus
+
+    kwargs = {"num_cpus": local_num_cpus()} if address == "local" else {}
     ray.init(address=address, logging_level=logging.INFO if verbose else logging.WARNING,
              log_to_driver=verbose, **kwargs)
     if not verbose:

@@ -42,6 +42,7 @@ from pathlib import Path
 import typer
 
 from peagle_core.atomic import atomic_write_text
+from pipelines import settings
 
 STATE_FILE = "peagle_head.json"
 TOKEN_FILE = "auth_token"
@@ -111,9 +112,9 @@ def start(
 ) -> HeadInfo:
     """Start a private Ray head (token auth on) unless one already runs from ``temp_dir``.
 
-    ``num_cpus``: logical CPUs (default ``2 * os.cpu_count()``: Ray Data read tasks, the train
-    controller and a stage's actors must not starve each other on a 2-core box). Every other port of
-    the head is picked free, so it coexists with other Ray clusters of the machine.
+    ``num_cpus``: logical CPUs (default :func:`pipelines.settings.local_num_cpus`, 2x the cores; more keeps a
+    Serve endpoint up while compute stages run beside it). Every other port of the head is picked free, so it
+    coexists with other Ray clusters of the machine.
 
     Raises:
         ValueError: ``port`` / ``dashboard_port`` taken by something that is not this head.
@@ -128,7 +129,7 @@ def start(
             raise ValueError(f"{name}={p} is in use by another process; pick a free one (e.g. {free_port()})")
     temp.mkdir(parents=True, exist_ok=True)
     token_path = ensure_token(temp / TOKEN_FILE)
-    num_cpus = num_cpus or 2 * (os.cpu_count() or 1)
+    num_cpus = num_cpus or settings.local_num_cpus()
     venv_bin = str(Path(sys.executable).parent)
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
                PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), RAY_USAGE_STATS_ENABLED="0")
@@ -213,7 +214,7 @@ TempOpt = typer.Option("/tmp/peagle-ray", "--temp-dir", help="The head's private
 @cli.command("start")
 def start_cmd(temp_dir: str = TempOpt, port: int = typer.Option(6390, help="GCS port."),
               dashboard_port: int = typer.Option(8266, help="Dashboard / Jobs API port."),
-              num_cpus: int = typer.Option(0, help="Logical CPUs (0 = 2x the cores).")) -> None:
+              num_cpus: int = typer.Option(0, help="Logical CPUs (0 = 2x the cores; more keeps a CPU endpoint serving during a refresh run).")) -> None:
     """Start the head unless it already runs."""
     try:
         start(temp_dir, port=port, dashboard_port=dashboard_port, num_cpus=num_cpus or None)

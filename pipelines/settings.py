@@ -41,10 +41,18 @@ SERVE_BACKEND_PREFIX = f"{SERVE_APP_NAME}-backend-"  # its backend apps (pipelin
 
 __all__ = [
     "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
-    "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_sqlite_dir",
-    "locks_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",
+    "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_num_cpus",
+    "local_sqlite_dir", "locks_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",
     "targets_dir", "tracking_uri", "traffic_dir",
 ]
+
+
+def local_num_cpus() -> int:
+    """Logical CPUs of a local Ray cluster peagle starts (``ray.init(address="local")``, ``peagle ray start``):
+    2x the cores, so Ray Data read tasks, the train controller and a stage's actors never wait on each other
+    on a 2-core box. It is also what a CPU compute stage may reserve: a running Serve endpoint stays up
+    beside a stage only where the cluster has this many CPUs free (``pipelines.stages.serve.delete_app_on_cpu``)."""
+    return 2 * (os.cpu_count() or 1)
 
 
 def peagle_home(home: str | os.PathLike | None = None) -> Path:

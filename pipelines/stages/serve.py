@@ -95,20 +95,33 @@ class ServeStage(Stage):
 
 
 def delete_app_on_cpu(ctx: RunContext) -> None:
-    """A running demo endpoint holds ~2 CPUs of a laptop cluster: delete its gateway and backend apps before a
-    compute stage runs."""
+    """Before a compute stage on a CPU cluster: delete the running endpoint (gateway and backend apps) unless
+    the cluster has :func:`pipelines.settings.local_num_cpus` CPUs free beside it, what a CPU stage may
+    reserve. A demo endpoint holds ~2 CPUs of a laptop cluster (2x the cores, logical); a cluster started
+    with more (``peagle ray start --num-cpus``) keeps serving through a refresh run. Says which it did."""
     if ctx.engine.use_gpu:
         return
     try:
         serve = _ray_serve()
+        import ray
+
         from pipelines.serve.rollout import app_statuses, backend_apps
 
         statuses = app_statuses()
-        for app in [a for a in (settings.SERVE_APP_NAME,) if a in statuses] + backend_apps(statuses):
-            ctx.say(f"deleting the running Serve app {app!r} to free CPUs for compute stages")
-            serve.delete(app)
+        apps = [a for a in (settings.SERVE_APP_NAME,) if a in statuses] + backend_apps(statuses)
     except Exception as e:  # noqa: BLE001 - no Serve controller is fine
         log.debug("no Serve app to delete: %s", e)
+        return
+    if not apps:
+        return
+    free, need = ray.available_resources().get("CPU", 0.0), settings.local_num_cpus()
+    if free >= need:
+        ctx.say(f"keeping the Serve apps {apps} up: {free:g} CPUs free beside them (a CPU stage reserves <= {need})")
+        return
+    for app in apps:
+        ctx.say(f"deleting the running Serve app {app!r} to free CPUs for compute stages ({free:g} free, a CPU "
+                f"stage reserves <= {need}; start Ray with more logical CPUs to keep it serving)")
+        serve.delete(app)
 
 
 def _ray_serve():
