@@ -101,6 +101,8 @@ KEY_NEUTRAL_WHEN_NONE: dict[str, tuple[str, ...]] = {
     "SourceConfig": ("weight", "turns", "self_instruct", "traffic"),
     "RegenerateConfig": ("static_cache",),
     "ServeConfig": ("k_schedule", "traffic_log"),
+    "EvalConfig": ("compare_champion",),
+    "RegistryConfig": ("gate_eval_set",),
 }
 
 

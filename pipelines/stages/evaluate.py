@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.atomic import atomic_write_text
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, _key_dump, write_json
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, write_json
 from pipelines.stages.train import TrainOutput
 
 CHAMPION_HEAD_DIR = "champion_head"  # under the stage directory: the champion's head, downloaded
@@ -106,11 +106,7 @@ class EvaluateStage(Stage):
     def sections(self, recipe):
         from pipelines.eval_prompts import eval_set_name
 
-        # fields added after the keys were fixed stay out while unused: older recipes keep their keys
-        evaluation = _key_dump(recipe.evaluation)
-        if recipe.evaluation.compare_champion is None:
-            evaluation.pop("compare_champion", None)
-        parts: list[Any] = [evaluation]
+        parts: list[Any] = [recipe.evaluation]
         gate = recipe.registry.resolved_gate_eval_set(recipe.evaluation)
         if gate != eval_set_name(recipe.evaluation.sources[0]):  # the gate set orders the table, picks the schedule
             parts.append({"gate_eval_set": gate})

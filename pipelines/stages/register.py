@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.stages.base import Stage, StageOutput, _key_dump
+from pipelines.stages.base import Stage, StageOutput
 from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.evaluate import EvaluateOutput
 from pipelines.stages.train import TrainOutput
@@ -64,10 +64,7 @@ class RegisterStage(Stage):
 
     @staticmethod
     def sections(recipe):
-        registry = _key_dump(recipe.registry)
-        if recipe.registry.gate_eval_set is None:  # added after the keys were fixed: older recipes keep theirs
-            registry.pop("gate_eval_set", None)
-        return (registry,)
+        return (recipe.registry,)
 
     def run(self) -> RegisterOutput:
         from pipelines import register as reg
