@@ -224,19 +224,22 @@ def print_summary(s: dict[str, Any], console: Console) -> None:
     console.print(table)
     ev = s.get("eval")
     sets = (ev.get("by_eval_set") or {ev["eval_set"]: ev}) if ev else {}  # one table per eval set, gate first
+    champ = (ev or {}).get("champion")  # measured in the same run (evaluation.compare_champion)
     for eval_set, part in sets.items():
         base = part.get("none_tokens_per_s")
         gate = " (gate set)" if len(sets) > 1 and eval_set == ev["eval_set"] else ""
         line(f"{ev['method']} on {eval_set}{gate} (vLLM, greedy, concurrency {ev['concurrency']}):")
         table = Table()
-        for col in ("K", "AL", "tokens/s", "vs none"):
+        for col in ("K", "AL", "tokens/s", "vs none") + ((f"champion v{champ.get('version')} AL",) if champ else ()):
             table.add_column(col, justify="right")
         if base:
-            table.add_row("none", "1.000", f"{base:.1f}", "1.00x")
+            table.add_row("none", "1.000", f"{base:.1f}", "1.00x", *(["-"] if champ else []))
+        champ_al = {int(k): v for k, v in (champ["al_by_K"].get(eval_set) or {}).items()} if champ else {}
         for k, v in sorted(part["per_K"].items(), key=lambda kv: int(kv[0])):
             al, tps, sp = v.get("acceptance_length"), v.get("tokens_per_s"), v.get("speedup")
+            c_al = champ_al.get(int(k))
             table.add_row(str(k), f"{al:.3f}" if al is not None else "-", f"{tps:.1f}" if tps else "-",
-                          f"{sp:.2f}x" if sp else "-")
+                          f"{sp:.2f}x" if sp else "-", *([f"{c_al:.3f}" if c_al is not None else "-"] if champ else []))
         console.print(table)
     lines = [f"run dir: {s['run_dir']}"]
     tr = s.get("train")

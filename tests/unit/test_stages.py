@@ -286,3 +286,22 @@ def test_summary_and_its_table(ci_recipe, tmp_path):
     text = buf.getvalue()
     assert s["endpoint"]["curl"] in text.splitlines()[-1]  # whole, on one line, copyable
     assert "1.270" in text and "serve" in text and "peagle-x v1 (champion)" in text
+
+
+def test_summary_shows_the_champion_measured_in_the_same_run(ci_recipe, tmp_path):
+    run = PipelineRun(ci_recipe, run_dir=tmp_path)
+    rows = [{"method": "none", "K": 0, "concurrency": 1, "acceptance_length": 1.0, "tokens_per_s": 12.8},
+            {"method": "peagle", "K": 3, "concurrency": 1, "acceptance_length": 1.27, "tokens_per_s": 15.0},
+            {"method": "champion", "head_method": "peagle", "K": 3, "concurrency": 1, "acceptance_length": 1.09,
+             "tokens_per_s": 13.9}]
+    champion = {"model": "peagle-x", "version": "4", "head_sha256": "ab" * 32}
+    run.records = {"evaluate": StageRecord("evaluate", "ran", 151.5, run.key("evaluate"),
+                                           EvaluateOutput(table="t.json", rows=rows, eval_set="humaneval",
+                                                          champion=champion))}
+    s = json.loads(json.dumps(run.summary(200.0)))
+    from rich.console import Console
+
+    buf = io.StringIO()
+    print_summary(s, Console(file=buf, width=100))
+    text = buf.getvalue()
+    assert "champion v4 AL" in text and "1.090" in text and "1.270" in text, text
