@@ -256,6 +256,9 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
         spec = speculative_config(args, ref)  # None: a K schedule that is 0 everywhere (plain decoding)
     if spec is not None:
         engine_kwargs["speculative_config"] = spec
+        if args.traffic_log is not None:  # per-request acceptance in each response, for the log (vLLM
+            # refuses the flag without a speculative_config, e.g. under a K schedule that is 0 everywhere)
+            engine_kwargs.setdefault("per_request_spec_decode_metrics", "summary")
         callback = {
             "callback_class": HeadDownloadCallback,
             "callback_kwargs": {
@@ -343,9 +346,6 @@ def resolve_backend(args: dict[str, Any] | ServeAppArgs) -> Backend:
                    target_config=target_config, parallel_drafting=args.parallel_drafting)
         schedule = resolve_k_schedule(args, head)
         args = args.model_copy(update={"k_schedule": schedule if schedule is not None else "off"})
-    if args.traffic_log is not None and head is not None:  # per-request acceptance in each response, for the log
-        args = args.model_copy(update={"engine_kwargs": {"per_request_spec_decode_metrics": "summary"}
-                                       | args.engine_kwargs})
     llm_config = build_llm_config(args, target_path=target_path, target_config=target_config, head=head)
     served = {"head": ref,
               "num_speculative_tokens": (llm_config.engine_kwargs.get("speculative_config") or {}).get(

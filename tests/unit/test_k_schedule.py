@@ -153,6 +153,19 @@ def test_serve_speculative_config_with_and_without_a_schedule():
         ServeAppArgs(k_schedule="sometimes")
 
 
+def test_traffic_log_asks_for_per_request_acceptance_only_when_speculating(tmp_path):
+    # vLLM refuses per_request_spec_decode_metrics without a speculative_config (replicas die at start)
+    from pipelines.serve import ServeAppArgs, build_llm_config
+
+    def engine_kwargs(**kw):
+        args = ServeAppArgs(traffic_log={"uri": str(tmp_path)}, num_speculative_tokens=3, **kw)
+        return build_llm_config(args, target_path="/t", target_config=None, head="/heads/h").engine_kwargs
+
+    assert engine_kwargs()["per_request_spec_decode_metrics"] == "summary"
+    plain = engine_kwargs(k_schedule=[[1, 64, 0]])
+    assert "speculative_config" not in plain and "per_request_spec_decode_metrics" not in plain
+
+
 def test_serve_args_from_recipe_map_the_k_schedule_option():
     from pipelines.recipe import load_recipe
     from pipelines.serve import ServeAppArgs
