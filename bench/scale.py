@@ -214,6 +214,13 @@ class BoxExpired(Exception):
     """Raised after a checkpoint once this call's post-warm-up time box is spent."""
 
 
+def scale_tag(method: str, size: int, variant: str = "") -> str:
+    """Name of one training run (its head ``head-<tag>``, its result ``scale_train_<tag>.json``): method,
+    conversations (``10k`` from 1000 up), then the variant's suffix if any, e.g. ``peagle-29k-600s``."""
+    tag = f"{method}-{size // 1000}k" if size >= 1000 else f"{method}-{size}"
+    return f"{tag}-{variant}" if variant else tag
+
+
 def train(args) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -235,7 +242,7 @@ def train(args) -> None:
     )
 
     keep = _keep(args)
-    method, tag = args.method, f"{args.method}-{args.size // 1000}k" if args.size >= 1000 else f"{args.method}-{args.size}"
+    method, tag = args.method, scale_tag(args.method, args.size, args.variant)
     state_path, ckpt = keep / f"scale_train_{tag}.json", keep / f"ckpt-{tag}"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"calls": []}
     if state.get("done"):
@@ -380,6 +387,8 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--out", default=None, help="return the finished head here, in parts < 16 MiB")
+    p.add_argument("--variant", default="", help="suffix of the head / result names (a recipe variant: longer "
+                   "training, another lr, ...), e.g. 600s -> head-peagle-29k-600s")
     args = ap.parse_args()
     {"prompts": prompts, "regenerate": regenerate, "pack-data": pack_data, "unpack-data": unpack_data,
      "train": train}[args.cmd](args)
