@@ -1,15 +1,44 @@
-"""Evaluate the GPU recipe's heads with real vLLM on CPU (issue 7 item 5): AL at K = 3, 5, 7 on
-HumanEval and tokens/s against no speculation, through ``pipelines.evaluate.evaluate``.
+"""Evaluate GPU-trained heads with real vLLM on CPU (issue 7 item 5, issue 14 item 6): per eval set, AL and
+acceptance per position at K = 3, 5, 7 and tokens/s against no speculation, through
+``pipelines.evaluate.evaluate`` (one fresh vLLM engine per head x K).
 
-    python -m bench.eval_gpu_heads --heads outputs/gpu-heads --out outputs/gpu-eval
+    python -m bench.eval_gpu_heads --head peagle=outputs/gpu-heads/head-peagle \\
+        --head eagle3=outputs/gpu-heads/head-eagle3 --set humaneval:1 --name gpu_recipe_vllm_cpu_eval
+    python -m bench.eval_gpu_heads --head peagle-10k=outputs/scale-heads/head-peagle-10k ... \\
+        --set humaneval:1,4 --set mtbench:1 --num-prompts 10 --max-tokens 96 --name scale_vllm_cpu_eval
+
+``--head LABEL=DIR``: the head's decoding method is its ``config.json`` ``method`` (``bench.scale`` and
+``bench.gpu_recipe`` write it), else the label's first word (``peagle``: parallel drafting, ``eagle3``:
+sequential). ``--set NAME:C1,C2``: an eval source kind (``pipelines.eval_prompts``) and its concurrencies.
+No speculation is measured once per set, first; every row's ``speedup`` is its tokens/s over that row's at
+the same concurrency. The result file (``bench/results/<name>.json``) is rewritten after each head, and a
+second run with the same ``--name`` skips the (set, head) pairs it already holds: heads can be added later.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from bench.common import write_result
+from bench.common import RESULTS, write_result
+
+SWEEP = [3, 5, 7]
+NONE_LABEL = "none"
+
+
+def head_method(label: str, head_dir: str) -> str:
+    """``peagle`` or ``eagle3``: the head's ``config.json`` ``method``, else the label's first word.
+
+    Raises:
+        SystemExit: neither names a method.
+    """
+    cfg = json.loads((Path(head_dir) / "config.json").read_text())
+    method = cfg.get("method") or label.split("-")[0]
+    if method not in ("peagle", "eagle3"):
+        raise SystemExit(f"--head {label}={head_dir}: no method in config.json and label does not start with "
+                         "peagle or eagle3")
+    return method
 
 
 def main() -> None:
@@ -20,26 +49,51 @@ def main() -> None:
     from pipelines.evaluate import evaluate
     from pipelines.recipe import EvalConfig, SourceConfig
 
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--heads", required=True)
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", action="append", required=True, metavar="LABEL=DIR")
+    ap.add_argument("--set", action="append", default=None, metavar="NAME:C1,C2",
+                    help="eval source kind and concurrencies (default humaneval:1)")
+    ap.add_argument("--name", default="gpu_recipe_vllm_cpu_eval", help="result file bench/results/<name>.json")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default="outputs/gpu-eval", help="eval tables and plots per (set, head)")
     args = ap.parse_args()
+    heads = dict(h.split("=", 1) for h in args.head)
+    methods = {label: head_method(label, d) for label, d in heads.items()}  # fail before any engine starts
+    sets = {s.split(":")[0]: [int(c) for c in s.split(":")[1].split(",")] if ":" in s else [1]
+            for s in (args.set or ["humaneval:1"])}
+
+    path = RESULTS / f"{args.name}.json"
+    prev = json.loads(path.read_text()) if path.exists() else {}
+    rows: list[dict] = prev.get("rows", [])
+    done = {(r["eval_set"], r.get("head")) for r in rows}
     target = ensure_target("smollm2-135m-instruct", "float32").path
     tok = AutoTokenizer.from_pretrained(target)
-    cfg = EvalConfig(sources=[SourceConfig(kind="humaneval")], num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                     num_speculative_tokens_sweep=[3, 5, 7], concurrency_sweep=[1], methods=["none", "eagle3", "peagle"],
-                     include_offline_decoder=False)
-    sets = load_eval_prompts(cfg.sources, tok, num_prompts=args.num_prompts, seed=0, max_prompt_tokens=512)
-    prompts = next(iter(sets.values()))
-    report = evaluate(target=target, prompts=prompts,
-                      heads={"peagle": f"{args.heads}/head-peagle", "eagle3": f"{args.heads}/head-eagle3"},
-                      cfg=cfg, eval_set="humaneval", out_dir=args.out, timeout_s=3000)
-    print(report.markdown)
-    write_result("gpu_recipe_vllm_cpu_eval", {"prompts": len(prompts), "max_tokens": args.max_tokens,
-                                              "rows": report.rows, "best_K": report.best_K})
-    print(json.dumps(report.best_K))
+    for set_name, conc in sets.items():
+        src = SourceConfig(kind=set_name)
+        prompts = next(iter(load_eval_prompts([src], tok, num_prompts=args.num_prompts, seed=0,
+                                              max_prompt_tokens=512).values()))
+        for label in [NONE_LABEL, *heads]:
+            if (set_name, label) in done:
+                continue
+            method = "none" if label == NONE_LABEL else methods[label]
+            cfg = EvalConfig(sources=[src], num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                             num_speculative_tokens_sweep=SWEEP, concurrency_sweep=conc, methods=[method],
+                             include_offline_decoder=False)
+            report = evaluate(target=target, prompts=prompts, heads={} if label == NONE_LABEL else {method: heads[label]},
+                              cfg=cfg, eval_set=set_name, out_dir=Path(args.out) / f"{set_name}-{label}",
+                              timeout_s=3000)
+            base = {r["concurrency"]: r["tokens_per_s"] for r in rows
+                    if r["eval_set"] == set_name and r.get("head") == NONE_LABEL}
+            for r in report.rows:
+                r.update(head=label, eval_set=set_name,
+                         head_dir=heads.get(label), speedup=r["tokens_per_s"] / base[r["concurrency"]]
+                         if base.get(r["concurrency"]) else (1.0 if label == NONE_LABEL else None))
+                rows.append(r)
+                print(json.dumps({k: r[k] for k in ("eval_set", "head", "K", "concurrency", "acceptance_length",
+                                                    "tokens_per_s", "speedup")}), flush=True)
+            write_result(args.name, {"prompts": len(prompts), "max_tokens": args.max_tokens, "sets": sets,
+                                     "heads": heads, "rows": rows})
 
 
 if __name__ == "__main__":

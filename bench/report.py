@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from bench.common import RESULTS
+from bench.scale import scale_tag
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -354,12 +355,10 @@ def data_path(lines: list[str]) -> None:
                        "trainer; its cost on one shared GPU was not measured."), ""]
 
 
-SCALE_RUNS = [("peagle", 10000), ("eagle3", 10000), ("peagle", 29905), ("eagle3", 29905),
-              ("peagle", 100000), ("eagle3", 100000)]
-
-
-def _scale_tag(method: str, size: int) -> str:
-    return f"{method}-{size // 1000}k"  # bench.scale's tag for sizes >= 1000
+# (method, conversations, variant) of bench.scale's training runs, in table order; GPU seconds per variant
+SCALE_RUNS = [("peagle", 10000, ""), ("eagle3", 10000, ""), ("peagle", 29905, ""), ("eagle3", 29905, ""),
+              ("peagle", 100000, ""), ("eagle3", 100000, ""), ("peagle", 29905, "600s"), ("eagle3", 29905, "600s")]
+SCALE_EVAL = "scale_vllm_cpu_eval"  # bench.eval_gpu_heads --name of the heads' vLLM evaluation
 
 
 def scaling(lines: list[str]) -> None:
@@ -380,29 +379,100 @@ def scaling(lines: list[str]) -> None:
                    "regenerated."), ""]
     lines += ["## Data scaling (issue 14): heads at equal GPU time", ""]
     rows = []
-    for method, size in SCALE_RUNS:
-        r = _load(f"scale_train_{_scale_tag(method, size)}")
+    for method, size, variant in SCALE_RUNS:
+        r = _load(f"scale_train_{scale_tag(method, size, variant)}")
         if r is None or not r.get("done"):
             why = ("regeneration of 100k conversations (~22M tokens, ~40 GPU-min at 9k tok/s) does not fit one "
-                   "session's 30 device-minutes" if size >= 100000 else "its call ran out of time after the P-EAGLE run; the device budget was then spent")
-            rows.append([method, size, "not run: " + why] + ["-"] * 5)
+                   "session's 30 device-minutes" if size >= 100000 else
+                   "two 580-s calls ended in warm-up (~8 CPU-bound minutes after the target loaded, before the "
+                   "first step; cause not found), then out of device time" if r is not None else "out of device time")
+            rows.append([scale_tag(method, size, variant), size, "not run: " + why] + ["-"] * 5)
             continue
         f = r["calls"][-1]["final"]
         acc = " / ".join(_f(f.get(f"acc_d{i}"), 2) for i in range(8) if f.get(f"count_d{i}"))
-        rows.append([method, size, f"{r['train_s_goal']:.0f}", r["steps"], _f(r["epochs"]), _f(r["calib_s_per_step"], 3),
+        rows.append([scale_tag(method, size, variant), size, f"{r['train_s_goal']:.0f}", r["steps"], _f(r["epochs"]), _f(r["calib_s_per_step"], 3),
                      _f(f.get("sim_acceptance_length")), acc])
     lines += [("`bench/device/run_scale_train.sh METHOD SIZE 150`: P-EAGLE (4 layers, K_train=8, COD) and EAGLE-3 "
                "(1 layer, TTT-7) trained on the first SIZE conversations of the same regenerated set, online capture, "
                "batches of 16,384 tokens, lr 6e-4, 8,192-token draft vocabulary, frozen target embeddings, for the "
                "same 150 GPU-seconds each (warm-up excluded; horizon = 150 s / seconds per step measured after "
                "warm-up). Accuracies and the simulated AL are the last training window (teacher-forced, not vLLM)."), ""]
-    lines += _table(["method", "conversations", "GPU s", "steps", "epochs", "s/step", "sim AL (train)",
+    lines += _table(["run", "conversations", "GPU s", "steps", "epochs", "s/step", "sim AL (train)",
                      "accuracy per draft position"], rows)
-    lines += ["", ("vLLM evaluation of these heads (vllm-cpu, HumanEval and MT-Bench, K=3/5/7, c=1/4) was not run in "
-                   "the session that trained them: the heads are in `outputs/scale-heads` (not committed) and "
-                   "`python -m bench.eval_gpu_heads --heads DIR` (a directory holding one `head-peagle` and one `head-eagle3`) evaluates a pair. At 150 GPU-s a head sees the 29,905-conversation "
-                   "set 0.6 times and the 10k set 2.2 times, so at this budget more data does not yet help: "
-                   "GPU time, not data, is the limit."), ""]
+    lines += [""]
+    scaling_eval(lines)
+
+
+def scaling_eval(lines: list[str]) -> None:
+    """Issue 14 item 6: the scale heads with real vLLM (``bench.eval_gpu_heads --name scale_vllm_cpu_eval``)."""
+    ev = _section(lines, SCALE_EVAL, "## Data scaling (issue 14): the heads in vLLM")
+    if ev is None:
+        return
+    rows = ev["rows"]
+    none = {(r["eval_set"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["head"] == "none"}
+    sets = list(ev["sets"])
+    lines += [(f"`python -m bench.eval_gpu_heads` ({_env(ev)}): vllm-cpu 0.32, float32, eager, greedy, "
+               f"{ev['prompts']} prompts per set, {ev['max_tokens']} new tokens; sets and concurrencies "
+               + ", ".join(f"{k} c={'/'.join(map(str, v))}" for k, v in ev["sets"].items())
+               + ". One fresh engine per head x K; AL = 1 + accepted / drafts from vLLM's counters; speed-up = "
+               "tokens/s over no speculation at the same concurrency, measured in the same run."), ""]
+    heads = [h for h in dict.fromkeys(r["head"] for r in rows) if h != "none"]
+    table = []
+    for h in heads:
+        for s_ in sets:
+            mine = [r for r in rows if r["head"] == h and r["eval_set"] == s_]
+            if not mine:
+                continue
+            c1 = {r["K"]: r for r in mine if r["concurrency"] == 1}
+            cells = [_f(c1[k]["acceptance_length"]) if k in c1 else "-" for k in (3, 5, 7)]
+            best = {}
+            for c in ev["sets"][s_]:
+                at_c = [r for r in mine if r["concurrency"] == c]
+                b = max(at_c, key=lambda r: r["tokens_per_s"], default=None)
+                best[c] = f"{b['tokens_per_s'] / none[(s_, c)]:.2f}x (K={b['K']})" if b and none.get((s_, c)) else "-"
+            k7 = c1.get(7, {}).get("al_per_pos") or []
+            table.append([h, s_, *cells, " / ".join(_f(a) for a in k7), best.get(1, "-"), best.get(4, "not run")])
+    lines += _table(["head", "set", "AL K=3", "AL K=5", "AL K=7", "acceptance per position (K=7)",
+                     "best tokens/s vs none, c=1", "c=4"], table)
+    lines += ["", "No speculation: " + ", ".join(f"{s_} c={c} {v:.1f} tok/s" for (s_, c), v in sorted(none.items())), ""]
+    plot = _plot_al_vs_data(rows)
+    if plot:
+        lines += [f"AL (K=5, c=1) against training conversations: `{plot}`.", ""]
+
+
+def _plot_al_vs_data(rows: list[dict]) -> str | None:
+    """``docs/img/scale_al_vs_data.png``: AL at K=5 per head size, one line per (method, set); None if no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    pts: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["head"] == "none" or r["K"] != 5 or r["concurrency"] != 1:
+            continue
+        run = _load(f"scale_train_{r['head']}")
+        if run is None or run.get("train_s_goal") != 150:  # the equal-GPU-time series only
+            continue
+        pts.setdefault((run["method"], r["eval_set"]), []).append((run["size"], r["acceptance_length"]))
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for (method, s_), xy in sorted(pts.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{method}, {s_}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training conversations (150 GPU-s each)")
+    ax.set_ylabel("AL, vLLM, K=5")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = DOC.parent / "img" / "scale_al_vs_data.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return str(out.relative_to(DOC.parents[1]))
 
 
 def main() -> None:
