@@ -5,6 +5,7 @@ serves the same one.)"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -23,6 +24,25 @@ from pipelines.serve.ingress import SERVED_HEADER  # Ray-free module
 MODEL_ID = "smollm2-135m-instruct"
 REGISTERED = "peagle-smollm2-135m-instruct"
 LLM_REPLICA_TAG = "ServeReplica:peagle:LLMServer"  # process title of the app's LLMServer replicas
+
+
+@contextlib.contextmanager
+def serve_cluster(*, key_env: str, key: str, num_cpus: int = 4):
+    """A local Ray cluster (``num_cpus`` logical CPUs) with Serve's HTTP proxy on a free port and the API key
+    in ``$key_env``; yields the proxy's URL, shuts Serve and Ray down afterwards."""
+    import ray
+    from ray import serve
+
+    os.environ[key_env] = key
+    port = free_port()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.environ.pop(key_env, None)
 
 
 def free_port() -> int:
@@ -112,7 +132,7 @@ def stream_chat(url: str, prompt: str, *, key: str, max_tokens: int, timeout_s: 
     t0, num_chunks, why, done = time.monotonic(), 0, "", False
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s,
-                          headers={"Authorization": f"Bearer {key}"}) as r:
+                          headers={"Authorization": f"Bearer {key}"} if key else {}) as r:
             if r.status_code != 200:
                 why = f"HTTP {r.status_code}: {r.read()[:200]!r}"
             for line in r.iter_lines() if not why else ():
@@ -136,17 +156,18 @@ def stream_chat(url: str, prompt: str, *, key: str, max_tokens: int, timeout_s: 
             "seconds": round(time.monotonic() - t0, 3)}
 
 
-def chat_request(url: str, prompt: str, *, key: str, stream: bool, max_tokens: int = 12,
+def chat_request(url: str, prompt: str, *, key: str | None, stream: bool, max_tokens: int = 12,
                  timeout_s: float = 300.0) -> dict:
     """One chat request (streamed or not). Returns ``{ok, why, prompt, stream, served, started, finished}``: ``ok`` =
     HTTP 200 with an answer (a stream: no error event and the closing ``[DONE]``); ``served`` = the parsed
-    ``x-peagle-served`` header (None without one). Never raises for transport errors."""
+    ``x-peagle-served`` header (None without one); ``key`` None: no Authorization header (an open endpoint).
+    Never raises for transport errors."""
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": stream}
     out = {"ok": False, "why": "", "prompt": prompt, "stream": stream, "served": None, "started": time.monotonic()}
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s,
-                          headers={"Authorization": f"Bearer {key}"}) as r:
+                          headers={"Authorization": f"Bearer {key}"} if key else {}) as r:
             served = r.headers.get(SERVED_HEADER)
             out["served"] = json.loads(served) if served else None
             if r.status_code != 200:
@@ -172,13 +193,13 @@ def chat_request(url: str, prompt: str, *, key: str, stream: bool, max_tokens: i
 
 
 class ChatLoad:
-    """``num_threads`` clients sending chat requests back to back (every other one streamed) until
+    """``num_threads`` clients sending chat requests ``pause_s`` apart (every other one streamed) until
     :meth:`stop`; :attr:`results` holds one :func:`chat_request` dict per request."""
 
-    def __init__(self, url: str, *, key: str, num_threads: int = 3, max_tokens: int = 12) -> None:
+    def __init__(self, url: str, *, key: str | None, num_threads: int = 3, max_tokens: int = 12, pause_s: float = 0.0) -> None:
         import threading
 
-        self.url, self.key, self.max_tokens = url, key, max_tokens
+        self.url, self.key, self.max_tokens, self.pause_s = url, key, max_tokens, pause_s
         self.results: list[dict] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(num_threads)]
@@ -190,6 +211,7 @@ class ChatLoad:
                              stream=(i + worker) % 2 == 1, max_tokens=self.max_tokens)
             self.results.append(r)  # list.append is atomic under the GIL
             i += 1
+            self._stop.wait(self.pause_s)
 
     def start(self) -> ChatLoad:
         for t in self._threads:

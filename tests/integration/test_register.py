@@ -25,13 +25,6 @@ def _head(path: Path, seed: int, mask_token_id: int | None = 97, target=TARGET) 
     return export_head(d, path, dtype="float32", extra_config={"target": "tiny-llama"})
 
 
-@pytest.fixture
-def uri(tmp_path, monkeypatch) -> str:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.chdir(tmp_path)  # nothing may land in the repo's ./mlruns
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
-
-
 def test_gate_rollback_download(tmp_path, uri):
     name = settings.model_name("tiny-llama")
     h1, h2, h3 = (_head(tmp_path / f"h{i}", seed=i) for i in (1, 2, 3))

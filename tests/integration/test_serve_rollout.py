@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.serve_load import random_head
-from tests.integration.serve_helpers import REGISTERED, ChatLoad, chat_request, free_port
+from tests.integration.serve_helpers import REGISTERED, ChatLoad, chat_request, serve_cluster
 from tests.integration.test_serve import KEY, KEY_ENV, registry, serve_args, target  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -43,20 +43,8 @@ def register_and_promote(registry, head_dir: Path, target_config: dict) -> int: 
 
 @pytest.fixture(scope="module")
 def cluster(registry, tmp_path_factory):  # noqa: F811
-    import ray
-    from ray import serve
-
-    log_dir = tmp_path_factory.mktemp("traffic") / "log"
-    os.environ[KEY_ENV] = KEY
-    port = free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}", log_dir
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        os.environ.pop(KEY_ENV, None)
+    with serve_cluster(key_env=KEY_ENV, key=KEY) as url:
+        yield url, tmp_path_factory.mktemp("traffic") / "log"
 
 
 def rollout_args(registry, log_dir):  # noqa: F811

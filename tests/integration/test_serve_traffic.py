@@ -3,13 +3,12 @@ random-init head from a sqlite MLflow registry), N chat requests (JSON and strea
 the answers the clients received, the pinned head version, K and vLLM's per-request acceptance."""
 
 import json
-import os
 import time
 
 import httpx
 import pytest
 
-from tests.integration.serve_helpers import MODEL_ID, REGISTERED, free_port
+from tests.integration.serve_helpers import MODEL_ID, REGISTERED, serve_cluster
 from tests.integration.test_serve import KEY, KEY_ENV, registry, serve_args, target  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -17,24 +16,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def endpoint(registry, target, tmp_path_factory):  # noqa: F811 - the imported fixtures
-    import ray
     from ray import serve
 
     from pipelines.serve import build_app
 
     log_dir = tmp_path_factory.mktemp("traffic") / "log"
-    os.environ[KEY_ENV] = KEY
-    port = free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with serve_cluster(key_env=KEY_ENV, key=KEY) as url:
         args = serve_args(registry, traffic_log={"uri": str(log_dir), "flush_interval_s": 1.0})
         serve.run(build_app(args), name="peagle", route_prefix="/", blocking=False)
-        yield f"http://127.0.0.1:{port}", log_dir
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        os.environ.pop(KEY_ENV, None)
+        yield url, log_dir
 
 
 def chat(url: str, prompt: str, *, stream: bool, usage: bool = False) -> str:

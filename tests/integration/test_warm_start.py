@@ -51,13 +51,6 @@ def ray_local():
     ray.shutdown()
 
 
-@pytest.fixture
-def uri(tmp_path, monkeypatch) -> str:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.chdir(tmp_path)  # nothing may land in the repo's ./mlruns
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
-
-
 def recipe(uri: str, init_from: str, *extra: str):
     return load_recipe(CONFIGS / "smollm2-135m-ci.yaml", [*OVERRIDES, f"registry.tracking_uri={uri}",
                                                            f"training.init_from={init_from}", *extra])

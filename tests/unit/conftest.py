@@ -34,3 +34,13 @@ def make_drafter(mask_token_id: int | None = MASK_ID, **kw) -> Eagle3Drafter:
 @pytest.fixture
 def tiny_drafter() -> Eagle3Drafter:
     return make_drafter()
+
+
+@pytest.fixture
+def uri(tmp_path, monkeypatch) -> str:
+    """A fresh sqlite MLflow store (tracking and registry) in ``tmp_path``; ``$PEAGLE_HOME`` and the working
+    directory in ``tmp_path`` too, so nothing lands in the repo's ``./mlruns``."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -16,14 +16,6 @@ pytestmark = pytest.mark.unit
 NAME = "peagle-tiny"
 
 
-@pytest.fixture
-def uri(tmp_path, monkeypatch) -> str:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
-    monkeypatch.chdir(tmp_path)  # nothing may land in the repo's ./mlruns
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
-
-
 def _versions(client, n: int, tmp_path, name: str = NAME, **tags) -> list[str]:
     """``n`` versions of ``name`` gated at K=5 on eval set ``x`` (AL 2.0 + i/10), with ``tags``."""
     if not client.search_registered_models(f"name = '{name}'"):

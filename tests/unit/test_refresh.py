@@ -25,14 +25,6 @@ NAME = "peagle-smollm2-135m-instruct"  # the CI recipe's registered model (regis
 TWO_SETS = "evaluation.sources=[{kind: humaneval}, {kind: traffic}]"
 
 
-@pytest.fixture
-def uri(tmp_path, monkeypatch) -> str:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
-    monkeypatch.chdir(tmp_path)  # nothing may land in the repo's ./mlruns
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
-
-
 def ci(*overrides: str):
     return load_recipe(CONFIGS / "smollm2-135m-ci.yaml", list(overrides))
 
