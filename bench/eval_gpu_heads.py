@@ -12,7 +12,8 @@ acceptance per position at K = 3, 5, 7 and tokens/s against no speculation, thro
 sequential). ``--set NAME:C1,C2``: an eval source kind (``pipelines.eval_prompts``) and its concurrencies.
 No speculation is measured once per set, first; every row's ``speedup`` is its tokens/s over that row's at
 the same concurrency. The result file (``bench/results/<name>.json``) is rewritten after each head, and a
-second run with the same ``--name`` skips the (set, head) pairs it already holds: heads can be added later.
+second run with the same ``--name`` skips the (set, head) pairs it already holds: heads and sets can be added
+later (``--k`` sets the K sweep of the run's sets; the file records it per set).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main() -> None:
 
     from pipelines.assets import ensure_target
     from pipelines.eval_prompts import load_eval_prompts
-    from pipelines.evaluate import evaluate
+    from pipelines.evaluate import evaluate, offline_acceptance
     from pipelines.recipe import EvalConfig, SourceConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,16 +58,29 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default="outputs/gpu-eval", help="eval tables and plots per (set, head)")
+    ap.add_argument("--k", default=",".join(map(str, SWEEP)), help="K sweep of this run's sets, e.g. 5")
+    ap.add_argument("--offline-k", type=int, default=0, help="also run peagle's reference decoder "
+                    "(pipelines.evaluate.offline_acceptance) per head at this K on the first set's prompts: "
+                    "a cross-check of vLLM's counters")
     args = ap.parse_args()
     heads = dict(h.split("=", 1) for h in args.head)
     methods = {label: head_method(label, d) for label, d in heads.items()}  # fail before any engine starts
     sets = {s.split(":")[0]: [int(c) for c in s.split(":")[1].split(",")] if ":" in s else [1]
             for s in (args.set or ["humaneval:1"])}
+    k_sweep = [int(k) for k in args.k.split(",")]
 
     path = RESULTS / f"{args.name}.json"
     prev = json.loads(path.read_text()) if path.exists() else {}
     rows: list[dict] = prev.get("rows", [])
     done = {(r["eval_set"], r.get("head")) for r in rows}
+    offline: list[dict] = prev.get("offline", [])
+
+    def save(num_prompts: int) -> None:  # sets of an earlier run with the same --name are kept
+        write_result(args.name, {
+            "prompts": num_prompts, "max_tokens": args.max_tokens, "sets": prev.get("sets", {}) | sets,
+            "k_sweep": prev.get("k_sweep", {}) | {name: k_sweep for name in sets},
+            "heads": prev.get("heads", {}) | heads, "rows": rows, "offline": offline})
+
     target = ensure_target("smollm2-135m-instruct", "float32").path
     tok = AutoTokenizer.from_pretrained(target)
     for set_name, conc in sets.items():
@@ -78,7 +92,7 @@ def main() -> None:
                 continue
             method = "none" if label == NONE_LABEL else methods[label]
             cfg = EvalConfig(sources=[src], num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                             num_speculative_tokens_sweep=SWEEP, concurrency_sweep=conc, methods=[method],
+                             num_speculative_tokens_sweep=k_sweep, concurrency_sweep=conc, methods=[method],
                              include_offline_decoder=False)
             report = evaluate(target=target, prompts=prompts, heads={} if label == NONE_LABEL else {method: heads[label]},
                               cfg=cfg, eval_set=set_name, out_dir=Path(args.out) / f"{set_name}-{label}",
@@ -92,8 +106,16 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps({k: r[k] for k in ("eval_set", "head", "K", "concurrency", "acceptance_length",
                                                     "tokens_per_s", "speedup")}), flush=True)
-            write_result(args.name, {"prompts": len(prompts), "max_tokens": args.max_tokens, "sets": sets,
-                                     "heads": heads, "rows": rows})
+            save(len(prompts))
+        if args.offline_k and set_name == next(iter(sets)):
+            for label, head_dir in heads.items():
+                if any(o["head"] == label and o["eval_set"] == set_name for o in offline):
+                    continue
+                o = offline_acceptance(target, head_dir, prompts, method=methods[label], K=args.offline_k,
+                                       max_tokens=args.max_tokens)
+                offline.append(o | {"head": label, "eval_set": set_name})
+                print(json.dumps(offline[-1]), flush=True)
+                save(len(prompts))
 
 
 if __name__ == "__main__":
