@@ -13,7 +13,7 @@ sequential). ``--set NAME:C1,C2``: an eval source kind (``pipelines.eval_prompts
 No speculation is measured once per set, first; every row's ``speedup`` is its tokens/s over that row's at
 the same concurrency. The result file (``bench/results/<name>.json``) is rewritten after each head, and a
 second run with the same ``--name`` skips the (set, head) pairs it already holds: heads and sets can be added
-later (``--k`` sets the K sweep of the run's sets; the file records it per set).
+later, with another ``--k`` sweep or ``--set`` (each row names its set, head, K and concurrency).
 """
 
 from __future__ import annotations
@@ -75,11 +75,9 @@ def main() -> None:
     done = {(r["eval_set"], r.get("head")) for r in rows}
     offline: list[dict] = prev.get("offline", [])
 
-    def save(num_prompts: int) -> None:  # sets of an earlier run with the same --name are kept
-        write_result(args.name, {
-            "prompts": num_prompts, "max_tokens": args.max_tokens, "sets": prev.get("sets", {}) | sets,
-            "k_sweep": prev.get("k_sweep", {}) | {name: k_sweep for name in sets},
-            "heads": prev.get("heads", {}) | heads, "rows": rows, "offline": offline})
+    def save(num_prompts: int) -> None:  # rows of an earlier run with the same --name are kept
+        write_result(args.name, {"prompts": num_prompts, "max_tokens": args.max_tokens,
+                                 "heads": prev.get("heads", {}) | heads, "rows": rows, "offline": offline})
 
     target = ensure_target("smollm2-135m-instruct", "float32").path
     tok = AutoTokenizer.from_pretrained(target)
