@@ -170,6 +170,8 @@ CODE_TASKS = [
 def test_refresh_loop_end_to_end(head, base):
     """Issue 16's loop on the CI recipe: traffic log -> challenger -> same-run gate -> blue/green roll, with a
     client sending requests through all of it (0 may fail)."""
+    from pipelines.eval_prompts import eval_set_name
+    from pipelines.recipe import SourceConfig
     from pipelines.register import get_client
     from pipelines.traffic.shards import read_log
     from tests.integration.serve_helpers import ChatLoad, chat_request
@@ -220,7 +222,8 @@ def test_refresh_loop_end_to_end(head, base):
 
     # 3. The gate: champion and challenger measured in the same evaluate run, on the held-out traffic slice.
     rows = json.loads((tmp / "refresh" / "evaluate" / "table.json").read_text())["rows"]
-    al = {r["method"]: r["acceptance_length"] for r in rows if r["eval_set"] == "traffic" and r["K"] == 3}
+    traffic_set = eval_set_name(SourceConfig.model_validate(src))  # traffic-<dir> for a log with a path
+    al = {r["method"]: r["acceptance_length"] for r in rows if r["eval_set"] == traffic_set and r["K"] == 3}
     print(f"held-out traffic slice, K=3: champion v{champion_before} AL {al.get('champion')}, "
           f"challenger AL {al.get('peagle')}; gate: {summary['mlflow']['reason']}")
     assert {"champion", "peagle"} <= set(al), rows
