@@ -280,8 +280,12 @@ def test_replica_sigkill_with_mlflow_down(deployment):
     for why, n in Counter(w["why"] for w in failed).items():
         print(f"RESULT kill-window failure x{n}: {why} (chunks before it: {sorted(w['num_chunks'] for w in failed)})")
     assert all(a["ok"] for a in after), [a["why"] for a in after if not a["ok"]]
-    # No silent truncation: a stream cut by the kill ends with an error event, not as if complete.
-    assert all("stream interrupted" in w["why"] for w in failed), [w["why"] for w in failed]
+    # No silent truncation: a stream cut by the kill ends with an error event, not as if complete; a request
+    # the replica had not begun answering (queued in its engine: no first chunk yet) gets Ray's OpenAI-shaped
+    # 5xx error body instead (the OpenAI SDK retries 5xx). Anything else -- a 200 stream without [DONE] or
+    # error event, a dropped connection -- fails here.
+    assert all("stream interrupted" in w["why"] or (w["why"].startswith("HTTP 5") and '"error"' in w["why"])
+               for w in failed), [w["why"] for w in failed]
     assert fetches[-1]["source"] == "cache" and not fetches[-1]["asked_registry"] and fetches[-1]["pid"] == new, \
         fetches
     assert not orphans, f"vLLM processes of the killed replica still run: {orphans}"
