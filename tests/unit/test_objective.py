@@ -5,8 +5,9 @@ import torch
 
 from peagle_core.batch import PackedBatch, pack_samples
 from peagle_core.drafter import Eagle3Drafter
+from peagle_core.drafter_cache import DrafterCache
 from peagle_core.drafter_config import DrafterConfig
-from peagle_core.elements import build_peagle_elements, cod_sample, label_valid
+from peagle_core.elements import build_peagle_elements, cod_sample, element_hidden, label_valid
 from peagle_core.masks import dense_element_mask, flex_element_mask
 from peagle_core.objectives import build_objective
 
@@ -149,6 +150,30 @@ def test_elements_n5_k3_and_mask_written_out():
         [1, 1, 0, 0, 1, 0, 1],  # (3,0)
     ]
     assert m.tolist() == expected
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 40])
+def test_training_slots_draft_what_the_decoder_drafts(draft_vocab_size):
+    """Every (anchor a, depth d) slot of the training forward (no COD sampling) drafts the token that
+    ``draft_parallel`` drafts at slot d from the real prefix up to a: training scores what decoding does."""
+    K, N = 4, 12
+    head = tiny_head(draft_vocab_size=draft_vocab_size).eval()
+    if draft_vocab_size:
+        kept = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:draft_vocab_size].sort().values
+        head.set_vocab_mapping(kept - torch.arange(draft_vocab_size),  # d2t offsets: target = draft + d2t[draft]
+                               torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, kept, True))
+    b = one_doc(N)
+    el = build_peagle_elements(b, K, MASK_ID)
+    with torch.no_grad():
+        normed, _ = head(el.input_ids[None], element_hidden(head, b, el)[None], el.position[None],
+                         attn_mask=dense_element_mask(el))
+        trained = head.draft_to_target(head.compute_logits(normed[0]).argmax(-1))
+        for a in range(N - 1):  # slot at position p holds x[p+1] with the target's hidden state at p
+            decoded = head.draft_parallel(b.input_ids[1:a + 2][None], b.aux[:a + 1][None], torch.arange(a + 1)[None],
+                                          K, DrafterCache(2))[0]
+            mine = el.anchor == a
+            assert trained[mine].tolist() == decoded[el.depth[mine]].tolist(), a
+    assert el.num_elements > N
 
 
 def test_mask_never_crosses_documents():
