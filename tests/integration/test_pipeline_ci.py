@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -184,9 +185,10 @@ def test_refresh_loop_end_to_end(head, base):
     champion_before = client.get_model_version_by_alias("peagle-smollm2-135m-instruct", "champion").version
 
     # 1. Served traffic: greedy code requests (their answers become training rows without regeneration).
-    for task in CODE_TASKS:
-        r = chat_request(url, f"Write a Python function that {task}.", key=None, stream=False, max_tokens=32)
-        assert r["ok"], r
+    with ThreadPoolExecutor(4) as pool:  # serving.max_ongoing_requests of the CI recipe
+        answers = list(pool.map(lambda task: chat_request(url, f"Write a Python function that {task}.", key=None,
+                                                          stream=False, max_tokens=32), CODE_TASKS))
+    assert all(r["ok"] for r in answers), [r for r in answers if not r["ok"]]
     deadline = time.time() + 120
     while time.time() < deadline:  # the writer flushes every 2 s
         try:
@@ -203,7 +205,10 @@ def test_refresh_loop_end_to_end(head, base):
     # 2. The refresh job, with a client sending requests from before it starts to after the roll.
     src = {"kind": "traffic", "path": str(log_dir), "traffic": {"until": until}}
     sets = (traffic_log_set(tmp), "data.sources=" + json.dumps([src | {"weight": 3}, {"kind": "sharegpt", "weight": 1}]),
-            "evaluation.sources=" + json.dumps([src]))  # the held-out traffic slice only (CI time)
+            "evaluation.sources=" + json.dumps([src]),  # the held-out traffic slice only (CI time)
+            # No `none` baseline: the K schedule is then the swept K (never K=0), so the rolled endpoint drafts with
+            # the new head (speculation + traffic log after the roll) instead of serving it without speculation.
+            "evaluation.methods=" + json.dumps(["peagle"]))
     load = ChatLoad(url, key=None, num_threads=1, max_tokens=8, pause_s=1.0).start()
     try:
         rc, out, seconds = submit(head, tmp, port, recipe=REFRESH_RECIPE, run="refresh", sets=sets)
