@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     from peagle_core.contract import load_head
     from peagle_core.elements import build_peagle_elements, element_hidden
     from peagle_core.masks import dense_element_mask
-    from pipelines.assets import ensure_target
+    from peagle_core.objectives.base import DepthStats
+    from pipelines.assets import DEFAULT_TARGET, ensure_target
     from pipelines.capture import load_target
     from pipelines.capture.forward import capture_tokenized
     from pipelines.eval_prompts import load_eval_prompts
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default=None, help="result name under bench/results (default teacher_forced_<set>)")
     args = p.parse_args(argv)
 
-    path = ensure_target("smollm2-135m-instruct", "float32").path
+    path = ensure_target(DEFAULT_TARGET, "float32").path
     model, tok = load_target(path, "float32")
     (prompts,) = load_eval_prompts([SourceConfig(kind=args.set)], tok, num_prompts=args.num_prompts,
                                    max_prompt_tokens=512).values()
@@ -76,46 +77,36 @@ def main(argv: list[str] | None = None) -> None:
                                 drafter.config.aux_layer_ids)
     lm_head = load_target_lm_head(path).float()
     in_draft = torch.nonzero(drafter.t2d.bool()).flatten()  # target ids of the draft vocabulary
-    correct = torch.zeros(K, dtype=torch.float64)
-    correct_restricted = torch.zeros(K, dtype=torch.float64)
-    chain = torch.zeros(K, dtype=torch.float64)
-    counts = torch.zeros(K, dtype=torch.float64)
-    num_anchors = 0
+    stats, stats_restricted = DepthStats(K, torch.device("cpu")), DepthStats(K, torch.device("cpu"))
+    chain, num_anchors = torch.zeros(K, dtype=torch.float64), 0
     with torch.inference_mode():
         for s in samples:
             batch = pack_samples([s], len(s["input_ids"]))[0]
             el = build_peagle_elements(batch, K, mask_id)  # every anchor and depth (no COD sampling)
             normed, _ = drafter(el.input_ids[None], element_hidden(drafter, batch, el)[None], el.position[None],
                                 attn_mask=dense_element_mask(el))
-            draft = drafter.compute_logits(normed[0]).argmax(-1)  # draft ids
-            draft = drafter.draft_to_target(draft)
+            scored = torch.nonzero(el.loss).flatten()  # slots whose label lies in the answer (all slots are context)
+            el = el.index(scored)
+            draft = drafter.draft_to_target(drafter.compute_logits(normed[0, scored]).argmax(-1))
             zt = batch.final_hidden[el.target_index] @ lm_head.T  # [M, V] target logits after each slot
-            label = zt.argmax(-1)  # what greedy decoding emits there
-            restricted = in_draft[zt[:, in_draft].argmax(-1)]  # training's label: argmax over the draft vocabulary
-            ok = (draft == label) & el.loss
-            ok_restricted = (draft == restricted) & el.loss
-            anchors = sorted({int(a) for a, d in zip(el.anchor, el.depth) if d == 0})
-            per_anchor = {a: [None] * K for a in anchors}
-            for j in torch.nonzero(el.loss).flatten().tolist():
-                per_anchor[int(el.anchor[j])][int(el.depth[j])] = bool(ok[j])
-            for d in range(K):
-                mine = el.loss & (el.depth == d)
-                correct[d] += float(ok[mine].sum())
-                correct_restricted[d] += float(ok_restricted[mine].sum())
-                counts[d] += float(mine.sum())
-            for flags in per_anchor.values():
-                if all(f is not None for f in flags):  # anchors with all K depths inside the answer
-                    num_anchors += 1
-                    run = True
-                    for d, f in enumerate(flags):
-                        run = run and f
-                        chain[d] += run
-    tf = (correct / counts.clamp(min=1)).tolist()
+            ok = draft == zt.argmax(-1)  # the target's argmax: what greedy decoding emits there
+            no_loss = torch.zeros(len(ok))
+            stats.add(el.depth, no_loss, ok)
+            stats_restricted.add(el.depth, no_loss, draft == in_draft[zt[:, in_draft].argmax(-1)])  # training's label
+            flags = torch.zeros(batch.num_tokens, K, dtype=torch.bool)  # [anchor, depth] right
+            have = torch.zeros(batch.num_tokens, K, dtype=torch.bool)
+            flags[el.anchor, el.depth], have[el.anchor, el.depth] = ok, True
+            full = have.all(1)  # anchors with all K depths inside the answer
+            chain += flags[full].long().cumprod(1).sum(0).double()
+            num_anchors += int(full.sum())
+    tf, tf_restricted = stats.metrics(0.0), stats_restricted.metrics(0.0)
     ch = (chain / max(1, num_anchors)).tolist()
     dec = offline_acceptance(path, args.head, prompts, K=K, max_tokens=args.max_tokens, target_model=model)
-    result = {"head": args.head, "eval_set": args.set, "K": K, "capture_dtype": args.capture_dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
-              "teacher_forced_acc": tf, "teacher_forced_sim_al": 1 + float(np.cumprod(tf).sum()),
-              "teacher_forced_acc_draft_vocab_label": (correct_restricted / counts.clamp(min=1)).tolist(),
+    result = {"head": args.head, "eval_set": args.set, "K": K, "capture_dtype": args.capture_dtype,
+              "prompts": len(prompts), "max_tokens": args.max_tokens,
+              "teacher_forced_acc": [tf[f"acc_d{d}"] for d in range(K)],
+              "teacher_forced_sim_al": tf["sim_acceptance_length"],
+              "teacher_forced_acc_draft_vocab_label": [tf_restricted[f"acc_d{d}"] for d in range(K)],
               "chain_acceptance_per_pos": ch, "chain_al": 1 + sum(ch), "chain_anchors": num_anchors,
               "decoder_acceptance_per_pos": dec["al_per_pos"], "decoder_al": dec["acceptance_length"],
               "decoder_drafts": dec["num_drafts"]}
