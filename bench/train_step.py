@@ -29,6 +29,9 @@ from peagle_core.drafter import Eagle3Drafter, num_parameters
 from peagle_core.drafter_config import DrafterConfig
 from peagle_core.objectives import build_objective
 
+SMOKE_SHAPE = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 6,
+               "intermediate_size": 50, "vocab_size": 99, "num_hidden_layers": 7, "rope_theta": 10000.0}  # --smoke
+
 
 def make_drafter(shape: dict, *, num_layers: int, parallel: bool, device, draft_vocab_size=None) -> Eagle3Drafter:
     cfg = DrafterConfig(
@@ -141,8 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     shape = dict(TARGET_SHAPES[args.target])
     if args.smoke:
-        shape = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 6, "intermediate_size": 50,
-                     "vocab_size": 99, "num_hidden_layers": 7, "rope_theta": 10000.0}
+        shape = dict(SMOKE_SHAPE)
         args.num_tokens, args.num_depths, args.partitions, args.ttt_steps = [64], 3, [1, 2], 3
         args.num_layers, args.warmup, args.iters, args.num_docs = 2, 1, 2, 2
     loss_impls = args.loss_impls or (["triton", "torch"] if device.type == "cuda" else ["torch"])

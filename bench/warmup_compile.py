@@ -21,11 +21,8 @@ import time
 import torch
 
 from bench.common import TARGET_SHAPES, write_result
-from bench.train_step import make_batch, make_drafter
+from bench.train_step import SMOKE_SHAPE, make_batch, make_drafter
 from peagle_core.objectives import build_objective
-
-SMOKE_SHAPE = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 6,
-               "intermediate_size": 50, "vocab_size": 99, "num_hidden_layers": 7, "rope_theta": 10000.0}
 
 
 def scale_objective(method: str):
