@@ -444,17 +444,27 @@ def teacher_forced(lines: list[str]) -> None:
                      pos(r["decoder_acceptance_per_pos"]) + f" (AL {_f(r['decoder_al'])})"])
     lines += _table(["sequences", "teacher-forced acc per depth", "same, draft-vocab label",
                      "chain over all anchors", "decoder acceptance per position"], rows)
-    lines += ["", TEACHER_FORCED_READING, ""]
+    lines += ["", _teacher_forced_reading(runs), ""]
 
 
-TEACHER_FORCED_READING = (
-    "The head decodes as it scores teacher-forced: the chain over all anchors and the decoder agree (HumanEval AL "
-    "1.49 vs 1.46, ShareGPT 1.61 vs 1.56), so there is no train/decode mismatch in peagle's objective (a unit-size "
-    "check, every anchor and depth of a random head, gives identical drafts too). What differs is the sequences: "
-    "on HumanEval the depth-0 accuracy is 0.37 and on ShareGPT first turns 0.41, against 0.55 in the last "
-    "training window (the training set's own long multi-turn conversations, seen twice by then). Training's "
-    "draft-vocabulary label changes the accuracy by < 0.01, and hidden states from a bfloat16 target (as "
-    "trained) change nothing. The low AL is the head's generalisation at this data and GPU budget.")
+def _teacher_forced_reading(runs: list[dict]) -> str:
+    """The reading of the teacher-forced table, its numbers taken from the runs and the head's training log."""
+    f32 = [r for r in runs if r.get("capture_dtype", "float32") == "float32"]
+    agree = ", ".join(f"{r['eval_set']} AL {_f(r['chain_al'])} vs {_f(r['decoder_al'])}" for r in f32)
+    acc0 = " and ".join(f"{_f(r['teacher_forced_acc'][0])} on {r['eval_set']}" for r in f32)
+    head = Path(f32[0]["head"]).name.removeprefix("head-") if f32 else ""
+    train = (((_load(f"scale_train_{head}") or {}).get("calls") or [{}])[-1].get("final") or {}).get("acc_d0")
+    vocab = max(abs(a - b) for r in runs for a, b in zip(r["teacher_forced_acc"], r["teacher_forced_acc_draft_vocab_label"]))
+    by_set = {r["eval_set"]: r for r in f32}
+    dtype = max((abs(a - b) for r in runs if r.get("capture_dtype") == "bfloat16" and r["eval_set"] in by_set
+                 for a, b in zip(r["teacher_forced_acc"], by_set[r["eval_set"]]["teacher_forced_acc"])), default=None)
+    return (f"The head decodes as it scores teacher-forced: the chain over all anchors and the decoder agree ({agree}), "
+            "so there is no train/decode mismatch in peagle's objective (a unit test, every anchor and depth of a "
+            "random head, gives identical drafts too). What differs is the sequences: the depth-0 accuracy is "
+            f"{acc0}, against {_f(train)} in the last training window (the training set's own long multi-turn "
+            f"conversations, seen about twice by then). Training's draft-vocabulary label moves an accuracy by at "
+            f"most {_f(vocab, 3)}, and hidden states from a bfloat16 target (as trained) by at most {_f(dtype, 3)}. "
+            "The low AL is the head's generalisation at this data and GPU budget.")
 
 
 def scaling_eval(lines: list[str]) -> None:
