@@ -297,6 +297,21 @@ class RegistryConfig(Section):
         return settings.model_name(target.model, self.model_name)
 
 
+def check_autoscaling(min_replicas: int, max_replicas: int, target_ongoing_requests: float,
+                      max_ongoing_requests: int, *, prefix: str = "") -> None:
+    """Ray Serve autoscaling bounds of one deployment (``serving`` recipe section, ``ServeAppArgs``).
+
+    Raises:
+        ValueError: ``min_replicas > max_replicas``; ``target_ongoing_requests > max_ongoing_requests`` (a
+            replica never reaches the target, so autoscaling would never trigger). ``prefix`` names the section.
+    """
+    if min_replicas > max_replicas:
+        raise ValueError(f"{prefix}min_replicas={min_replicas} > max_replicas={max_replicas}")
+    if target_ongoing_requests > max_ongoing_requests:
+        raise ValueError(f"{prefix}target_ongoing_requests={target_ongoing_requests} > max_ongoing_requests="
+                         f"{max_ongoing_requests}: autoscaling would never trigger; lower the target")
+
+
 class ServeConfig(Section):
     """Ray Serve LLM deployment of target + head (parallel drafting)."""
 
@@ -329,11 +344,6 @@ class ServeConfig(Section):
 
     @model_validator(mode="after")
     def _bounds(self):
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"serving.min_replicas={self.min_replicas} > max_replicas={self.max_replicas}")
-        if self.target_ongoing_requests > self.max_ongoing_requests:
-            raise ValueError(
-                f"serving.target_ongoing_requests={self.target_ongoing_requests} > max_ongoing_requests="
-                f"{self.max_ongoing_requests}; autoscaling would never trigger"
-            )
+        check_autoscaling(self.min_replicas, self.max_replicas, self.target_ongoing_requests,
+                          self.max_ongoing_requests, prefix="serving.")
         return self

@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipelines import settings
 from pipelines.assets import EMBEDDED_TARGETS
+from pipelines.recipe.stages import check_autoscaling
 from pipelines.recipe.traffic import TrafficLogConfig
 from pipelines.serve.heads import HeadDownloadCallback, PinnedHead, fetch_head, is_registry_ref, pin_head
 
@@ -140,13 +141,8 @@ class ServeAppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}")
-        if self.target_ongoing_requests > self.max_ongoing_requests:
-            raise ValueError(
-                f"target_ongoing_requests={self.target_ongoing_requests} > max_ongoing_requests="
-                f"{self.max_ongoing_requests}: autoscaling would never trigger; lower the target"
-            )
+        check_autoscaling(self.min_replicas, self.max_replicas, self.target_ongoing_requests,
+                          self.max_ongoing_requests)
         if isinstance(self.k_schedule, list) and self.parallel_drafting:
             from pipelines.k_schedule import check_parallel_drafting
 
