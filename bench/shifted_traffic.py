@@ -112,30 +112,35 @@ def record(label: str, recipe: Path) -> dict[str, Any]:
     run = settings.run_dir(load_recipe(recipe).name)
     rows = json.loads((run / "evaluate" / "table.json").read_text())["rows"]
     summary = json.loads((run / "summary.json").read_text())
-    keep = ("method", "eval_set", "K", "concurrency", "acceptance_length", "output_tokens_per_s", "num_prompts")
+    keep = ("method", "eval_set", "K", "concurrency", "num_prompts", "acceptance_length", "al_per_pos", "tokens_per_s",
+            "speedup")
     return {"rows": [{k: r.get(k) for k in keep} for r in rows], "gate": summary.get("mlflow", {}),
             "stages": {k: v.get("status") for k, v in summary.get("stages", {}).items()},
             "recorded_at": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
+def _f(x: float | None, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
 def table(data: dict[str, Any]) -> str:
     """Markdown: per recorded refresh run, champion vs challenger AL on each eval set, and the gate."""
-    lines = ["| run | eval set | K | no spec tok/s | champion AL | challenger AL | challenger / champion | gate |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | eval set | K | tok/s, no speculation | champion AL | challenger AL | challenger / champion | challenger tok/s vs none | gate |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, run in data.get("runs", {}).items():
         by: dict[tuple, dict[str, dict]] = {}
         for r in run["rows"]:
             by.setdefault((r["eval_set"], r["K"] if r["method"] != "none" else None), {})[r["method"]] = r
         gate = run["gate"]
-        verdict = ("promoted" if gate.get("promoted") else "refused") + f" ({gate.get('reason', '')})"
+        verdict = gate.get("reason") or ("promoted" if gate.get("promoted") else "kept the champion")
         for (eval_set, k), m in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
             if k is None:
                 continue
-            none = by.get((eval_set, None), {}).get("none", {}).get("output_tokens_per_s")
+            none = by.get((eval_set, None), {}).get("none", {}).get("tokens_per_s")
             champ, chal = (m.get(x, {}).get("acceptance_length") for x in ("champion", "peagle"))
             ratio = f"{chal / champ:.3f}" if champ and chal else "-"
-            lines.append(f"| {label} | {eval_set} | {k} | {none or '-'} | {champ or '-'} | {chal or '-'} | {ratio} "
-                         f"| {verdict} |")
+            lines.append(f"| {label} | {eval_set} | {k} | {_f(none, 1)} | {_f(champ)} | {_f(chal)} | {ratio} "
+                         f"| {_f(m.get('peagle', {}).get('speedup'), 2)}x | {verdict} |")
     return "\n".join(lines)
 
 
