@@ -125,7 +125,7 @@ def _f(x: float | None, nd: int = 3) -> str:
 
 def table(data: dict[str, Any]) -> str:
     """Markdown: per recorded refresh run, champion vs challenger AL on each eval set, and the gate."""
-    lines = ["| run | eval set | K | tok/s, no speculation | champion AL | challenger AL | challenger / champion | challenger tok/s vs none | gate |",
+    lines = ["| run | eval set | K | tok/s, no speculation | champion AL | challenger AL | challenger / champion | challenger tok/s / none | gate |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, run in data.get("runs", {}).items():
         by: dict[tuple, dict[str, dict]] = {}
@@ -140,7 +140,7 @@ def table(data: dict[str, Any]) -> str:
             champ, chal = (m.get(x, {}).get("acceptance_length") for x in ("champion", "peagle"))
             ratio = f"{chal / champ:.3f}" if champ and chal else "-"
             lines.append(f"| {label} | {eval_set} | {k} | {_f(none, 1)} | {_f(champ)} | {_f(chal)} | {ratio} "
-                         f"| {_f(m.get('peagle', {}).get('speedup'), 2)}x | {verdict} |")
+                         f"| {_f(m.get('peagle', {}).get('speedup'), 2).replace('-', 'not measured')} | {verdict} |")
     return "\n".join(lines)
 
 
