@@ -7,12 +7,20 @@ data, and the refresh recipe's replay share (the demo's code conversations) does
 They are sent greedy (``temperature: 0``) to the demo endpoint with the traffic log on, so the served
 answers are training rows as they are (no regeneration).
 
-    make demo JOB_ARGS='--set serving.traffic_log={}'
-    python -m bench.shifted_traffic send --num-prompts 240
-    ray job submit --address "$RAY_ADDRESS" --working-dir . -- python -m ray_jobs.pipeline \\
-        --config configs/smollm2-135m-cpu-refresh.yaml --set 'data.sources[0].traffic.until="<send end>"' ...
-    python -m bench.shifted_traffic record --label refresh     # the run's eval table and gate decision
-    python -m bench.shifted_traffic report                     # bench/results/shifted_traffic.json -> stdout
+The run of 2026-11-24 (its results in ``bench/results/shifted_traffic.json``, section in
+``docs/benchmarks.md``)::
+
+    make demo JOB_ARGS="--set 'serving.traffic_log={}'"
+    python -m bench.shifted_traffic send --num-prompts 200 --concurrency 8
+    make demo RECIPE=configs/smollm2-135m-cpu-refresh.yaml        # the refresh job on the same Ray head
+    python -m bench.shifted_traffic record --label "refresh (warm start, 320 steps)"
+    make demo RECIPE=configs/smollm2-135m-cpu-refresh.yaml JOB_ARGS="--set training.init_from=null \
+        --set training.max_steps=40 --set 'evaluation.methods=[peagle]' --set 'evaluation.sources=[{kind: traffic}]'"
+    python -m bench.shifted_traffic record --label "worse challenger (random init, 40 steps)"
+    python -m bench.shifted_traffic report                       # the table, to stdout
+
+No request reached the endpoint between ``send`` and the refresh runs, so the traffic source's ``until``
+stays unset (the split is the same in every stage and both runs).
 
 ``record`` copies ``$PEAGLE_HOME/runs/<recipe>/evaluate/table.json`` and ``summary.json``'s gate decision
 into ``bench/results/shifted_traffic.json`` under ``--label`` (a second refresh overwrites the run dir).
