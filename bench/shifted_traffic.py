@@ -127,31 +127,6 @@ def record(label: str, recipe: Path) -> dict[str, Any]:
             "recorded_at": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
-def _f(x: float | None, nd: int = 3) -> str:
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
-def table(data: dict[str, Any]) -> str:
-    """Markdown: per recorded refresh run, champion vs challenger AL on each eval set, and the gate."""
-    lines = ["| run | eval set | K | tok/s, no speculation | champion AL | challenger AL | challenger / champion | challenger tok/s / none | gate |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for label, run in data.get("runs", {}).items():
-        by: dict[tuple, dict[str, dict]] = {}
-        for r in run["rows"]:
-            by.setdefault((r["eval_set"], r["K"] if r["method"] != "none" else None), {})[r["method"]] = r
-        gate = run["gate"]
-        verdict = gate.get("reason") or ("promoted" if gate.get("promoted") else "kept the champion")
-        for (eval_set, k), m in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
-            if k is None:
-                continue
-            none = by.get((eval_set, None), {}).get("none", {}).get("tokens_per_s")
-            champ, chal = (m.get(x, {}).get("acceptance_length") for x in ("champion", "peagle"))
-            ratio = f"{chal / champ:.3f}" if champ and chal else "-"
-            lines.append(f"| {label} | {eval_set} | {k} | {_f(none, 1)} | {_f(champ)} | {_f(chal)} | {ratio} "
-                         f"| {_f(m.get('peagle', {}).get('speedup'), 2).replace('-', 'not measured')} | {verdict} |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -185,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(data["runs"][args.label]["gate"], indent=2))
     if args.cmd != "report":
         save_result(data)
-    print(table(data))
+    from bench.report import shifted_traffic_table
+
+    print("\n".join(shifted_traffic_table(data)))
 
 
 if __name__ == "__main__":
