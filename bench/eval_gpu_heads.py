@@ -10,15 +10,17 @@ acceptance per position at K = 3, 5, 7 and tokens/s against no speculation, thro
 ``--head LABEL=DIR``: the head's decoding method is its ``config.json`` ``method`` (``bench.scale`` and
 ``bench.gpu_recipe`` write it), else the label's first word (``peagle``: parallel drafting, ``eagle3``:
 sequential). ``--set NAME:C1,C2``: an eval source kind (``pipelines.eval_prompts``) and its concurrencies.
-No speculation is measured once per set, first; every row's ``speedup`` is its tokens/s over that row's at
-the same concurrency. The result file (``bench/results/<name>.json``) is rewritten after each head, and a
-second run with the same ``--name`` skips the (set, head) pairs it already holds: heads and sets can be added
-later, with another ``--k`` sweep or ``--set`` (each row names its set, head, K and concurrency).
+No speculation is measured per set on every day that adds heads to it, first; every row's ``speedup`` is its
+tokens/s over no speculation's at the same concurrency on the same day (``date``; the CPU box's speed varies
+between sessions). The result file (``bench/results/<name>.json``) is rewritten after each head, and a
+second run with the same ``--name`` skips the (set, head, K) rows it already holds: heads, sets and Ks can be
+added later, with another ``--k`` sweep or ``--set`` (each row names its set, head, K and concurrency).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 from pathlib import Path
 
@@ -40,6 +42,10 @@ def head_method(label: str, head_dir: str) -> str:
         raise SystemExit(f"--head {label}={head_dir}: no method in config.json and label does not start with "
                          "peagle or eagle3")
     return method
+
+
+def _none_rows(rows: list[dict], set_name: str, day: str) -> list[dict]:
+    return [r for r in rows if r["eval_set"] == set_name and r.get("head") == NONE_LABEL and r.get("date") == day]
 
 
 def main() -> None:
@@ -68,11 +74,12 @@ def main() -> None:
     sets = {s.split(":")[0]: [int(c) for c in s.split(":")[1].split(",")] if ":" in s else [1]
             for s in (args.set or ["humaneval:1"])}
     k_sweep = [int(k) for k in args.k.split(",")]
+    today = datetime.date.today().isoformat()
 
     path = RESULTS / f"{args.name}.json"
     prev = json.loads(path.read_text()) if path.exists() else {}
     rows: list[dict] = prev.get("rows", [])
-    done = {(r["eval_set"], r.get("head")) for r in rows}
+    done = {(r["eval_set"], r.get("head"), r["K"]) for r in rows}
     offline: list[dict] = prev.get("offline", [])
 
     def save(num_prompts: int) -> None:  # rows of an earlier run with the same --name are kept
@@ -85,20 +92,20 @@ def main() -> None:
         src = SourceConfig(kind=set_name)
         prompts = next(iter(load_eval_prompts([src], tok, num_prompts=args.num_prompts, seed=0,
                                               max_prompt_tokens=512).values()))
-        for label in [NONE_LABEL, *heads]:
-            if (set_name, label) in done:
-                continue
+        pending = {label: ks for label in heads if (ks := [k for k in k_sweep if (set_name, label, k) not in done])}
+        if pending and not _none_rows(rows, set_name, today):
+            pending = {NONE_LABEL: k_sweep} | pending  # speed-ups are against no speculation measured the same day
+        for label, ks in pending.items():
             method = "none" if label == NONE_LABEL else methods[label]
             cfg = EvalConfig(sources=[src], num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                             num_speculative_tokens_sweep=k_sweep, concurrency_sweep=conc, methods=[method],
+                             num_speculative_tokens_sweep=ks, concurrency_sweep=conc, methods=[method],
                              include_offline_decoder=False)
             report = evaluate(target=target, prompts=prompts, heads={} if label == NONE_LABEL else {method: heads[label]},
                               cfg=cfg, eval_set=set_name, out_dir=Path(args.out) / f"{set_name}-{label}",
                               timeout_s=3000)
-            base = {r["concurrency"]: r["tokens_per_s"] for r in rows
-                    if r["eval_set"] == set_name and r.get("head") == NONE_LABEL}
+            base = {r["concurrency"]: r["tokens_per_s"] for r in _none_rows(rows, set_name, today)}
             for r in report.rows:
-                r.update(head=label, eval_set=set_name,
+                r.update(head=label, eval_set=set_name, date=today,
                          head_dir=heads.get(label), speedup=r["tokens_per_s"] / base[r["concurrency"]]
                          if base.get(r["concurrency"]) else (1.0 if label == NONE_LABEL else None))
                 rows.append(r)
