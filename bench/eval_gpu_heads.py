@@ -93,7 +93,7 @@ def main() -> None:
         prompts = next(iter(load_eval_prompts([src], tok, num_prompts=args.num_prompts, seed=0,
                                               max_prompt_tokens=512).values()))
         pending = {label: ks for label in heads if (ks := [k for k in k_sweep if (set_name, label, k) not in done])}
-        if pending and not _none_rows(rows, set_name, today):
+        if pending and not set(conc) <= {r["concurrency"] for r in _none_rows(rows, set_name, today)}:
             pending = {NONE_LABEL: k_sweep} | pending  # speed-ups are against no speculation measured the same day
         for label, ks in pending.items():
             method = "none" if label == NONE_LABEL else methods[label]
