@@ -18,7 +18,7 @@ T steps (default 7). Step i processes one slot per anchor ``a`` of the packed se
 Attention: keys of all earlier steps stay in a KV cache (gradients flow through them); query
 ``(a, i)`` sees ``(a', 0)`` for ``a' <= a`` and ``(a, j)`` for ``j <= i`` in the same document —
 the same rule as P-EAGLE's mask, so EAGLE-3's "diagonal" attention over earlier steps is
-``peagle_core.masks.element_mask`` with depth = step (plus each query's own key).
+the element mask of ``peagle_core.masks`` with depth = step (plus each query's own key).
 
 Loss: ``sum_i 0.8^i * (sum of step-i element losses) / n`` with ``n`` = the number of step-0 loss
 elements (or ``loss_scale_denominator``). EAGLE-3 divides each step by its own count instead;
@@ -43,7 +43,7 @@ from peagle_core.elements import Elements, cat_elements, label_valid, pad_elemen
 from peagle_core.fsdp import run_in_forward
 from peagle_core.masks import (
     FLEX_BLOCK,
-    element_mask,
+    dense_element_mask,
     flex_element_mask,
     query_block_slice,
     resolve_attention,
@@ -75,16 +75,13 @@ def build_ttt_elements(batch: PackedBatch, num_steps: int) -> Elements:
     )
 
 
-def ttt_step_mask(q: Elements, k: Elements, *, attention: str = "dense"):
-    """Mask of step-i queries ``q`` ([N] slots) over the keys of steps 0..i ``k`` ([(i+1) N]).
-
-    Dense: bool ``[1, 1, N, (i+1) N]``; flex: ``BlockMask``. Each query also sees its own key
-    (the last block's diagonal), so filler slots never get an empty softmax row.
-
-    Raises:
-        ValueError: ``attention`` not ``"auto"``, ``"dense"`` or ``"flex"``.
+def ttt_step_mask(q: Elements, k: Elements) -> torch.Tensor:
+    """Dense mask of step-i queries ``q`` ([N] slots) over the keys of steps 0..i ``k`` ([(i+1) N]):
+    bool ``[1, 1, N, (i+1) N]``. Each query also sees its own key (the last block's diagonal), so
+    filler slots never get an empty softmax row. The flex masks of all steps come from
+    ``ttt_flex_step_masks``.
     """
-    return element_mask(q, k, attention=attention, diagonal=k.num_elements - q.num_elements)
+    return dense_element_mask(q, k, diagonal=k.num_elements - q.num_elements)
 
 
 def ttt_flex_step_masks(steps: list[Elements]) -> list:
@@ -135,7 +132,7 @@ def ttt_forward(
     hidden = d.combine_hidden_states(batch.aux)  # [N, H] step-0 hidden states
     hidden = torch.cat([hidden, hidden.new_zeros(Np - N, hidden.shape[-1])]) if Np > N else hidden  # [Np, H]
     for i, (q, qp) in enumerate(zip(steps, padded, strict=True)):
-        mask = masks[i] if masks is not None else ttt_step_mask(q, el.index(slice(0, (i + 1) * N)), attention=impl)
+        mask = masks[i] if masks is not None else ttt_step_mask(q, el.index(slice(0, (i + 1) * N)))
         normed, prenorm = drafter(qp.input_ids[None], hidden[None], qp.position[None], attn_mask=mask,
                                   cache=cache, query_valid=qp.valid[None])
         yield i, q, normed[0, :N]
