@@ -74,6 +74,11 @@ class PipelineRun:
         say: where a stage's one-line messages go (default ``print``).
         verbose: stages may say more (the full eval table).
 
+    A stage this machine cannot run (:meth:`~pipelines.stages.base.Stage.unavailable`: evaluate and serve
+    without vLLM, the registry stages without MLflow, e.g. on a GPU box that only trains) is not run, nor
+    are the stages after it; the run says so before any compute, runs the others and records them as
+    ``not run`` with the reason in the summary (:attr:`not_run`).
+
     Raises:
         ValueError: an unknown stage name, or recipe settings the pipeline cannot honour (gate K not
             evaluated, the trained method not evaluated, ...), before any compute.
@@ -98,7 +103,8 @@ class PipelineRun:
         self.tracking_uri = recipe.registry.resolved_tracking_uri()
         self.model_name = recipe.registry.resolved_model_name(recipe.target)
         self.engine = engine_settings(recipe)
-        self._stages: dict[str, Stage] = {t.name: t(self) for t in STAGE_TYPES}
+        self.not_run = not_runnable(recipe)
+        self._stages: dict[str, Stage] = {t.name: t(self) for t in STAGE_TYPES if t.name not in self.not_run}
         self._current: str | None = None
 
     # ------------------------------------------------------------------------------------------ context
@@ -141,15 +147,21 @@ class PipelineRun:
         """
         import ray
 
-        if not ray.is_initialized():
+        if any(n not in self.not_run for n in self.stages) and not ray.is_initialized():
             from pipelines.console import init_ray
 
             init_ray(verbose=self.verbose)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "recipe.yaml", self.recipe.dump_resolved())
         self._say(f"peagle pipeline {self.recipe.name!r}: stages {', '.join(self.stages)}; run dir {self.run_dir}")
+        for name in self.stages:
+            if name in self.not_run:
+                self._say(f"[{name}] not run: {self.not_run[name]}")
         t0 = time.perf_counter()
         for name in self.stages:
+            if name in self.not_run:
+                self.records[name] = StageRecord(name, "not run", 0.0, None, None, reason=self.not_run[name])
+                continue
             self._current = name
             try:
                 self.records[name] = self._run_or_skip(name)
@@ -196,12 +208,30 @@ class PipelineRun:
         mlflow, endpoint)."""
         out: dict[str, Any] = {"recipe": self.recipe.name, "run_dir": str(self.run_dir), "total_seconds": seconds,
                                "stages": {n: {"status": r.status, "seconds": round(r.seconds, 1)}
+                                          | ({"reason": r.reason} if r.reason else {})
                                           for n, r in self.records.items()}}
         for name, rec in self.records.items():
+            if rec.output is None:
+                continue
             part = self._stages[name].summary(rec.output)
             if part is not None:
                 out[part[0]] = part[1]
         return out
+
+
+def not_runnable(recipe: Recipe) -> dict[str, str]:
+    """``{stage: reason}`` for the stages this machine cannot run with ``recipe`` and every stage after the
+    first of them (each needs its upstream's outputs): ``Stage.unavailable``, in pipeline order."""
+    out: dict[str, str] = {}
+    blocked: str | None = None
+    for stage_type in STAGE_TYPES:
+        reason = stage_type.unavailable(recipe)
+        if reason is not None:
+            out[stage_type.name] = reason
+            blocked = blocked or stage_type.name
+        elif blocked is not None:
+            out[stage_type.name] = f"needs the outputs of {blocked}, which cannot run here"
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- printing
@@ -222,6 +252,9 @@ def print_summary(s: dict[str, Any], console: Console) -> None:
     for name, st in s["stages"].items():
         table.add_row(name, st["status"], f"{st['seconds']:.1f}")
     console.print(table)
+    for name, st in s["stages"].items():
+        if st.get("reason"):
+            line(f"{name} not run: {st['reason']}")
     ev = s.get("eval")
     sets = (ev.get("by_eval_set") or {ev["eval_set"]: ev}) if ev else {}  # one table per eval set, gate first
     champ = (ev or {}).get("champion")  # measured in the same run (evaluation.compare_champion)

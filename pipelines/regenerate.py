@@ -244,6 +244,8 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         return out
     import ray
 
+    from pipelines.capture.actors import actor_num_gpus
+
     ds = ray.data.from_items(rows)
     res = ds.map_batches(
         RegenerateActor,
@@ -252,6 +254,7 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         batch_size=regen_cfg.batch_size,
         batch_format="pyarrow",
         num_cpus=num_cpus_per_worker,
+        num_gpus=actor_num_gpus(None),  # one GPU per engine where the cluster has them (the capture actors' rule)
     )
     out = []
     for r in res.iter_rows():

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def actor_num_gpus(requested: float | None) -> float:
-    """GPUs per capture actor: ``requested``, or 1 when the Ray cluster has GPUs, else 0 (CPU)."""
+    """GPUs per engine actor (capture, and regenerate's actor pool): ``requested``, or 1 when the Ray cluster
+    has GPUs, else 0 (CPU)."""
     if requested is not None:
         return float(requested)
     import ray

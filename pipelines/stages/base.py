@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 from abc import ABC, abstractmethod
@@ -74,13 +75,15 @@ class StageOutput:
 
 @dataclass
 class StageRecord:
-    """What one stage did in this run: ``status`` ran|skipped, wall ``seconds``, its key and output."""
+    """What one stage did in this run: ``status`` ran|skipped|not run, wall ``seconds``, its key and output
+    (``key`` and ``output`` None when not run, with the ``reason``)."""
 
     name: str
     status: str
     seconds: float
-    key: str
-    output: StageOutput
+    key: str | None
+    output: StageOutput | None
+    reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "seconds": self.seconds, "key": self.key,
@@ -213,6 +216,19 @@ class Stage(ABC):
     @staticmethod
     def check(recipe: Recipe) -> None:
         """Recipe settings this stage cannot honour; raise ValueError before any compute (default: none)."""
+
+    @staticmethod
+    def requirements(recipe: Recipe) -> tuple[str, ...]:
+        """The packages (import names) this stage needs on this machine with ``recipe`` beyond peagle's own
+        (default none): vLLM for evaluate and serve, MLflow for the registry."""
+        return ()
+
+    @classmethod
+    def unavailable(cls, recipe: Recipe) -> str | None:
+        """Why this stage cannot run on this machine (packages of :meth:`requirements` not installed, e.g.
+        a GPU box with no vLLM or MLflow), or None."""
+        missing = [m for m in cls.requirements(recipe) if importlib.util.find_spec(m) is None]
+        return f"{' and '.join(missing)} not installed on this machine" if missing else None
 
     @staticmethod
     @abstractmethod

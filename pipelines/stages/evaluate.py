@@ -103,6 +103,10 @@ class EvaluateStage(Stage):
             raise ValueError(f"evaluation.sources name the eval set(s) {repeated} more than once (a set is named by "
                              "its kind or its file's stem); drop the repeats or rename the files")
 
+    @staticmethod
+    def requirements(recipe) -> tuple[str, ...]:
+        return ("vllm",) + (("mlflow",) if recipe.evaluation.compares_champion(recipe.training) else ())
+
     def sections(self, recipe):
         from pipelines.eval_prompts import eval_set_name
 

@@ -63,6 +63,10 @@ class RegisterStage(Stage):
         recipe.registry.resolved_gate_eval_set(recipe.evaluation)  # ValueError: not an eval set of the recipe
 
     @staticmethod
+    def requirements(recipe) -> tuple[str, ...]:
+        return ("mlflow",)
+
+    @staticmethod
     def sections(recipe):
         return (recipe.registry,)
 

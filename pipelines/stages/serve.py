@@ -45,6 +45,10 @@ class ServeStage(Stage):
     Output = ServeOutput
 
     @staticmethod
+    def requirements(recipe) -> tuple[str, ...]:
+        return ("vllm", "mlflow")  # Ray Serve LLM's engine; the head is pinned from the registry
+
+    @staticmethod
     def sections(recipe):
         return (recipe.serving,)
 

@@ -19,6 +19,7 @@ before Ray Train starts.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,13 @@ class TrainStage(Stage):
 
             self._init_head = resolve_init_from(ref, tracking_uri=ctx.tracking_uri)
 
+    @staticmethod
+    def requirements(recipe) -> tuple[str, ...]:
+        from pipelines.train.warm_start import REGISTRY_PREFIX
+
+        init = recipe.training.init_from
+        return ("mlflow",) if init is not None and init.startswith(REGISTRY_PREFIX) else ()
+
     def sections(self, recipe):
         # how many failures to recover from does not change the head: not in the key; a warm start is keyed
         # on the head it resolved to (absent when None: older recipes keep their keys)
@@ -101,9 +109,13 @@ class TrainStage(Stage):
             data = OrderedCapture(str(cap.capture_dir))
         from pipelines.stages.train_progress import train_progress
 
+        tracking_uri = self.ctx.tracking_uri
+        if importlib.util.find_spec("mlflow") is None:
+            tracking_uri = ""  # the driver's `""`: no MLflow run
+            self.ctx.say("MLflow is not installed on this machine: training metrics go to the log only")
         with train_progress(plan.total_steps) as callbacks:
             res = run_train(plan, data, self.dir, run_name=f"{r.name}-{self.ctx.key(self.name)[:10]}",
-                            storage_path=self.ctx.run_dir / "ray_results", mlflow_tracking_uri=self.ctx.tracking_uri,
+                            storage_path=self.ctx.run_dir / "ray_results", mlflow_tracking_uri=tracking_uri,
                             mlflow_experiment=settings.TRAIN_EXPERIMENT, export_dtype=self.ctx.engine.export_dtype,
                             recipe_text=r.dump_resolved(), callbacks=callbacks)
         history = (res.return_value or {}).get("history") or []

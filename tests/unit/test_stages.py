@@ -2,6 +2,7 @@
 
 import io
 import json
+import sys
 
 import pytest
 
@@ -305,3 +306,38 @@ def test_summary_shows_the_champion_measured_in_the_same_run(ci_recipe, tmp_path
     print_summary(s, Console(file=buf, width=100))
     text = buf.getvalue()
     assert "champion v4 AL" in text and "1.090" in text and "1.270" in text, text
+
+
+def test_stages_this_machine_cannot_run(ci_recipe, tmp_path, monkeypatch):
+    """A box without vLLM (the lent GPU machine): evaluate and serve are not run, nor register between them; the run
+    says so before any stage, and the summary keeps the reasons."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails in this process, as where it is absent
+    lines: list[str] = []
+    run = PipelineRun(ci_recipe, run_dir=tmp_path, stages=["evaluate", "register", "serve"], say=lines.append)
+    assert run.not_run == {"evaluate": "vllm not installed on this machine",
+                           "register": "needs the outputs of evaluate, which cannot run here",
+                           "serve": "vllm not installed on this machine"}
+    assert [run.key(s) for s in ("regenerate", "capture", "train")]  # the stages that can run keep their keys
+    s = run.run()  # nothing to run: no Ray, no compute
+    assert s["stages"]["evaluate"] == {"status": "not run", "seconds": 0.0,
+                                       "reason": "vllm not installed on this machine"}
+    assert [line for line in lines if "not run" in line] == [
+        "[evaluate] not run: vllm not installed on this machine",
+        "[register] not run: needs the outputs of evaluate, which cannot run here",
+        "[serve] not run: vllm not installed on this machine"]
+    assert json.loads((tmp_path / "summary.json").read_text())["stages"]["serve"]["status"] == "not run"
+    assert not (tmp_path / "evaluate" / STAGE_FILE).exists()  # a machine with vLLM runs it later
+    from rich.console import Console
+
+    buf = io.StringIO()
+    print_summary(s, Console(file=buf, width=100))
+    assert "evaluate not run: vllm not installed on this machine" in buf.getvalue()
+
+
+def test_registry_stages_need_mlflow(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    run = PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml"), run_dir=tmp_path)
+    assert run.not_run == {"register": "mlflow not installed on this machine",
+                           "serve": "mlflow not installed on this machine"}
+    warm = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["training.init_from=models:/peagle-x@champion"])
+    assert PipelineRun(warm, run_dir=tmp_path).not_run["train"] == "mlflow not installed on this machine"
