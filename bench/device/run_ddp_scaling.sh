@@ -8,15 +8,11 @@
 # the same benchmark runs with --launcher torch (torch.multiprocessing + DDP) and says so.
 set -u
 T0=$SECONDS
-mkdir -p ~/keep/site "$OUT/r"
+mkdir -p "$OUT/r"
 . bench/device/env.sh
-export RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. bench/device/install_ray.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -4
-[ -d ~/keep/site/ray ] || tar -C ~/keep/site -xJf .carry/ray/ray-2.60.0-cp312.tar.xz
-python3 -m pip install -q --no-index --no-compile --find-links .carry/ray/wheels --prefix ~/keep/rdeps \
-  click msgpack protobuf jsonschema pydantic 2>&1 | grep -v "^\[notice\]"
-RDEPS=$(find ~/keep/rdeps -maxdepth 4 -type d \( -name site-packages -o -name dist-packages \) 2>/dev/null | head -1)
-export PYTHONPATH=~/keep/site${RDEPS:+:$RDEPS}${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import pandas, pyarrow; print('pandas', pandas.__version__, 'pyarrow', pyarrow.__version__)"
 LAUNCHER=ray
 python3 -c "import ray, ray.train, ray.train.torch; print('ray', ray.__version__, ray.__file__)" || LAUNCHER=torch
