@@ -11,8 +11,8 @@ acceptance per position at K = 3, 5, 7 and tokens/s against no speculation, thro
 ``bench.gpu_recipe`` write it), else the label's first word (``peagle``: parallel drafting, ``eagle3``:
 sequential). ``--set NAME:C1,C2``: an eval source kind (``pipelines.eval_prompts``) and its concurrencies.
 No speculation is measured per set on every day that adds heads to it, first; every row's ``speedup`` is its
-tokens/s over no speculation's at the same concurrency on the same day (``date``; the CPU box's speed varies
-between sessions). The result file (``bench/results/<name>.json``) is rewritten after each head, and a
+tokens/s over no speculation's at the same concurrency on the same day (``date``, or the ``--date`` label of
+a later session that day; the CPU box's speed varies between sessions). The result file (``bench/results/<name>.json``) is rewritten after each head, and a
 second run with the same ``--name`` skips the (set, head, K) rows it already holds: heads, sets and Ks can be
 added later, with another ``--k`` sweep or ``--set`` (each row names its set, head, K and concurrency).
 """
@@ -65,6 +65,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default="outputs/gpu-eval", help="eval tables and plots per (set, head)")
     ap.add_argument("--k", default=",".join(map(str, SWEEP)), help="K sweep of this run's sets, e.g. 5")
+    ap.add_argument("--date", default=datetime.date.today().isoformat(),
+                    help="label of this measuring session (default today): speed-ups are against the no-speculation "
+                    "rows with the same label, measured first when missing; give a new one (e.g. 2026-11-24b) where "
+                    "the box may run at another speed than earlier the same day")
     ap.add_argument("--offline-k", type=int, default=0, help="also run peagle's reference decoder "
                     "(pipelines.evaluate.offline_acceptance) per head at this K on the first set's prompts: "
                     "a cross-check of vLLM's counters")
@@ -74,7 +78,7 @@ def main() -> None:
     sets = {s.split(":")[0]: [int(c) for c in s.split(":")[1].split(",")] if ":" in s else [1]
             for s in (args.set or ["humaneval:1"])}
     k_sweep = [int(k) for k in args.k.split(",")]
-    today = datetime.date.today().isoformat()
+    today = args.date
 
     path = RESULTS / f"{args.name}.json"
     prev = json.loads(path.read_text()) if path.exists() else {}
