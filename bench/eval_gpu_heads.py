@@ -13,8 +13,9 @@ sequential). ``--set NAME:C1,C2``: an eval source kind (``pipelines.eval_prompts
 No speculation is measured per set on every day that adds heads to it, first; every row's ``speedup`` is its
 tokens/s over no speculation's at the same concurrency on the same day (``date``, or the ``--date`` label of
 a later session that day; the CPU box's speed varies between sessions). The result file (``bench/results/<name>.json``) is rewritten after each head, and a
-second run with the same ``--name`` skips the (set, head, K) rows it already holds: heads, sets and Ks can be
-added later, with another ``--k`` sweep or ``--set`` (each row names its set, head, K and concurrency).
+second run with the same ``--name`` skips the (set, head, K) whose rows it already holds at every concurrency
+of ``--set``: heads, sets, Ks and concurrencies can be added later, with another ``--k`` sweep or ``--set`` (each
+row names its set, head, K and concurrency).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main() -> None:
     path = RESULTS / f"{args.name}.json"
     prev = json.loads(path.read_text()) if path.exists() else {}
     rows: list[dict] = prev.get("rows", [])
-    done = {(r["eval_set"], r.get("head"), r["K"]) for r in rows}
+    done = {(r["eval_set"], r.get("head"), r["K"], r["concurrency"]) for r in rows}
     offline: list[dict] = prev.get("offline", [])
 
     def save(num_prompts: int) -> None:  # rows of an earlier run with the same --name are kept
@@ -96,7 +97,8 @@ def main() -> None:
         src = SourceConfig(kind=set_name)
         prompts = next(iter(load_eval_prompts([src], tok, num_prompts=args.num_prompts, seed=0,
                                               max_prompt_tokens=512).values()))
-        pending = {label: ks for label in heads if (ks := [k for k in k_sweep if (set_name, label, k) not in done])}
+        pending = {label: ks for label in heads
+                   if (ks := [k for k in k_sweep if any((set_name, label, k, c) not in done for c in conc)])}
         if pending and not set(conc) <= {r["concurrency"] for r in _none_rows(rows, set_name, today)}:
             pending = {NONE_LABEL: k_sweep} | pending  # speed-ups are against no speculation measured the same day
         for label, ks in pending.items():

@@ -429,10 +429,10 @@ SCALE_EVAL_READING = (
     "(600 GPU-s, ~2 epochs) lifts K=5 AL from 1.29-1.36 to 1.46 (first build) and 1.67 (rebuilt set, "
     "`600s-r2`, 1213 steps) on HumanEval and to 1.41-1.42 on MT-Bench; training accuracies were still rising "
     "when they stopped. At 600 GPU-s EAGLE-3 reaches 1.72 on HumanEval and 1.43 on MT-Bench (899 steps, 1.6 "
-    "epochs): P-EAGLE / EAGLE-3 AL is 0.97 and 0.99 there, as at 150 GPU-s. P-EAGLE's gain is its drafting cost: "
-    "at about the same AL its K=5 run is faster (1.37x vs 1.24x on HumanEval, 1.24x vs 1.09x on MT-Bench, same "
-    "session), and at K=7 both lose to K=5 on this CPU (positions >= 5 are never accepted, each extra draft "
-    "costs). vLLM accepts far less than the training accuracies promise: position 2 is accepted in 3-20% of "
+    "epochs): P-EAGLE / EAGLE-3 AL is 0.97 and 0.99 there, as at 150 GPU-s. P-EAGLE's gain is its drafting cost, "
+    "which grows with K: at about the same AL it is 1.39x vs 1.35x at K=3 and 1.37x vs 1.24x at K=5 on HumanEval "
+    "(1.24x vs 1.09x at K=5 on MT-Bench, same session); at K=7 both lose to K=5 on this CPU (positions >= 5 are "
+    "never accepted, each extra draft costs), and at c=4 both run at 0.68x no speculation (K=5). vLLM accepts far less than the training accuracies promise: position 2 is accepted in 3-20% of "
     "drafts against last-window training accuracies of 0.27-0.56 at that depth, and positions >= 4 almost "
     "never. At 150 GPU-s on "
     "the rebuilt set, lr 1.2e-3 beat 6e-4 in both of its runs (HumanEval 1.40 and 1.42 vs 1.36; MT-Bench 1.34 "
@@ -445,7 +445,8 @@ SCALE_EVAL_NOT_RUN = ("Cells marked not run did not fit the session's CPU time (
                       "only and MT-Bench ran only the 29.9k P-EAGLE heads at K=5; on 2026-11-24 the heads of the "
                       "rebuilt set ran at c=1, K=5 and 7 (the lr variants K=5 only); `2026-11-24b` is a second "
                       "session that day, with its own no-speculation rows (the box ran 19-20 tok/s then, 16-17 "
-                      "earlier).")
+                      "earlier), in which the two 600 GPU-s heads of the rebuilt set also ran K=3 and, on HumanEval, "
+                      "c=4 at K=5.")
 
 
 def scaling(lines: list[str]) -> None:
