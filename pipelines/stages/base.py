@@ -167,6 +167,11 @@ def engine_settings(recipe: Recipe) -> EngineSettings:
                           serve_resources={"replica_num_cpus": 0.5, "ingress_num_cpus": 0.25})
 
 
+def not_installed(*packages: str) -> list[str]:
+    """Those of ``packages`` (import names) this machine cannot import (no spec found; nothing is imported)."""
+    return [m for m in packages if importlib.util.find_spec(m) is None]
+
+
 def cpus_per_worker(num_workers: int) -> float:
     """Threads/CPUs per stage actor: the node's cores split over the stage's workers (>= 1)."""
     return max(1, (os.cpu_count() or 1) // max(1, num_workers))
@@ -227,7 +232,7 @@ class Stage(ABC):
     def unavailable(cls, recipe: Recipe) -> str | None:
         """Why this stage cannot run on this machine (packages of :meth:`requirements` not installed, e.g.
         a GPU box with no vLLM or MLflow), or None."""
-        missing = [m for m in cls.requirements(recipe) if importlib.util.find_spec(m) is None]
+        missing = not_installed(*cls.requirements(recipe))
         return f"{' and '.join(missing)} not installed on this machine" if missing else None
 
     @staticmethod

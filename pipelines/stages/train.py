@@ -19,13 +19,12 @@ before Ray Train starts.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipelines import settings
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, tree_bytes
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, not_installed, tree_bytes
 from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.regenerate import RegenerateOutput
 
@@ -110,7 +109,7 @@ class TrainStage(Stage):
         from pipelines.stages.train_progress import train_progress
 
         tracking_uri = self.ctx.tracking_uri
-        if importlib.util.find_spec("mlflow") is None:
+        if not_installed("mlflow"):
             tracking_uri = ""  # the driver's `""`: no MLflow run
             self.ctx.say("MLflow is not installed on this machine: training metrics go to the log only")
         with train_progress(plan.total_steps) as callbacks:
