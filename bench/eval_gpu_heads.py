@@ -79,7 +79,7 @@ def main() -> None:
     sets = {s.split(":")[0]: [int(c) for c in s.split(":")[1].split(",")] if ":" in s else [1]
             for s in (args.set or ["humaneval:1"])}
     k_sweep = [int(k) for k in args.k.split(",")]
-    today = args.date
+    day = args.date
 
     path = RESULTS / f"{args.name}.json"
     prev = json.loads(path.read_text()) if path.exists() else {}
@@ -99,7 +99,7 @@ def main() -> None:
                                               max_prompt_tokens=512).values()))
         pending = {label: ks for label in heads
                    if (ks := [k for k in k_sweep if any((set_name, label, k, c) not in done for c in conc)])}
-        if pending and not set(conc) <= {r["concurrency"] for r in _none_rows(rows, set_name, today)}:
+        if pending and not set(conc) <= {r["concurrency"] for r in _none_rows(rows, set_name, day)}:
             pending = {NONE_LABEL: k_sweep} | pending  # speed-ups are against no speculation measured the same day
         for label, ks in pending.items():
             method = "none" if label == NONE_LABEL else methods[label]
@@ -109,9 +109,9 @@ def main() -> None:
             report = evaluate(target=target, prompts=prompts, heads={} if label == NONE_LABEL else {method: heads[label]},
                               cfg=cfg, eval_set=set_name, out_dir=Path(args.out) / f"{set_name}-{label}",
                               timeout_s=3000)
-            base = {r["concurrency"]: r["tokens_per_s"] for r in _none_rows(rows, set_name, today)}
+            base = {r["concurrency"]: r["tokens_per_s"] for r in _none_rows(rows, set_name, day)}
             for r in report.rows:
-                r.update(head=label, eval_set=set_name, date=today,
+                r.update(head=label, eval_set=set_name, date=day,
                          head_dir=heads.get(label), speedup=r["tokens_per_s"] / base[r["concurrency"]]
                          if base.get(r["concurrency"]) else (1.0 if label == NONE_LABEL else None))
                 rows.append(r)

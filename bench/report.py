@@ -376,6 +376,12 @@ def data_path(lines: list[str]) -> None:
                        "trainer; its cost on one shared GPU was not measured."), ""]
 
 
+def _regen_totals(regen: dict) -> tuple[int, float]:
+    """(generated tokens, wall seconds) over the calls of ``scale_regenerate`` (``run_scale_regen.sh``)."""
+    calls = regen["calls"]
+    return sum(c["generated_tokens"] for c in calls), sum(c["wall_s"] for c in calls)
+
+
 def _last_final(run: dict | None) -> dict:
     """The last training window of a ``bench.scale`` run: the ``final`` metrics of its last call that trained
     (a call that only exports the finished head has none); {} when there is none."""
@@ -394,21 +400,23 @@ def pipeline_device(lines: list[str]) -> None:
                "turns of <= 256 tokens, 2 epochs). Regenerate and capture run as Ray Data actors holding the GPU, "
                "train as a Ray Train worker; the stages that need vLLM or MLflow are reported before any compute "
                "and recorded as not run."), ""]
+    what = {"regenerate": lambda o: (f"{o['num_conversations']} conversations, {o['num_turns']} turns, "
+                                     f"{o['num_generated_tokens']:,} tokens, {o['tokens_per_s']:.0f} tok/s"),
+            "capture": lambda o: (f"{o['num_samples']} samples, {o['num_tokens']:,} tokens, "
+                                  f"{o['bytes_on_disk'] / 2**30:.1f} GiB, {o['tokens_per_s']:.0f} tok/s"),
+            "train": lambda o: f"{o['step']} steps, head exported, MLflow run {o['mlflow_run_id'] or 'none'}"}
     rows = []
     for name, st in s["stages"].items():
         out = (recs.get(name) or {}).get("outputs") or {}
-        what = {"regenerate": lambda o: (f"{o['num_conversations']} conversations, {o['num_turns']} turns, "
-                                         f"{o['num_generated_tokens']:,} tokens, {o['tokens_per_s']:.0f} tok/s"),
-                "capture": lambda o: (f"{o['num_samples']} samples, {o['num_tokens']:,} tokens, "
-                                      f"{o['bytes_on_disk'] / 2**30:.1f} GiB, {o['tokens_per_s']:.0f} tok/s"),
-                "train": lambda o: f"{o['step']} steps, head exported, MLflow run {o['mlflow_run_id'] or 'none'}"}
         rows.append([name, st["status"], _f(st["seconds"], 1),
                      st.get("reason") or (what[name](out) if name in what and out else "-")])
     lines += _table(["stage", "status", "seconds", "outputs / reason"], rows)
     reg = recs["regenerate"]["outputs"]["tokens_per_s"]
     direct = _load("scale_regenerate")
-    calls = direct["calls"] if direct else []
-    direct_tps = sum(c["generated_tokens"] for c in calls) / sum(c["wall_s"] for c in calls) if calls else None
+    direct_tps = None
+    if direct is not None:
+        tokens, wall = _regen_totals(direct)
+        direct_tps = tokens / wall
     lines += ["", (f"The whole job took {s['total_seconds']:.0f} s. Regeneration through the Ray Data actor ran at "
                    f"{reg:.0f} tok/s, against {_f(direct_tps, 0)} tok/s for the same engine driven directly "
                    "(`run_scale_regen.sh`: the whole set sorted by length, batches of up to 512 prompts). Not "
@@ -455,7 +463,7 @@ def scaling(lines: list[str]) -> None:
     g = _load("scale_regenerate")
     if p is not None and g is not None:
         calls = g["calls"]
-        tokens, wall = sum(c["generated_tokens"] for c in calls), sum(c["wall_s"] for c in calls)
+        tokens, wall = _regen_totals(g)
         lines += [(f"`bench/device/run_scale_data.sh` + `run_scale_regen.sh` on one H100 (bf16, transformers engine, "
                    f"static cache): the target wrote {p['requested']} self-instruct user prompts (Magpie) at "
                    f"{p['tokens_per_s']:.0f} tok/s; kept {p['kept']} ({p['summary']}). Mixed 1:5 with multi-turn "

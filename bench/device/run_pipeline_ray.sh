@@ -14,9 +14,6 @@ T0=$SECONDS
 . bench/device/install_ray.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target ~/keep/site .carry/ray/wheels/datasets-*.whl \
   .carry/ray/wheels/dill-*.whl .carry/ray/wheels/multiprocess-*.whl 2>&1 | grep -v "^\[notice\]"
-python3 -c "import ray, datasets, pyarrow, pandas, vllm" 2>&1 | tail -1
-python3 -c "import ray, datasets, pyarrow, pandas; print('ray', ray.__version__, 'datasets', datasets.__version__,
-'pyarrow', pyarrow.__version__, 'pandas', pandas.__version__)"
 [ -f ~/keep/sharegpt.jsonl ] || xz -dc ~/keep/sharegpt.jsonl.xz > ~/keep/sharegpt.jsonl
 RUN=~/keep/runs/device
 set -o pipefail
