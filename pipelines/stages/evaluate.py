@@ -177,12 +177,12 @@ class EvaluateStage(Stage):
             return None, {"model": self.ctx.model_name, "version": None}
         import json
 
-        from peagle_core.contract import CONFIG_FILE
+        from peagle_core.contract import CONFIG_FILE, head_mask_token_id
         from pipelines.train.warm_start import fetch_init_head
 
         init = fetch_init_head(self._champion, self.dir / CHAMPION_HEAD_DIR, tracking_uri=self.ctx.tracking_uri)
         config = json.loads((Path(init.head_dir) / CONFIG_FILE).read_text())
-        method = "peagle" if config.get("mask_token_id") is not None else "eagle3"  # as register infers it
+        method = "peagle" if head_mask_token_id(config) is not None else "eagle3"  # as register infers it
         self.ctx.say(f"champion {init.describe()} ({method}) measured beside the trained head")
         return init.head_dir, {**init.key(), "method": method}
 
