@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle_core.atomic import atomic_write_text
+from pipelines.preflight import Machine, Problem
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, write_json
 
 
@@ -40,6 +41,24 @@ class RegenerateOutput(StageOutput):
 class RegenerateStage(Stage):
     name = "regenerate"
     Output = RegenerateOutput
+
+    @staticmethod
+    def num_gpus(recipe) -> tuple[int, str]:
+        r = recipe.regenerate
+        if recipe.training.use_gpu and r.enabled and r.backend == "vllm":
+            return r.num_workers, f"one per vLLM engine, regenerate.num_workers={r.num_workers}"
+        return 0, ""
+
+    @classmethod
+    def preflight(cls, recipe, machine: Machine) -> list[Problem]:
+        """Also: the engine of ``regenerate.backend`` (when regenerating: it also writes self_instruct prompts)
+        and the user files of ``data.sources``."""
+        from pipelines.engines import ENGINES
+
+        problems = super().preflight(recipe, machine)
+        if recipe.regenerate.enabled:
+            problems += cls.choice_problems("regenerate.backend", recipe.regenerate.backend, ENGINES, machine)
+        return problems + cls.source_problems("data.sources", recipe.data.sources, machine)
 
     @staticmethod
     def sections(recipe):
