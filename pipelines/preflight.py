@@ -34,8 +34,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from peagle_core.contract import VLLM_SPEC, vllm_supported
-
 if TYPE_CHECKING:
     from pipelines.recipe import Recipe
 
@@ -117,6 +115,8 @@ class Machine:
                    else not_installed(*packages))
         if missing:
             return f"{' and '.join(missing)} not installed on this machine"
+        from peagle_core.contract import VLLM_SPEC, vllm_supported  # torch: not at import (`peagle --help`)
+
         if "vllm" in packages and self.vllm_version is not None and not vllm_supported(self.vllm_version):
             return f"vllm {self.vllm_version} is installed on this machine; peagle supports vllm{VLLM_SPEC}"
         return None
