@@ -10,12 +10,15 @@ Key: target (minus ``aux_layer_ids``, which do not change the text), data, regen
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle_core.atomic import atomic_write_text
 from pipelines.preflight import Machine, Problem
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, write_json
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,8 +59,11 @@ class RegenerateStage(Stage):
         from pipelines.engines import ENGINES
 
         problems = super().preflight(recipe, machine)
-        if recipe.regenerate.enabled:
-            problems += cls.choice_problems("regenerate.backend", recipe.regenerate.backend, ENGINES, machine)
+        r = recipe.regenerate
+        if r.enabled:
+            problems += cls.choice_problems("regenerate.backend", r.backend, ENGINES, machine)
+        if r.static_cache and r.backend != "transformers":
+            log.warning("regenerate.static_cache is a transformers engine setting: ignored with backend=%s", r.backend)
         return problems + cls.source_problems("data.sources", recipe.data.sources, machine)
 
     @staticmethod

@@ -223,6 +223,12 @@ def test_machine_dependent_settings(tmp_path, monkeypatch):
     assert preflight(r, machine=DEV_BOX) == []
 
 
+def test_an_ignored_setting_is_a_warning(caplog):
+    r = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["regenerate.static_cache=true"])
+    assert preflight(r, machine=DEV_BOX) == []
+    assert "regenerate.static_cache is a transformers engine setting: ignored with backend=vllm" in caplog.text
+
+
 def test_vllm_outside_the_supported_range_is_not_used():
     r = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["regenerate.backend=transformers"])
     problems = preflight(r, machine=Machine(num_gpus=0, vllm_version="0.35.0", absent=frozenset()))
