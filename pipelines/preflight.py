@@ -8,9 +8,10 @@ three severities:
   code path implements, a gate K the evaluation never measures). :func:`raise_for_errors` raises.
 - ``MACHINE``: a recipe *choice* this machine cannot honour while another value of the field can
   (``regenerate.backend: vllm`` or ``capture.backend: vllm`` without vLLM, ``training.use_gpu: true`` with
-  fewer CUDA GPUs than it needs, a source file that is not there, an API-key variable that is not set). Its
-  stage feeds the later ones, so skipping it would skip them all: :func:`raise_for_errors` raises, naming the
-  field and the fix.
+  fewer CUDA GPUs than it needs, a source file that is not there, an API-key variable that is not set): the
+  fix is a setting (or a file, a variable) here, and skipping the stage would skip every stage after it, so
+  :func:`raise_for_errors` raises, naming the field and the fix. Only the stages that will run here count
+  (selected, and not ``NOT_RUN``).
 - ``NOT_RUN``: a stage needs a package this machine lacks (:meth:`~pipelines.stages.base.Stage.requirements`:
   vLLM for evaluate and serve, MLflow for the registry and a registry warm start), e.g. a GPU box that only
   trains. :func:`not_runnable` reports that stage and every stage after it as not run, with the reason; the
