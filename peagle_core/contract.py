@@ -9,7 +9,17 @@ Source: ``vllm/model_executor/models/llama_eagle3.py`` (``Eagle3LlamaForCausalLM
 ``midlayer.`` -> ``layers.0.``, ``d2t`` -> ``draft_id_to_target_id`` offsets, ``t2d`` ignored,
 ``mask_hidden`` of shape ``[3*Ht]`` required with parallel drafting, ``embed_tokens`` optional,
 ``lm_head`` with ``draft_vocab_size`` rows) and ``vllm/v1/spec_decode/llm_base_proposer.py``
-(``mask_token_id`` read from ``config.json``).
+(the parallel-drafting mask token read from ``config.json``).
+
+vLLM releases: a head must load in every release of :data:`VLLM_RANGE` (``vllm>=0.26,<0.34``, the same range
+as pyproject.toml's ``gpu`` extra: 0.26 is the newest release for torch 2.11 / CUDA 13, 0.32 for torch 2.13,
+0.33 for torch 2.14). They differ in where they read the mask token of a P-EAGLE head: 0.26 reads only
+``pard_token`` / ``ptd_token_id`` (and ``dflash_config.mask_token_id``), 0.32 reads ``mask_token_id`` first
+(``llm_base_proposer.py::_init_parallel_drafting_params`` of each). :data:`MASK_TOKEN_KEYS` is the one table of
+those keys; an exported head carries both ``mask_token_id`` and ``ptd_token_id`` (same value), an imported
+one may carry any of them (e.g. only ``pard_token``), and :func:`validate_head` checks the keys against the
+installed vLLM (``vllm_version``) or every release of the range. :func:`upgrade_head` adds the missing keys to
+a head exported before (``peagle head upgrade DIR``).
 
 ``d2t``/``t2d`` are written only for a pruned draft vocabulary: with ``draft_vocab_size ==
 vocab_size`` vLLM has no ``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor
@@ -25,14 +35,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle_core.atomic import recover_dir, replace_dir, temp_dir_for
+from peagle_core.atomic import atomic_write_text, recover_dir, replace_dir, temp_dir_for
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_config import NUM_AUX_HIDDEN_STATES, DrafterConfig
 
@@ -51,9 +63,137 @@ REQUIRED_CONFIG_KEYS = (
     "eagle_config",
 )
 
+# vLLM releases (major, minor) a head must load in: lower bound included, upper excluded. pyproject.toml's `gpu`
+# extra states the same range (tests/unit/test_contract.py keeps them equal).
+VLLM_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((0, 26), (0, 34))
+VLLM_SPEC = f">={VLLM_RANGE[0][0]}.{VLLM_RANGE[0][1]},<{VLLM_RANGE[1][0]}.{VLLM_RANGE[1][1]}"
+UPGRADE_COMMAND = "peagle head upgrade"  # pipelines/cli/head.py: adds the missing keys (upgrade_head)
+
+
+class MaskTokenKey(NamedTuple):
+    """A top-level ``config.json`` key vLLM reads a parallel-drafting head's mask token id from.
+
+    ``read_since``: the first vLLM release of :data:`VLLM_RANGE` known to read it (every later one of the range
+    does); ``exported``: :func:`head_config_dict` writes it.
+    """
+
+    name: str
+    read_since: tuple[int, int]
+    exported: bool
+
+
+# The one table of mask-token keys. Checked in the sources of vLLM 0.26 and 0.32
+# (v1/spec_decode/llm_base_proposer.py::_init_parallel_drafting_params): 0.26 reads pard_token, then ptd_token_id;
+# 0.32 reads mask_token_id first, then pard_token, then ptd_token_id. 0.27-0.31 were not checked: they are held to
+# 0.26's rule (mask_token_id is trusted from 0.32 on); 0.33 to 0.32's.
+MASK_TOKEN_KEYS: tuple[MaskTokenKey, ...] = (
+    MaskTokenKey("mask_token_id", (0, 32), exported=True),
+    MaskTokenKey("ptd_token_id", (0, 26), exported=True),   # parallel token drafting (P-EAGLE's own key in 0.26)
+    MaskTokenKey("pard_token", (0, 26), exported=False),    # PARD's key; imported heads may carry only this one
+)
+
 
 class HeadContractError(ValueError):
     """A head directory violates the vLLM contract or does not fit its target; names the field."""
+
+
+def vllm_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a vLLM version string (``"0.32.0"``, ``"0.32.0+cpu"``, ``"0.33.1.dev4+g1a2b"``).
+
+    Raises:
+        ValueError: the string does not start with ``MAJOR.MINOR``.
+    """
+    m = re.match(r"\s*v?(\d+)\.(\d+)", version)
+    if m is None:
+        raise ValueError(f"vLLM version {version!r} does not start with MAJOR.MINOR")
+    return int(m.group(1)), int(m.group(2))
+
+
+def vllm_supported(version: str) -> bool:
+    """Whether ``version`` lies in :data:`VLLM_RANGE` (the releases peagle heads are checked against).
+
+    Raises:
+        ValueError: as :func:`vllm_release`.
+    """
+    return VLLM_RANGE[0] <= vllm_release(version) < VLLM_RANGE[1]
+
+
+def mask_token_keys(vllm_version: str) -> tuple[str, ...]:
+    """The ``config.json`` keys vLLM ``vllm_version`` reads a parallel-drafting head's mask token from
+    (:data:`MASK_TOKEN_KEYS`), e.g. ``("ptd_token_id", "pard_token")`` for ``"0.26.0"``.
+
+    Raises:
+        ValueError: an unparsable version, or one outside :data:`VLLM_RANGE` (whose keys were never checked).
+    """
+    if not vllm_supported(vllm_version):
+        raise ValueError(f"vLLM {vllm_version} is outside the releases peagle heads are checked against "
+                         f"(vllm{VLLM_SPEC}): install one of them, or check that release's "
+                         "llm_base_proposer.py and extend peagle_core.contract.MASK_TOKEN_KEYS and VLLM_RANGE")
+    return _keys_read_by(vllm_release(vllm_version))
+
+
+def _keys_read_by(release: tuple[int, int]) -> tuple[str, ...]:
+    return tuple(k.name for k in MASK_TOKEN_KEYS if k.read_since <= release)
+
+
+def _rule_releases() -> list[tuple[int, int]]:
+    """One release per distinct rule of :data:`VLLM_RANGE`: its first release and every ``read_since`` inside it."""
+    lo, hi = VLLM_RANGE
+    return sorted({lo} | {k.read_since for k in MASK_TOKEN_KEYS if lo < k.read_since < hi})
+
+
+_NO_MASK_TOKEN = (f"config.json has no mask token id (any of {[k.name for k in MASK_TOKEN_KEYS]}) but parallel_drafting "
+                  "is requested: serve this head without parallel_drafting (an EAGLE-3 head) or export a P-EAGLE head")
+
+
+def head_mask_token_id(config: Mapping[str, Any]) -> int | None:
+    """The parallel-drafting mask token id a head's ``config.json`` carries under any key of
+    :data:`MASK_TOKEN_KEYS` (a null value counts as absent), or None (an EAGLE-3 head).
+
+    Raises:
+        HeadContractError: a key holds something other than an integer, or two keys disagree (vLLM releases
+            would draft with different tokens: 0.32 reads ``mask_token_id`` first, 0.26 ``pard_token``).
+    """
+    found: dict[str, Any] = {k.name: config[k.name] for k in MASK_TOKEN_KEYS if config.get(k.name) is not None}
+    for name, value in found.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise HeadContractError(f"config.json {name}={value!r}: a mask token id is an integer token id")
+    if len(set(found.values())) > 1:
+        raise HeadContractError(f"config.json mask token keys disagree: {found}; vLLM releases read different "
+                                "keys, so they must hold the same token id: fix config.json or re-export the head")
+    return next(iter(found.values()), None)
+
+
+def check_mask_token_keys(config: Mapping[str, Any], vllm_version: str | None = None) -> None:
+    """Check that vLLM ``vllm_version`` (None: every release of :data:`VLLM_RANGE`) finds the mask token of a
+    parallel-drafting head's ``config.json``.
+
+    Raises:
+        HeadContractError: no mask token key at all, disagreeing keys, a null one (vLLM takes a key that is
+            present even when null), or a release that reads none of the keys present (naming the keys it
+            reads and the fix: ``peagle head upgrade DIR`` or a re-export).
+        ValueError: ``vllm_version`` unparsable or outside :data:`VLLM_RANGE`.
+    """
+    if head_mask_token_id(config) is None:
+        raise HeadContractError(_NO_MASK_TOKEN)
+    nulls = [k.name for k in MASK_TOKEN_KEYS if k.name in config and config[k.name] is None]
+    if nulls:
+        raise HeadContractError(f"config.json has {nulls} set to null: vLLM reads a key that is present even when "
+                                "null; drop it or set it to the mask token id")
+    present = [k.name for k in MASK_TOKEN_KEYS if k.name in config]
+    if vllm_version is not None:
+        mask_token_keys(vllm_version)  # ValueError: unparsable, or outside the range
+        releases = [vllm_release(vllm_version)]
+    else:
+        releases = _rule_releases()
+    for release in releases:
+        reads = _keys_read_by(release)
+        if not set(reads) & set(present):
+            add = [k.name for k in MASK_TOKEN_KEYS if k.exported and k.name not in present]
+            raise HeadContractError(
+                f"config.json carries the parallel-drafting mask token as {present} only, but vLLM "
+                f"{release[0]}.{release[1]} reads it from {list(reads)} and refuses the head without one: add "
+                f"{add} with `{UPGRADE_COMMAND} HEAD_DIR` (or re-export the head with this peagle)")
 
 
 def _sha256(path: Path) -> str:
@@ -98,17 +238,16 @@ def head_config_dict(cfg: DrafterConfig, *, dtype: str, extra: dict | None = Non
         "torch_dtype": dtype,
         "peagle": {"target_num_hidden_layers": cfg.target_num_hidden_layers, **(extra or {})},
     }
-    if cfg.mask_token_id is not None:
-        d["mask_token_id"] = cfg.mask_token_id  # vLLM >= 0.32
-        d["ptd_token_id"] = cfg.mask_token_id  # vLLM 0.26 (no top-level mask_token_id there)
+    if cfg.mask_token_id is not None:  # every key some release of VLLM_RANGE needs, same value
+        d |= {k.name: cfg.mask_token_id for k in MASK_TOKEN_KEYS if k.exported}
     return d
 
 
 def drafter_config_from_head(config: dict) -> DrafterConfig:
-    """Inverse of ``head_config_dict``.
+    """Inverse of ``head_config_dict``; the mask token may be under any key of :data:`MASK_TOKEN_KEYS`.
 
     Raises:
-        HeadContractError: a required key is missing.
+        HeadContractError: a required key is missing, or the mask token keys disagree.
     """
     missing = [k for k in REQUIRED_CONFIG_KEYS if k not in config]
     if missing:
@@ -129,7 +268,7 @@ def drafter_config_from_head(config: dict) -> DrafterConfig:
             max_position_embeddings=config.get("max_position_embeddings", 8192),
             vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
             target_hidden_size=config["target_hidden_size"], target_num_hidden_layers=n_target,
-            aux_layer_ids=tuple(ids), mask_token_id=config.get("mask_token_id"),
+            aux_layer_ids=tuple(ids), mask_token_id=head_mask_token_id(config),
             norm_before_residual=config.get("norm_before_residual", False),
             norm_before_fc=config.get("norm_before_fc", eagle.get("norm_before_fc", False)),
             fc_norm=config.get("fc_norm", False), attention_bias=config.get("attention_bias", False),
@@ -294,8 +433,10 @@ def validate_head(
     parallel_drafting: bool = True,
     dtype: str | None = None,
     check_checksums: bool = True,
+    vllm_version: str | None = None,
+    for_vllm: bool = True,
 ) -> dict:
-    """The one validator: used by export, by the registry and before serving.
+    """The one validator: used by export, by the registry, before evaluating and before serving.
 
     Args:
         head_dir: an exported head directory.
@@ -303,9 +444,14 @@ def validate_head(
             ``target_hidden_size`` == target ``hidden_size``, ``vocab_size`` == target vocab, aux
             layer ids < target ``num_hidden_layers``, ``mask_token_id`` inside the vocab.
         parallel_drafting: whether the head will be served with ``parallel_drafting=True``:
-            then ``mask_token_id`` and ``mask_hidden`` are required (vLLM raises without them).
+            then a mask token id and ``mask_hidden`` are required (vLLM raises without them).
         dtype: expected weight dtype (``float32``/``bfloat16``/``float16``), if any.
         check_checksums: re-hash against ``peagle_checksums.json``.
+        vllm_version: the vLLM that will load the head (``pipelines.preflight.installed_vllm_version``): its
+            mask-token keys (:func:`mask_token_keys`) must be present; None = those of every release of
+            :data:`VLLM_RANGE` (what an export and the registry require).
+        for_vllm: False when peagle itself loads the head (``load_head``, a warm start): any key of
+            :data:`MASK_TOKEN_KEYS` is enough and ``vllm_version`` is not used.
 
     Returns:
         The parsed ``config.json``.
@@ -314,7 +460,9 @@ def validate_head(
     ``.<name>.old-<pid>`` sibling present) is restored first (``peagle_core.atomic.recover_dir``).
 
     Raises:
-        HeadContractError: naming the field that is wrong, and how to fix it.
+        HeadContractError: naming the field that is wrong, and how to fix it (a mask token key the vLLM
+            release does not read: ``peagle head upgrade DIR``).
+        ValueError: ``vllm_version`` unparsable or outside :data:`VLLM_RANGE` (with ``parallel_drafting``).
     """
     d = Path(head_dir)
     recover_dir(d)
@@ -329,11 +477,10 @@ def validate_head(
     if ARCHITECTURE not in archs and "Eagle3LlamaForCausalLM" not in archs:
         raise HeadContractError(f"architectures={archs}: expected [{ARCHITECTURE!r}] for vLLM's llama_eagle3")
     cfg = drafter_config_from_head(config)
-    if parallel_drafting and cfg.mask_token_id is None:
-        raise HeadContractError(
-            "mask_token_id is missing from config.json but parallel_drafting is requested: "
-            "serve this head without parallel_drafting (an EAGLE-3 head) or export a P-EAGLE head"
-        )
+    if parallel_drafting and for_vllm:
+        check_mask_token_keys(config, vllm_version)
+    elif parallel_drafting and cfg.mask_token_id is None:
+        raise HeadContractError(_NO_MASK_TOKEN)
     if target_config is not None:
         _check_fits_target(config, cfg, target_config)
 
@@ -410,7 +557,7 @@ def load_head(head_dir: str | os.PathLike, *, device: str | torch.device = "cpu"
     d = Path(head_dir)
     recover_dir(d)  # as validate_head: a head moved aside by a killed export is restored first
     config = json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
-    validate_head(d, parallel_drafting=config.get("mask_token_id") is not None)
+    validate_head(d, parallel_drafting=head_mask_token_id(config) is not None, for_vllm=False)
     model = Eagle3Drafter(drafter_config_from_head(config))
     state = load_file(str(d / WEIGHTS_FILE))
     if dtype is None:
@@ -427,16 +574,55 @@ def load_head(head_dir: str | os.PathLike, *, device: str | torch.device = "cpu"
     return model.to(device)
 
 
+def upgrade_head(head_dir: str | os.PathLike) -> list[str]:
+    """Add the mask token keys :func:`head_config_dict` writes today to a head exported or imported before
+    (e.g. one with only ``mask_token_id``, which vLLM 0.26 does not read), rewrite ``peagle_checksums.json``,
+    and validate the head against every release of :data:`VLLM_RANGE`. Weights are untouched; the files'
+    digest (:func:`head_digest`) changes, so a registered head upgraded this way is registered again.
+
+    Returns:
+        The keys added (empty: nothing to do, e.g. an EAGLE-3 head or a current one).
+
+    Raises:
+        HeadContractError: the head is invalid before or after (checksums, disagreeing mask token keys, ...).
+    """
+    d = Path(head_dir)
+    recover_dir(d)
+    if (d / CHECKSUMS_FILE).is_file():
+        verify_checksums(d)  # never bless files changed since their export
+    if not (d / CONFIG_FILE).is_file():
+        raise HeadContractError(f"{d}/{CONFIG_FILE} is missing: not a head directory")
+    config = json.loads((d / CONFIG_FILE).read_text())
+    token = head_mask_token_id(config)
+    added = [k.name for k in MASK_TOKEN_KEYS if k.exported and config.get(k.name) is None] if token is not None else []
+    if added:
+        atomic_write_text(d / CONFIG_FILE, json.dumps(config | dict.fromkeys(added, token), indent=2, sort_keys=True))
+    if added or not (d / CHECKSUMS_FILE).is_file():  # an imported head may have none yet (as register_head)
+        write_checksums(d)
+    validate_head(d, parallel_drafting=token is not None)
+    return added
+
+
 __all__ = [
     "ARCHITECTURE",
+    "MASK_TOKEN_KEYS",
+    "VLLM_RANGE",
+    "VLLM_SPEC",
     "HeadContractError",
+    "MaskTokenKey",
+    "check_mask_token_keys",
     "drafter_config_from_head",
     "expected_weight_shapes",
     "export_head",
     "head_config_dict",
     "head_digest",
+    "head_mask_token_id",
     "load_head",
+    "mask_token_keys",
+    "upgrade_head",
     "validate_head",
     "verify_checksums",
+    "vllm_release",
+    "vllm_supported",
     "write_checksums",
 ]

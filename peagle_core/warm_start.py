@@ -22,6 +22,7 @@ from peagle_core.contract import (
     WEIGHTS_FILE,
     HeadContractError,
     drafter_config_from_head,
+    head_mask_token_id,
     validate_head,
 )
 from peagle_core.drafter import Eagle3Drafter
@@ -40,7 +41,8 @@ MATCH_FIELDS = (
 
 def check_head_matches(head_dir: str | os.PathLike, expected: DrafterConfig) -> dict:
     """Check that a head can initialize a drafter of architecture ``expected`` (a warm start): the head
-    passes :func:`validate_head` (parallel drafting inferred from its ``mask_token_id``) and its config
+    passes :func:`validate_head` (parallel drafting inferred from its mask token id; the keys only vLLM reads
+    are not required) and its config
     equals ``expected`` on every field of :data:`MATCH_FIELDS`.
 
     Returns:
@@ -52,7 +54,7 @@ def check_head_matches(head_dir: str | os.PathLike, expected: DrafterConfig) -> 
     """
     d = Path(head_dir)
     config = json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
-    validate_head(d, parallel_drafting=config.get("mask_token_id") is not None)
+    validate_head(d, parallel_drafting=head_mask_token_id(config) is not None, for_vllm=False)  # torch loads it
     have = drafter_config_from_head(config)
     problems = []
     head_pd, want_pd = have.mask_token_id is not None, expected.mask_token_id is not None

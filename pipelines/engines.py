@@ -340,24 +340,31 @@ class TransformersEngine:
         return out
 
 
+# The engines of ``RegenerateConfig.backend`` (its Literal lists the same names: a unit test keeps them equal) and
+# the packages (import names) each needs: the pre-flight (RegenerateStage.preflight) reads it before any compute.
+ENGINES: dict[str, tuple[str, ...]] = {"vllm": ("vllm",), "transformers": ()}
+
+
 def make_engine(backend: str, model_path: str | Path, *, dtype: str, max_model_len: int, seed: int = 0,
                 name: str | None = None, num_threads: int | None = None, **engine_kwargs: Any) -> Engine:
     """:class:`VLLMEngine` or :class:`TransformersEngine` for ``backend`` (``engine_kwargs`` go to its
     constructor: e.g. ``batch_size``/``static_cache`` for transformers, vLLM engine arguments for vllm).
 
     Raises:
-        ValueError: unknown backend, or ``vllm`` when vLLM is not installed (use transformers).
+        ValueError: a backend not in :data:`ENGINES`, or one whose packages are not installed (use
+            transformers); the pipeline's pre-flight refuses both before any compute.
     """
-    if backend == "vllm":
-        import importlib.util
+    from pipelines.preflight import Machine, installed_vllm_version
 
-        if importlib.util.find_spec("vllm") is None:
-            raise ValueError("regenerate.backend=vllm but vllm is not installed; install it or use backend=transformers")
+    if backend not in ENGINES:
+        raise ValueError(f"regenerate.backend={backend!r}; use one of {sorted(ENGINES)}")
+    reason = Machine(num_gpus=None, vllm_version=installed_vllm_version()).lacks(*ENGINES[backend])
+    if reason is not None:
+        raise ValueError(f"regenerate.backend={backend} but {reason}; install it or use backend=transformers")
+    if backend == "vllm":
         return VLLMEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, name=name, **engine_kwargs)
-    if backend == "transformers":
-        return TransformersEngine(model_path, dtype=dtype, max_model_len=max_model_len, name=name,
-                                  num_threads=num_threads, **engine_kwargs)
-    raise ValueError(f"regenerate.backend={backend!r}; use 'vllm' or 'transformers'")
+    return TransformersEngine(model_path, dtype=dtype, max_model_len=max_model_len, name=name,
+                              num_threads=num_threads, **engine_kwargs)
 
 
 def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg: DataConfig, *,

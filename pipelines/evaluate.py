@@ -316,8 +316,9 @@ def evaluate(
 
 def _check_inputs(prompts: Sequence[Sequence[int]], heads: dict[str, str | os.PathLike | None]) -> None:
     """Raise ``ValueError`` before any engine starts: no prompts, an unknown method, a head that
-    fails the contract for its method."""
+    fails the contract for its method and the installed vLLM (its mask-token keys)."""
     from peagle_core.contract import validate_head
+    from pipelines.preflight import installed_vllm_version
 
     if not prompts:
         raise ValueError("evaluate: no prompts; check evaluation.sources / num_prompts")
@@ -325,7 +326,7 @@ def _check_inputs(prompts: Sequence[Sequence[int]], heads: dict[str, str | os.Pa
         if method not in ("eagle3", "peagle"):
             raise ValueError(f"heads[{method!r}]: use the keys 'peagle' and/or 'eagle3'")
         if head is not None:
-            validate_head(head, parallel_drafting=method == "peagle")
+            validate_head(head, parallel_drafting=method == "peagle", vllm_version=installed_vllm_version())
 
 
 def _engine_runs(cfg: EvalConfig, heads: dict[str, str | os.PathLike | None], *,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from peagle_core.atomic import atomic_write_text
 from pipelines import settings
+from pipelines.preflight import Machine, not_runnable, preflight, raise_for_errors
 from pipelines.stages import STAGE_TYPES, STAGES
 from pipelines.stages.base import (
     STAGE_FILE,
@@ -73,24 +74,27 @@ class PipelineRun:
             is missing raises ValueError naming the stage to run first.
         say: where a stage's one-line messages go (default ``print``).
         verbose: stages may say more (the full eval table).
+        machine: what the machine the job runs on has (default ``pipelines.preflight.Machine.probe()``).
 
-    A stage this machine cannot run (:meth:`~pipelines.stages.base.Stage.unavailable`: evaluate and serve
-    without vLLM, the registry stages without MLflow, e.g. on a GPU box that only trains) is not run, nor
-    are the stages after it; the run says so before any compute, runs the others and records them as
-    ``not run`` with the reason in the summary (:attr:`not_run`).
+    The pre-flight (:func:`pipelines.preflight.preflight`) runs first, before Ray starts: recipe settings
+    invalid anywhere (gate K not evaluated, the trained method not evaluated, ...) and choices this machine
+    cannot honour in a selected stage (``regenerate.backend: vllm`` without vLLM, ``training.use_gpu: true``
+    without the GPUs, a missing source file, ...) raise. A stage that needs a package this machine lacks
+    (evaluate and serve without vLLM, the registry stages without MLflow, e.g. on a GPU box that only
+    trains) is not run, nor are the stages after it; the run says so before any compute, runs the others
+    and records them as ``not run`` with the reason in the summary (:attr:`not_run`).
 
     Raises:
-        ValueError: an unknown stage name, or recipe settings the pipeline cannot honour (gate K not
-            evaluated, the trained method not evaluated, ...), before any compute.
+        ValueError: an unknown stage name, or every problem of the pre-flight that is an error (each
+            naming the stage, the recipe field and the fix), before any compute.
     """
 
     def __init__(self, recipe: Recipe, *, run_dir: str | os.PathLike | None = None,
                  force: bool | Iterable[str] = False, stages: Iterable[str] = STAGES,
-                 say: Callable[[str], None] = print, verbose: bool = False) -> None:
+                 say: Callable[[str], None] = print, verbose: bool = False, machine: Machine | None = None) -> None:
         stages = list(stages)
-        unknown = set(stages) - set(STAGES)
-        if unknown:
-            raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {list(STAGES)}")
+        problems = preflight(recipe, stages, machine)  # ValueError: an unknown stage name
+        raise_for_errors(problems, recipe.name)
         self.recipe = recipe
         self.run_dir = Path(run_dir) if run_dir else settings.run_dir(recipe.name)
         self.stages = [s for s in STAGES if s in set(stages)]
@@ -98,12 +102,10 @@ class PipelineRun:
         self.records: dict[str, StageRecord] = {}
         self.verbose = verbose
         self._say = say
-        for stage_type in STAGE_TYPES:
-            stage_type.check(recipe)
         self.tracking_uri = recipe.registry.resolved_tracking_uri()
         self.model_name = recipe.registry.resolved_model_name(recipe.target)
         self.engine = engine_settings(recipe)
-        self.not_run = not_runnable(recipe)
+        self.not_run = not_runnable(problems)
         self._stages: dict[str, Stage] = {t.name: t(self) for t in STAGE_TYPES if t.name not in self.not_run}
         self._current: str | None = None
 
@@ -217,21 +219,6 @@ class PipelineRun:
             if part is not None:
                 out[part[0]] = part[1]
         return out
-
-
-def not_runnable(recipe: Recipe) -> dict[str, str]:
-    """``{stage: reason}`` for the stages this machine cannot run with ``recipe`` and every stage after the
-    first of them (each needs its upstream's outputs): ``Stage.unavailable``, in pipeline order."""
-    out: dict[str, str] = {}
-    blocked: str | None = None
-    for stage_type in STAGE_TYPES:
-        reason = stage_type.unavailable(recipe)
-        if reason is not None:
-            out[stage_type.name] = reason
-            blocked = blocked or stage_type.name
-        elif blocked is not None:
-            out[stage_type.name] = f"needs the outputs of {blocked}, which cannot run here"
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- printing

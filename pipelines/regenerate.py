@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.engines import Engine, RayDataLLMEngine, engine_setup, make_engine, request_seed
+from pipelines.engines import ENGINES, Engine, RayDataLLMEngine, engine_setup, make_engine, request_seed
 from pipelines.prompts import KEEP_ANSWERS
 
 if TYPE_CHECKING:
@@ -180,8 +180,8 @@ def run_regenerate(
     """
     if not regen_cfg.enabled:
         raise ValueError("regenerate.enabled is false; skip this stage and capture the dataset's own responses")
-    if regen_cfg.backend not in ("vllm", "transformers"):
-        raise ValueError(f"regenerate.backend={regen_cfg.backend!r}; use 'vllm' or 'transformers'")
+    if regen_cfg.backend not in ENGINES:
+        raise ValueError(f"regenerate.backend={regen_cfg.backend!r}; use one of {sorted(ENGINES)}")
     rows = conversations.to_list() if hasattr(conversations, "to_list") else list(conversations)
     if not rows:
         raise ValueError("run_regenerate got no conversations; check data.sources / num_samples")

@@ -165,7 +165,8 @@ def register_head(
         K_best: best served K per concurrency ``{concurrency: K}`` (tags ``K_best.c<c>``).
         target: target name/path (tag ``target``); default from ``config.json['peagle']`` if present.
         target_config: the target's HF config (dict or object): the head must fit it.
-        parallel_drafting: validate for parallel drafting; None = inferred (``mask_token_id`` present).
+        parallel_drafting: validate for parallel drafting (the mask-token keys of every vLLM release of
+            ``peagle_core.contract.VLLM_RANGE``); None = inferred (a mask token id present).
 
     Returns:
         The ``mlflow.entities.model_registry.ModelVersion`` (alias ``challenger`` set on it).
@@ -198,7 +199,7 @@ def _checked_head(head: Path, *, eval_al: float, K: int, target_config: Any,
     """Check the gate numbers and the head (writing missing checksums) before anything is logged.
 
     Returns:
-        ``(config.json of the head, parallel_drafting)``, the latter inferred when None (``mask_token_id`` set).
+        ``(config.json of the head, parallel_drafting)``, the latter inferred when None (a mask token id set).
 
     Raises:
         ValueError: ``eval_al`` < 1 or ``K`` < 1.
@@ -209,6 +210,7 @@ def _checked_head(head: Path, *, eval_al: float, K: int, target_config: Any,
         CHECKSUMS_FILE,
         CONFIG_FILE,
         HeadContractError,
+        head_mask_token_id,
         validate_head,
         write_checksums,
     )
@@ -224,7 +226,8 @@ def _checked_head(head: Path, *, eval_al: float, K: int, target_config: Any,
         write_checksums(head)
     head_cfg = json.loads((head / CONFIG_FILE).read_text())
     if parallel_drafting is None:
-        parallel_drafting = head_cfg.get("mask_token_id") is not None
+        parallel_drafting = head_mask_token_id(head_cfg) is not None
+    # every vLLM release of the supported range: a registered head may be served by any cluster
     validate_head(head, target_config=target_config, parallel_drafting=parallel_drafting)
     return head_cfg, parallel_drafting
 
@@ -302,9 +305,10 @@ def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, par
     """Download ``models:/NAME@ALIAS`` (or ``NAME/VERSION``) into ``dst`` and verify it.
 
     The files are fetched into a temporary sibling directory, their sha256 checked against
-    ``peagle_checksums.json`` and the head validated (``validate_head``) before ``dst`` is replaced
-    (fsynced, renamed: ``peagle_core.atomic.replace_dir``), so a failed or killed download never
-    destroys an existing ``dst``.
+    ``peagle_checksums.json`` and the head validated (``validate_head`` with ``for_vllm=False``: which
+    mask-token keys the loading vLLM needs is its caller's check, e.g. ``pipelines.serve.heads.fetch_head``
+    for the installed one) before ``dst`` is replaced (fsynced, renamed: ``peagle_core.atomic.replace_dir``),
+    so a failed or killed download never destroys an existing ``dst``.
 
     Returns:
         ``dst`` (the head directory).
@@ -317,7 +321,7 @@ def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, par
     import mlflow
 
     from peagle_core.atomic import replace_dir, temp_dir_for
-    from peagle_core.contract import CONFIG_FILE, validate_head, verify_checksums
+    from peagle_core.contract import CONFIG_FILE, head_mask_token_id, validate_head, verify_checksums
 
     name, selector = parse_model_ref(ref)
     get_client(tracking_uri)
@@ -327,8 +331,8 @@ def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, par
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}{selector}", dst_path=str(tmp)))
         verify_checksums(local)
         if parallel_drafting is None:
-            parallel_drafting = json.loads((local / CONFIG_FILE).read_text()).get("mask_token_id") is not None
-        validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting)
+            parallel_drafting = head_mask_token_id(json.loads((local / CONFIG_FILE).read_text())) is not None
+        validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting, for_vllm=False)
         replace_dir(local, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,10 +7,11 @@
     peagle validate-config FILE... [--against-target] [--show]
     peagle explain-config [SECTION]
     peagle registry list|promote|rollback|download [--tracking-uri URI] [--json]
+    peagle head upgrade DIR
 
 ``run`` lives in ``run.py`` (the ``ray_jobs/*.py`` entrypoints are ``run`` with fixed stages), the
-recipe commands in ``recipes.py``, the registry in ``registry.py``, shared options and the one-line
-error handling in ``common.py``. Heavy modules (torch, transformers, datasets, ray, mlflow) are
+recipe commands in ``recipes.py``, the registry in ``registry.py``, head directories in ``head.py``,
+shared options and the one-line error handling in ``common.py``. Heavy modules (torch, transformers, datasets, ray, mlflow) are
 imported inside commands only, so ``peagle --help`` is instant.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import typer
 
 from pipelines.cli import recipes
+from pipelines.cli.head import head_app
 from pipelines.cli.registry import registry_app
 from pipelines.cli.run import run_cmd
 
@@ -34,6 +36,7 @@ app.command("assets")(recipes.assets)
 app.command("validate-config")(recipes.validate_config)
 app.command("explain-config")(recipes.explain_config)
 app.add_typer(registry_app, name="registry")
+app.add_typer(head_app, name="head")
 
 
 def main() -> None:  # pragma: no cover - console entry point alternative

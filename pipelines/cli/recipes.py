@@ -109,18 +109,29 @@ def validate_config(
         bool, typer.Option(help="Also load the target's config and tokenizer (local or embedded) and check "
                            "the recipe against them (chat template, real layer count, vocab).")
     ] = False,
+    here: Annotated[
+        bool, typer.Option("--here", help="Also run the pipeline's pre-flight against this machine (vLLM, MLflow, "
+                           "CUDA GPUs, source files, env vars): errors as `peagle run` would raise them, and "
+                           "the stages it would report as not run.")
+    ] = False,
     home: HomeOpt = None,
 ) -> None:
-    """Validate recipe files against the schema (and optionally against the real target)."""
+    """Validate recipe files against the schema and the pre-flight's checks that hold on any machine
+    (optionally against this machine and the real target)."""
+    from pipelines.preflight import Machine, not_runnable, preflight, raise_for_errors
+
     bad = 0
     for f in files:
         try:
             r = recipe_mod.load_recipe(f, set_)
+            problems = preflight(r, machine=Machine.probe() if here else Machine.ideal())
+            raise_for_errors(problems, r.name)
             if against_target:
                 _check_against_target(r, home)
         except ValueError as e:
             bad += 1
-            err_console.print(f"[red]✗[/] {e}", highlight=False)
+            err_console.print("[red]✗[/] ", highlight=False, end="")
+            err_console.print(f"{f}: {e}", highlight=False, markup=False)
             continue
         aux = r.resolved_aux_layer_ids()
         console.print(
@@ -128,6 +139,8 @@ def validate_config(
             f"mask_token_id={r.drafter.mask_token_id} aux_layer_ids={list(aux) if aux else 'from target'}",
             highlight=False,
         )
+        for stage, reason in not_runnable(problems).items():
+            console.print(f"  {stage} not run here: {reason}", highlight=False, markup=False)
         if show:
             console.print(r.dump_resolved(), highlight=False, markup=False)
     if bad:

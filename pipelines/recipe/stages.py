@@ -125,7 +125,8 @@ class TrainingConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
-    batch_tokens: int = Field(8192, ge=1, description="Target tokens per optimizer step (per worker).")
+    batch_tokens: int = Field(8192, ge=2, description="Target tokens per optimizer step (per worker; >= 2: a "
+                              "slot needs a token and its label).")
     cod_ratio: float = Field(0.8, gt=0.0, le=1.0, description="COD keep ratio r: depth d keeps max(r^d, r_min).")
     cod_min_ratio: float = Field(0.2, gt=0.0, le=1.0, description="COD floor r_min.")
     num_partitions: int = Field(1, ge=1, description="Sequence partitions S (Algorithm 1); 1 = unpartitioned.")

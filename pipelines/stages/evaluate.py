@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.atomic import atomic_write_text
+from pipelines.preflight import Machine, Problem, Severity
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, write_json
 from pipelines.stages.train import TrainOutput
 
@@ -90,22 +91,31 @@ class EvaluateStage(Stage):
         self._champion = resolve_champion(ctx.model_name, tracking_uri=ctx.tracking_uri) if self._compares else None
 
     @staticmethod
-    def check(recipe) -> None:
+    def requirements(recipe) -> tuple[str, ...]:
+        return ("vllm",) + (("mlflow",) if recipe.evaluation.compares_champion(recipe.training) else ())
+
+    @staticmethod
+    def num_gpus(recipe) -> tuple[int, str]:
+        return (1, "its vLLM engines run with GPU settings") if recipe.training.use_gpu else (0, "")
+
+    @classmethod
+    def preflight(cls, recipe, machine: Machine) -> list[Problem]:
+        """Also: the trained method is measured, eval set names are distinct, user files of
+        ``evaluation.sources`` are there."""
         from pipelines.eval_prompts import eval_set_name
 
+        problems = super().preflight(recipe, machine)
         methods, method = recipe.evaluation.methods, recipe.training.method
-        if method in ("peagle", "eagle3") and method not in methods:
-            raise ValueError(f"evaluation.methods={methods} does not measure the trained head "
-                             f"(training.method={method!r}); add it")
+        if method not in methods:
+            problems.append(cls.problem(Severity.INVALID, f"evaluation.methods={methods} does not measure the trained "
+                                        f"head (training.method={method!r}); add it", "evaluation.methods"))
         names = [eval_set_name(s) for s in recipe.evaluation.sources]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ValueError(f"evaluation.sources name the eval set(s) {repeated} more than once (a set is named by "
-                             "its kind or its file's stem); drop the repeats or rename the files")
-
-    @staticmethod
-    def requirements(recipe) -> tuple[str, ...]:
-        return ("vllm",) + (("mlflow",) if recipe.evaluation.compares_champion(recipe.training) else ())
+            problems.append(cls.problem(
+                Severity.INVALID, f"evaluation.sources name the eval set(s) {repeated} more than once (a set is named "
+                "by its kind or its file's stem); drop the repeats or rename the files", "evaluation.sources"))
+        return problems + cls.source_problems("evaluation.sources", recipe.evaluation.sources, machine)
 
     def sections(self, recipe):
         from pipelines.eval_prompts import eval_set_name
@@ -177,12 +187,12 @@ class EvaluateStage(Stage):
             return None, {"model": self.ctx.model_name, "version": None}
         import json
 
-        from peagle_core.contract import CONFIG_FILE
+        from peagle_core.contract import CONFIG_FILE, head_mask_token_id
         from pipelines.train.warm_start import fetch_init_head
 
         init = fetch_init_head(self._champion, self.dir / CHAMPION_HEAD_DIR, tracking_uri=self.ctx.tracking_uri)
         config = json.loads((Path(init.head_dir) / CONFIG_FILE).read_text())
-        method = "peagle" if config.get("mask_token_id") is not None else "eagle3"  # as register infers it
+        method = "peagle" if head_mask_token_id(config) is not None else "eagle3"  # as register infers it
         self.ctx.say(f"champion {init.describe()} ({method}) measured beside the trained head")
         return init.head_dir, {**init.key(), "method": method}
 

@@ -10,11 +10,15 @@ Key: target (minus ``aux_layer_ids``, which do not change the text), data, regen
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle_core.atomic import atomic_write_text
+from pipelines.preflight import Machine, Problem
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, write_json
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +44,27 @@ class RegenerateOutput(StageOutput):
 class RegenerateStage(Stage):
     name = "regenerate"
     Output = RegenerateOutput
+
+    @staticmethod
+    def num_gpus(recipe) -> tuple[int, str]:
+        r = recipe.regenerate
+        if recipe.training.use_gpu and r.enabled and r.backend == "vllm":
+            return r.num_workers, f"one per vLLM engine, regenerate.num_workers={r.num_workers}"
+        return 0, ""
+
+    @classmethod
+    def preflight(cls, recipe, machine: Machine) -> list[Problem]:
+        """Also: the engine of ``regenerate.backend`` (when regenerating: it also writes self_instruct prompts)
+        and the user files of ``data.sources``."""
+        from pipelines.engines import ENGINES
+
+        problems = super().preflight(recipe, machine)
+        r = recipe.regenerate
+        if r.enabled:
+            problems += cls.choice_problems("regenerate.backend", r.backend, ENGINES, machine)
+        if r.static_cache and r.backend != "transformers":
+            log.warning("regenerate.static_cache is a transformers engine setting: ignored with backend=%s", r.backend)
+        return problems + cls.source_problems("data.sources", recipe.data.sources, machine)
 
     @staticmethod
     def sections(recipe):

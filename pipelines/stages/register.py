@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pipelines.preflight import Machine, Problem, Severity
 from pipelines.stages.base import Stage, StageOutput
 from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.evaluate import EvaluateOutput
@@ -54,17 +55,24 @@ class RegisterStage(Stage):
     Output = RegisterOutput
 
     @staticmethod
-    def check(recipe) -> None:
-        gate_K, sweep = recipe.registry.gate_num_speculative_tokens, recipe.evaluation.num_speculative_tokens_sweep
-        if gate_K not in sweep:
-            raise ValueError(f"registry.gate_num_speculative_tokens={gate_K} is not in "
-                             f"evaluation.num_speculative_tokens_sweep={sweep}: the gate compares "
-                             "ALs measured at its K; add it to the sweep")
-        recipe.registry.resolved_gate_eval_set(recipe.evaluation)  # ValueError: not an eval set of the recipe
-
-    @staticmethod
     def requirements(recipe) -> tuple[str, ...]:
         return ("mlflow",)
+
+    @classmethod
+    def preflight(cls, recipe, machine: Machine) -> list[Problem]:
+        """Also: the gate's K is measured, the gate's eval set is one of the recipe's."""
+        problems = super().preflight(recipe, machine)
+        gate_K, sweep = recipe.registry.gate_num_speculative_tokens, recipe.evaluation.num_speculative_tokens_sweep
+        if gate_K not in sweep:
+            problems.append(cls.problem(
+                Severity.INVALID, f"registry.gate_num_speculative_tokens={gate_K} is not in evaluation."
+                f"num_speculative_tokens_sweep={sweep}: the gate compares ALs measured at its K; add it to the sweep",
+                "registry.gate_num_speculative_tokens"))
+        try:
+            recipe.registry.resolved_gate_eval_set(recipe.evaluation)
+        except ValueError as e:  # not an eval set of the recipe
+            problems.append(cls.problem(Severity.INVALID, str(e), "registry.gate_eval_set"))
+        return problems
 
     @staticmethod
     def sections(recipe):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines import settings
+from pipelines.preflight import Machine, Problem, Severity
 from pipelines.stages.base import RunContext, Stage, StageOutput
 from pipelines.stages.register import RegisterOutput
 
@@ -47,6 +48,24 @@ class ServeStage(Stage):
     @staticmethod
     def requirements(recipe) -> tuple[str, ...]:
         return ("vllm", "mlflow")  # Ray Serve LLM's engine; the head is pinned from the registry
+
+    @staticmethod
+    def num_gpus(recipe) -> tuple[int, str]:
+        n = max(1, recipe.serving.min_replicas)
+        return (n, f"one per vLLM replica (accelerator gpu), serving.min_replicas={recipe.serving.min_replicas}") \
+            if recipe.training.use_gpu else (0, "")
+
+    @classmethod
+    def preflight(cls, recipe, machine: Machine) -> list[Problem]:
+        """Also: the API key variable ``serving.api_key_env`` names is set (the endpoint refuses to start
+        without it, after every earlier stage ran)."""
+        problems = super().preflight(recipe, machine)
+        env = recipe.serving.api_key_env
+        if env and not machine.has_env(env):
+            problems.append(cls.problem(Severity.MACHINE, f"serving.api_key_env={env!r} but ${env} is not set on this "
+                                        "machine: export it, or set serving.api_key_env: null for an open endpoint",
+                                        "serving.api_key_env"))
+        return problems
 
     @staticmethod
     def sections(recipe):

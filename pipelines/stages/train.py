@@ -24,9 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from pipelines import settings
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, not_installed, tree_bytes
-from pipelines.stages.capture import CaptureOutput
+from pipelines.preflight import Machine, Problem, Severity, not_installed
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, tree_bytes
+from pipelines.stages.capture import CaptureOutput, backend_problems
 from pipelines.stages.regenerate import RegenerateOutput
+
+FLEX_ATTENTION = "torch.nn.attention.flex_attention"  # peagle_core.masks: the block-sparse P-EAGLE mask
 
 
 @dataclass
@@ -67,6 +70,29 @@ class TrainStage(Stage):
 
         init = recipe.training.init_from
         return ("mlflow",) if init is not None and init.startswith(REGISTRY_PREFIX) else ()
+
+    @staticmethod
+    def num_gpus(recipe) -> tuple[int, str]:
+        t = recipe.training
+        return (t.num_workers, f"one per Ray Train worker, training.num_workers={t.num_workers}") if t.use_gpu \
+            else (0, "")
+
+    @classmethod
+    def preflight(cls, recipe, machine: Machine) -> list[Problem]:
+        """Also: an objective for ``training.method`` (``peagle_core.objectives``), FlexAttention for
+        ``training.attention: flex``, and ``capture.backend`` when the capture streams into this stage."""
+        from peagle_core.objectives import available_objectives
+
+        t = recipe.training
+        problems = super().preflight(recipe, machine)
+        problems += cls.choice_problems("training.method", t.method, dict.fromkeys(available_objectives(), ()),
+                                        machine)
+        if t.attention == "flex" and (reason := machine.lacks(FLEX_ATTENTION)) is not None:
+            problems.append(cls.problem(Severity.MACHINE, f"training.attention=flex needs {FLEX_ATTENTION}: {reason}; "
+                                        "use training.attention=auto or dense", "training.attention"))
+        if recipe.capture.streaming:  # the target forward of a streaming capture runs in this stage
+            problems += backend_problems(cls, recipe, machine)
+        return problems
 
     def sections(self, recipe):
         # how many failures to recover from does not change the head: not in the key; a warm start is keyed

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -43,7 +43,7 @@ from pipelines.train.warm_start import InitHead, check_init_head, is_registry_re
 
 log = logging.getLogger(__name__)
 
-PARALLEL_STRATEGIES = ("ddp", "fsdp")
+PARALLEL_STRATEGIES = get_args(TrainingConfig.model_fields["parallel_strategy"].annotation)  # the recipe's Literal
 
 __all__ = [
     "TrainPlan", "check_capture", "plan_from_capture", "plan_from_conversations", "plan_from_dataset",

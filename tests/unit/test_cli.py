@@ -61,6 +61,28 @@ def test_run_config_mistakes_exit_2_without_traceback(tmp_path):
     assert "training.lr" in error_message(res)
 
 
+def test_run_refuses_what_this_machine_cannot_run_before_ray(monkeypatch):
+    from pipelines import console
+
+    monkeypatch.setattr(console, "init_ray", lambda **kw: pytest.fail("Ray started"))
+    res = runner.invoke(app, ["run", "--config", str(CONFIGS / "smollm2-135m-ci.yaml"), "--set", "training.use_gpu=true",
+                              "--set", "training.num_workers=64"], env={"COLUMNS": "200", "RAY_ADDRESS": "local"})
+    assert res.exit_code == 2
+    assert "[train] training.use_gpu=true: the train stage needs 64 CUDA GPUs" in error_message(res)
+
+
+def test_help_imports_no_torch():
+    """`peagle --help` stays instant: torch, ray, mlflow are imported inside commands only."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = "import sys, pipelines.cli; print(sorted({'torch', 'ray', 'mlflow', 'vllm'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_assets_takes_config_and_the_old_recipe_flag():
     for flag in ("--config", "--recipe"):
         res = invoke("assets", flag, str(CONFIGS / "smollm2-135m-ci.yaml"), "--set", "target.dtype=float8")

@@ -5,10 +5,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle_core.contract import (
+    MASK_TOKEN_KEYS,
+    VLLM_SPEC,
     HeadContractError,
+    drafter_config_from_head,
     export_head,
+    head_mask_token_id,
     load_head,
+    mask_token_keys,
+    upgrade_head,
     validate_head,
+    vllm_release,
+    vllm_supported,
     write_checksums,
 )
 from peagle_core.vocab import vocab_mapping_from_counts
@@ -118,9 +126,85 @@ def test_rule_missing_mask_hidden(head):
 
 
 def test_rule_missing_mask_token_id(head):
-    _rewrite(head[1], config=lambda c: c.pop("mask_token_id"))
-    with pytest.raises(HeadContractError, match="mask_token_id"):
+    _rewrite(head[1], config=lambda c: [c.pop(k.name, None) for k in MASK_TOKEN_KEYS])
+    with pytest.raises(HeadContractError, match="no mask token id .*'mask_token_id', 'ptd_token_id', 'pard_token'"):
         validate_head(head[1], parallel_drafting=True)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM releases
+
+
+def test_head_exported_today_has_both_mask_token_keys(head):
+    cfg = json.loads((head[1] / "config.json").read_text())
+    assert cfg["mask_token_id"] == cfg["ptd_token_id"] == 97 and "pard_token" not in cfg
+    for version in ("0.26.0", "0.29.1", "0.32.0+cpu", "0.33.0"):
+        validate_head(head[1], vllm_version=version)
+    validate_head(head[1])  # every release of the range
+
+
+def test_mask_token_keys_per_vllm_release():
+    assert mask_token_keys("0.26.0") == ("ptd_token_id", "pard_token")
+    assert mask_token_keys("0.31.2") == ("ptd_token_id", "pard_token")  # not checked: held to 0.26's rule
+    assert mask_token_keys("0.32.0+cpu") == ("mask_token_id", "ptd_token_id", "pard_token")
+    assert mask_token_keys("0.33.1.dev4+g1a2b") == mask_token_keys("0.32.0")
+    assert vllm_release("0.32.0+cpu") == (0, 32) and vllm_supported("0.26.0") and not vllm_supported("0.34.0")
+    for outside in ("0.25.1", "0.34.0", "1.0.0"):
+        with pytest.raises(ValueError, match=r"outside .*vllm>=0.26,<0.34"):
+            mask_token_keys(outside)
+    with pytest.raises(ValueError, match="MAJOR.MINOR"):
+        vllm_release("nightly")
+
+
+def test_old_head_with_only_mask_token_id(head):
+    """A head exported before ptd_token_id was written: vLLM 0.32 loads it, 0.26 refuses it; the error names the
+    missing key and the one command that adds it, and that command fixes the head."""
+    _rewrite(head[1], config=lambda c: c.pop("ptd_token_id"))
+    validate_head(head[1], vllm_version="0.32.0")
+    with pytest.raises(HeadContractError, match=r"as \['mask_token_id'\] only, but vLLM 0.26 reads it from "
+                       r"\['ptd_token_id', 'pard_token'\].*add \['ptd_token_id'\] with `peagle head upgrade"):
+        validate_head(head[1], vllm_version="0.26.0")
+    with pytest.raises(HeadContractError, match="vLLM 0.26"):
+        validate_head(head[1])  # None: every supported release
+    validate_head(head[1], for_vllm=False)  # peagle's own loader does not care
+    assert load_head(head[1]).config.mask_token_id == 97
+    assert upgrade_head(head[1]) == ["ptd_token_id"]
+    validate_head(head[1], vllm_version="0.26.0")
+    assert upgrade_head(head[1]) == []  # current: nothing to add
+
+
+def test_mask_token_keys_that_disagree_raise(head):
+    _rewrite(head[1], config=lambda c: c.update(ptd_token_id=3))
+    with pytest.raises(HeadContractError, match=r"disagree: \{'mask_token_id': 97, 'ptd_token_id': 3\}"):
+        validate_head(head[1], vllm_version="0.32.0")
+    with pytest.raises(HeadContractError, match="disagree"):
+        drafter_config_from_head(json.loads((head[1] / "config.json").read_text()))
+    with pytest.raises(HeadContractError, match="an integer token id"):
+        head_mask_token_id({"pard_token": "97"})
+    assert head_mask_token_id({"mask_token_id": None}) is None  # null = absent: an EAGLE-3 head
+    _rewrite(head[1], config=lambda c: c.update(ptd_token_id=None))
+    with pytest.raises(HeadContractError, match=r"\['ptd_token_id'\] set to null"):
+        validate_head(head[1], vllm_version="0.32.0")
+
+
+def test_imported_head_with_only_pard_token(head):
+    """speculators-style import: only pard_token, which both 0.26 and 0.32 read."""
+    _rewrite(head[1], config=lambda c: [c.pop("mask_token_id"), c.pop("ptd_token_id"), c.update(pard_token=97)])
+    cfg = json.loads((head[1] / "config.json").read_text())
+    assert drafter_config_from_head(cfg).mask_token_id == 97
+    validate_head(head[1])
+    assert load_head(head[1]).parallel_drafting
+    assert upgrade_head(head[1]) == ["mask_token_id", "ptd_token_id"]  # what an export writes, same token
+    cfg = json.loads((head[1] / "config.json").read_text())
+    assert cfg["mask_token_id"] == cfg["ptd_token_id"] == cfg["pard_token"] == 97
+
+
+def test_vllm_range_matches_the_gpu_extra():
+    import tomllib
+
+    from tests.conftest import REPO
+
+    gpu = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert f"vllm{VLLM_SPEC}" in gpu
 
 
 def test_rule_shape_mismatch(head):

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from pipelines.pipeline import PipelineRun, print_summary
+from pipelines.preflight import Machine
 from pipelines.recipe import load_recipe
 from pipelines.stages import STAGE_TYPES, STAGES
 from pipelines.stages.base import STAGE_FILE, StageRecord, engine_settings
@@ -58,7 +59,7 @@ def ci_recipe():
 
 @pytest.mark.parametrize("config", sorted(KEYS))
 def test_stage_keys_unchanged(config, tmp_path):
-    run = PipelineRun(load_recipe(CONFIGS / config), run_dir=tmp_path)
+    run = PipelineRun(load_recipe(CONFIGS / config), run_dir=tmp_path, machine=Machine.ideal())  # GPU recipes too
     assert {s: run.key(s) for s in STAGES} == KEYS[config]
 
 
