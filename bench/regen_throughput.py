@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--name", default="regen_throughput")
     ap.add_argument("--engines", default="plain,static", help="comma list of plain, static, vllm")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM engine only")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="vLLM engine only (default: vLLM's)")
     args = ap.parse_args()
 
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -110,15 +111,17 @@ def main() -> None:
         from pipelines.engines import VLLMEngine
 
         t0 = time.perf_counter()
+        extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
         engine = VLLMEngine(target, dtype=dtype, max_model_len=args.max_model_len,
-                            gpu_memory_utilization=args.gpu_memory_utilization)
+                            gpu_memory_utilization=args.gpu_memory_utilization, **extra)
         _timed(engine, prompts[: args.batch_size], cfg)
         start_s = time.perf_counter() - t0
         wall, toks, texts["vllm"] = _timed(engine, prompts, cfg)
         import vllm
 
         res["vllm"] = {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall,
-                       "engine_start_s": start_s, "vllm": vllm.__version__}
+                       "engine_start_s": start_s, "vllm": vllm.__version__, "max_num_seqs": args.max_num_seqs,
+                       "scheduler_max_num_seqs": engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
         print("vllm", json.dumps(res["vllm"]), flush=True)
     if "plain" in texts and "static" in texts:
         res["agreement"] = _agreement(texts["plain"], texts["static"])

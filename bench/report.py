@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench import report_gpu_vllm
 from bench.common import RESULTS
 from bench.scale import scale_tag
 
@@ -741,6 +742,7 @@ def main() -> None:
     for fn in (drafting, training, capture, decode, two_gpus, gpu_recipe, demo_sweep, warmup, data_path, pipeline_device,
                scaling, shifted_traffic):
         fn(lines)
+    report_gpu_vllm.main_sections(lines, _load)
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n".join(lines) + "\n")
     print("wrote", DOC)
