@@ -20,9 +20,14 @@ def resolve_target(target_cfg: TargetConfig) -> tuple[Any, dict[str, Any]]:
     from pipelines.assets import ensure_target
 
     asset = ensure_target(target_cfg.model, target_cfg.dtype)
-    config = json.loads((Path(asset.path) / "config.json").read_text())
-    config = config.get("text_config", config) if "num_hidden_layers" not in config else config
-    return asset, config
+    return asset, text_config(asset.path)
+
+
+def text_config(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` dict of the HF directory ``path``; for a multimodal config the text model's
+    section (``text_config``)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return config.get("text_config", config) if "num_hidden_layers" not in config else config
 
 
 def load_target(path: str | Path, dtype: str = "float32", num_threads: int | None = None):

@@ -1,4 +1,5 @@
-"""``capture.backend: vllm``: the model step of capture on a vLLM engine (vLLM >= 0.18; run on 0.26 CUDA and 0.32 CPU).
+"""``capture.backend: vllm``: the model step of capture on a vLLM engine (vLLM >= 0.18; written for 0.26 on
+CUDA and 0.32 on CPU, tested on the latter).
 
 How the hidden states get out of vLLM:
 
@@ -33,8 +34,6 @@ A aux width (``len(aux_layer_ids) * Ht``).
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import threading
 from collections import Counter
@@ -49,11 +48,10 @@ import torch
 from peagle_core.samples import AUX, FINAL_HIDDEN, INPUT_IDS, LOSS_MASK, validate_sample
 from pipelines.capture.forward import _check_tokenized, storage_dtype
 from pipelines.capture.rows import SAMPLE_ID
+from pipelines.capture.target import text_config
 
 if TYPE_CHECKING:
     from pipelines.recipe import CaptureConfig
-
-log = logging.getLogger(__name__)
 
 CONNECTOR_MODULE = "pipelines.capture.vllm_connector"
 CONNECTOR_NAME = "PeagleHiddenStatesConnector"
@@ -294,14 +292,17 @@ class VLLMCaptureEngine:
                                  f"in-process); got {key}={engine_kwargs[key]}: drop it, or use capture.num_workers")
         if engine_kwargs.get("distributed_executor_backend") not in (None, "uni"):
             raise ValueError("capture.backend=vllm needs the in-process executor; drop distributed_executor_backend")
-        config = json.loads((Path(target_path) / "config.json").read_text())
-        config = config.get("text_config", config) if "num_hidden_layers" not in config else config
+        config = text_config(target_path)
         self.plan = HiddenStatePlan.for_target(layer_ids, int(config["num_hidden_layers"]))
         self.hidden_size, self.num_aux, self.dtype = int(config["hidden_size"]), len(self.plan.aux_slots), dtype
-        # The worker (and so the connector's results) must live in this process; vLLM reads this at engine
-        # creation (and freezes its env cache afterwards): a capture actor is a process of its own.
+        # The worker (and so the connector's results) must live in this process. vLLM reads this at engine
+        # creation, and an in-process engine then freezes vLLM's env cache for the process: a capture actor is
+        # a process of its own (in-process runs leave later vLLM engines of the process in-process too).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm.envs
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()  # an earlier engine here may have frozen it
 
         from pipelines.engines import VLLMEngine
 
@@ -336,7 +337,7 @@ class VLLMCaptureEngine:
         self._num_requests += len(prompts)
         params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                  extra_args={"kv_transfer_params": {CAPTURE_KEY: k}}) for k in keys]
-        self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params,
+        self.llm.generate([TokensPrompt(prompt_token_ids=np.asarray(p).tolist()) for p in prompts], params,
                           use_tqdm=False)
         got: dict[str, CapturedStates] = {}
         for _ in range(MAX_DRAIN_STEPS):  # the last requests' states are gathered in the next engine step

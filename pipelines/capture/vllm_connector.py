@@ -26,6 +26,7 @@ Shape legend: N tokens of one request, S stored states per token, Ht target hidd
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,8 @@ from pipelines.capture.vllm_backend import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +107,9 @@ class PeagleHiddenStatesConnector(ExampleHiddenStatesConnector):
                         tokens_at_dim1="get_kv_cache_shape" in vars(CacheOnlyAttentionBackend))
         norm = load_final_norm(model_config.model, model_config.dtype, cache.device)
         self._copier = StateCopier(self._plan, norm, self._dtype, block_size=self._block_size, token_dim=dim)
+        log.info("peagle capture: hidden-states cache %s on %s, tokens at dim %d, block size %d, layers %s, %s",
+                 tuple(cache.shape), cache.device, dim, self._block_size, list(self._plan.vllm_layer_ids),
+                 "synchronous copy" if cache.device.type != "cuda" else "pinned side-stream copy")
 
     def wait_for_save(self) -> None:
         pass  # no lock files: results are handed over in memory
