@@ -72,7 +72,12 @@ class CaptureActor:
     batch_format="pyarrow")``. Holds its engine for the actor's life (created once): for
     ``capture.backend: transformers`` the HF target (``num_threads`` torch threads: set it to the
     actor's CPUs), for ``vllm`` a :class:`~pipelines.capture.vllm_backend.VLLMCaptureEngine`
-    (``engine_kwargs`` go to ``vllm.LLM``; all rows of a call go into one ``generate``).
+    (``engine_kwargs`` go to ``vllm.LLM``; all rows of a call go into one ``generate``; vLLM picks
+    its own CPU threads, ``num_threads`` is not used).
+
+    Raises:
+        ValueError: ``vllm`` without ``max_length_tokens``, or engine arguments it cannot run with
+            (from :class:`~pipelines.capture.vllm_backend.VLLMCaptureEngine`); no chat template (transformers).
     """
 
     def __init__(self, target_path: str, target_dtype: str, capture_cfg: CaptureConfig, layer_ids: Sequence[int],
