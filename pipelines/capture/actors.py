@@ -1,8 +1,9 @@
 """Ray Data actors of capture (the model stage) and the resources of the two stages.
 
-:class:`CaptureActor` holds the target for the actor's life and turns tokenized rows into captured
-sample rows (streaming capture); :class:`CaptureShardActor` captures one shard task per row and
-writes it to disk (materialized capture). Both also run in-process, without Ray.
+:class:`CaptureActor` holds the target (``capture.backend: transformers``) or a vLLM engine (``vllm``)
+for the actor's life and turns tokenized rows into captured sample rows (streaming capture);
+:class:`CaptureShardActor` captures one shard task per row and writes it to disk (materialized
+capture). Both also run in-process, without Ray.
 """
 
 from __future__ import annotations
@@ -68,20 +69,42 @@ class CaptureActor:
 
     Use: ``ds.map_batches(tokenize_conversations, ...).map_batches(CaptureActor, fn_constructor_kwargs=
     dict(...), compute=ray.data.ActorPoolStrategy(size=n), num_gpus=1, batch_size=capture.batch_size,
-    batch_format="pyarrow")``. Holds the target for the actor's life (loaded once), ``num_threads``
-    torch threads (set it to the actor's CPUs).
+    batch_format="pyarrow")``. Holds its engine for the actor's life (created once): for
+    ``capture.backend: transformers`` the HF target (``num_threads`` torch threads: set it to the
+    actor's CPUs), for ``vllm`` a :class:`~pipelines.capture.vllm_backend.VLLMCaptureEngine`
+    (``engine_kwargs`` go to ``vllm.LLM``; all rows of a call go into one ``generate``; vLLM picks
+    its own CPU threads, ``num_threads`` is not used).
+
+    Raises:
+        ValueError: ``vllm`` without ``max_length_tokens``, or engine arguments it cannot run with
+            (from :class:`~pipelines.capture.vllm_backend.VLLMCaptureEngine`); no chat template (transformers).
     """
 
     def __init__(self, target_path: str, target_dtype: str, capture_cfg: CaptureConfig, layer_ids: Sequence[int],
-                 max_length_tokens: int | None, num_threads: int | None = None):
-        self.model, self.tokenizer = load_target(target_path, target_dtype, num_threads=num_threads)
+                 max_length_tokens: int | None, num_threads: int | None = None,
+                 engine_kwargs: Mapping[str, Any] | None = None):
         self.cfg, self.layer_ids, self.max_length_tokens = capture_cfg, tuple(layer_ids), max_length_tokens
         self.stats: Counter = Counter()
+        self.model = self.tokenizer = self.engine = None
+        if capture_cfg.backend == "vllm":
+            from pipelines.capture.vllm_backend import VLLMCaptureEngine
+
+            if max_length_tokens is None:
+                raise ValueError("capture.backend=vllm needs data.max_length_tokens (the engine's context)")
+            self.engine = VLLMCaptureEngine(target_path, target_dtype, self.layer_ids, capture_cfg.dtype,
+                                            max_length_tokens=max_length_tokens, **dict(engine_kwargs or {}))
+        else:
+            self.model, self.tokenizer = load_target(target_path, target_dtype, num_threads=num_threads)
 
     def capture(self, tokenized: Sequence[Mapping[str, Any]], stats: Counter | None = None) -> list[dict[str, Any]]:
+        stats = self.stats if stats is None else stats
+        if self.engine is not None:
+            from pipelines.capture.vllm_backend import capture_tokenized_vllm
+
+            return capture_tokenized_vllm(self.engine, tokenized, self.cfg, max_length_tokens=self.max_length_tokens,
+                                          stats=stats)
         return capture_tokenized(self.model, tokenized, self.cfg, self.layer_ids, pad_token_id=pad_id(self.tokenizer),
-                                 max_length_tokens=self.max_length_tokens,
-                                 stats=self.stats if stats is None else stats)
+                                 max_length_tokens=self.max_length_tokens, stats=stats)
 
     def __call__(self, batch) -> dict[str, Any]:
         return samples_to_columns(self.capture(tokenized_from_batch(batch)))

@@ -78,6 +78,7 @@ def run_capture(
     num_gpus_per_worker: float | None = None,
     use_ray: bool | None = None,
     progress: Callable[[int], None] | None = None,
+    engine_kwargs: Mapping[str, Any] | None = None,
 ) -> CaptureResult:
     """Materialized capture of ``conversations`` (``datasets.Dataset``, Ray Dataset or list of rows
     ``{id, messages, ...}``) into ``out_dir``. Resumable: see the module docstring.
@@ -87,7 +88,9 @@ def run_capture(
     and ``num_gpus_per_worker`` GPUs each; None = 1 if the Ray cluster has GPUs, else 0); Ray starts
     locally if ``ray.init`` has not run. With False the same two stages run in-process (a GPU box
     without Ray). None = Ray when importable. ``progress(n)`` is called as ``n`` conversations are
-    captured (shards kept from an earlier run count at the start).
+    captured (shards kept from an earlier run count at the start). ``engine_kwargs``: added to each
+    actor's ``vllm.LLM`` (``capture.backend: vllm``; the pipeline passes
+    ``pipelines.stages.base.engine_settings(recipe).vllm_kwargs``), ignored by transformers.
 
     Writes ``shard-XXXXX.safetensors``, ``token_counts.safetensors`` ([V] counts of assistant tokens
     for d2t/t2d), ``capture_meta.json`` and, last, ``manifest.parquet``.
@@ -118,7 +121,8 @@ def run_capture(
 
     t_run = time.perf_counter()
     actor_args = (str(asset.path), target_cfg.dtype, capture_cfg, layer_ids, data_cfg.max_length_tokens)
-    actor_kwargs = {"out_dir": str(out_dir), "shard_metadata": {"fingerprint": fp}}
+    actor_kwargs = {"out_dir": str(out_dir), "shard_metadata": {"fingerprint": fp},
+                    "engine_kwargs": dict(engine_kwargs or {})}
     tokenize_kwargs = {"tokenizer_path": str(asset.path), "max_length_tokens": data_cfg.max_length_tokens,
                        "on_too_long": capture_cfg.on_too_long}
     if not pending:
@@ -321,6 +325,7 @@ def _finish(out_dir: Path, tasks, done: dict[int, list[dict]], shard_stats: dict
         "target_sha256": asset.sha256,
         "target_model": target_cfg.model,
         "target_dtype": target_cfg.dtype,
+        "backend": capture_cfg.backend,
         "aux_layer_ids": list(layer_ids),
         "aux_layer_semantics": "vLLM: input of decoder layer i = HF hidden_states[i]",
         "dtype": capture_cfg.dtype,

@@ -4,7 +4,8 @@ consumes directly; nothing is written to disk (the target forward runs again eac
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from peagle_core.samples import dtype_name
 from pipelines.capture.actors import CaptureActor, actor_num_gpus, tokenize_num_cpus
@@ -38,6 +39,7 @@ def capture_stream(
     *,
     num_cpus_per_worker: float = 1,
     num_gpus_per_worker: float | None = None,
+    engine_kwargs: Mapping[str, Any] | None = None,
 ) -> ray.data.Dataset:
     """Streaming capture: a lazy Ray Dataset of captured rows (``sample_id, input_ids, loss_mask, aux,
     final_hidden``; variable-shaped tensors, hidden states in ``capture.dtype``, bf16 carried as
@@ -49,6 +51,7 @@ def capture_stream(
     ``{id, messages}`` rows (or anything ``run_capture`` accepts). Drop/truncate counts are
     logged by the tokenize tasks, not returned. A capture actor that dies is restarted and its batch
     retried by Ray Data (its actor-pool defaults; see ``pipelines.capture.materialize``).
+    ``engine_kwargs``: added to each actor's ``vllm.LLM`` (``capture.backend: vllm``), as in ``run_capture``.
 
     Raises:
         ValueError: bad config (backend, dtype), or an unknown target (before any actor starts).
@@ -74,7 +77,8 @@ def capture_stream(
     return tokenized.map_batches(
         CaptureActor,
         fn_constructor_args=(str(asset.path), target_cfg.dtype, capture_cfg, layer_ids, data_cfg.max_length_tokens),
-        fn_constructor_kwargs={"num_threads": max(1, int(num_cpus_per_worker))},
+        fn_constructor_kwargs={"num_threads": max(1, int(num_cpus_per_worker)),
+                               "engine_kwargs": dict(engine_kwargs or {})},
         compute=ray.data.ActorPoolStrategy(size=capture_cfg.num_workers),
         batch_size=capture_cfg.batch_size,
         batch_format="pyarrow",

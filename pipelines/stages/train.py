@@ -128,7 +128,8 @@ class TrainStage(Stage):
                                            on_too_long=r.capture.on_too_long, init_head=init)
             self._stream_num_tokens = plan.num_tokens
             data = capture_stream(ray.data.from_items(items), r.target, r.capture, r.data,
-                                  num_cpus_per_worker=cpus_per_worker(r.capture.num_workers))
+                                  num_cpus_per_worker=cpus_per_worker(r.capture.num_workers),
+                                  engine_kwargs=self.ctx.engine.vllm_kwargs)
         else:  # each worker reads its slice of the seeded per-epoch order: a resume is sample-exact
             plan = plan_from_capture(r.training, r.drafter, r.target, cap.capture_dir, init_head=init)
             data = OrderedCapture(str(cap.capture_dir))

