@@ -16,6 +16,11 @@ tokens, median of ``--repeats`` passes over all conversations after one warm-up 
 
 Goal: step >= 0.85x plain.
 
+``--vllm`` (issue 25 item 3): also the vLLM backend's model step (``capture_tokenized_vllm`` on a
+``VLLMCaptureEngine``: every conversation in one ``generate`` call, hidden states handed back by peagle's
+connector), timed the same way after one warm-up pass; ``vllm_over_step`` = its tokens/s over the
+transformers step's best batch (goal >= 2).
+
     python -m bench.capture_throughput --data ~/keep/w1/sharegpt.jsonl.xz   # GPU
     python -m bench.capture_throughput --data .carry/w1/sharegpt.jsonl.xz --smoke   # CPU, tiny
 """
@@ -104,6 +109,37 @@ def measure(model, tokenizer, rows: Sequence[dict], *, dtype: str, batch_sizes: 
     return out
 
 
+def measure_vllm(path: str, tokenizer, rows: Sequence[dict], *, dtype: str, max_length: int, repeats: int,
+                 gpu_memory_utilization: float) -> dict:
+    """Tokens/s of the vLLM backend's model step on ``rows`` (tokenized once, outside the timing)."""
+    import vllm
+
+    from peagle_core.drafter_config import default_aux_layer_ids
+    from pipelines.capture import tokenize_rows
+    from pipelines.capture.target import text_config
+    from pipelines.capture.vllm_backend import VLLMCaptureEngine, capture_tokenized_vllm
+
+    tokenized = tokenize_rows(tokenizer, rows, max_length_tokens=max_length)
+    total = sum(len(r["input_ids"]) for r in tokenized)
+    layer_ids = default_aux_layer_ids(int(text_config(path)["num_hidden_layers"]))
+    t0 = time.perf_counter()
+    engine = VLLMCaptureEngine(path, dtype, layer_ids, dtype, max_length_tokens=max_length,
+                               gpu_memory_utilization=gpu_memory_utilization,
+                               **({} if torch.cuda.is_available() else {"enforce_eager": True}))
+    start_s = time.perf_counter() - t0
+    cfg = SimpleNamespace(dtype=dtype, on_too_long="truncate", batch_size=len(tokenized))
+
+    def step() -> None:
+        capture_tokenized_vllm(engine, tokenized, cfg, max_length_tokens=max_length)
+
+    step()  # warm-up
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    wall = _median_s(step, sync, repeats)
+    row = {"vllm": vllm.__version__, "tokens": total, "engine_start_s": start_s, "vllm_step_tok_s": total / wall}
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,6 +151,10 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=1024, help="tokens per conversation (longer: truncated)")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per measurement (median)")
     ap.add_argument("--smoke", action="store_true", help="CPU, 8 conversations, batches 4 and 8, one pass")
+    ap.add_argument("--batch-sizes", default="8,16,32,64", help="transformers step batches")
+    ap.add_argument("--vllm", action="store_true", help="also the vLLM backend (see module doc)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM backend only")
+    ap.add_argument("--name", default=None, help="result file name (default capture_throughput[_smoke])")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
@@ -122,10 +162,18 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     rows = _read_jsonl_xz(args.data)[:8 if args.smoke else args.num_conversations]
-    res = measure(model, tok, rows, dtype=dtype, batch_sizes=[4, 8] if args.smoke else [8, 16, 32, 64],
-                  max_length=args.max_length, repeats=1 if args.smoke else args.repeats)
-    out = write_result("capture_throughput" + ("_smoke" if args.smoke else ""),
-                       {"dtype": dtype, "max_length": args.max_length, **res, "goal": "step_over_plain >= 0.85"})
+    repeats = 1 if args.smoke else args.repeats
+    res = measure(model, tok, rows, dtype=dtype, batch_sizes=[4, 8] if args.smoke else
+                  [int(b) for b in args.batch_sizes.split(",")], max_length=args.max_length, repeats=repeats)
+    if args.vllm:
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+        res["vllm"] = measure_vllm(str(path), tok, rows, dtype=dtype, max_length=args.max_length, repeats=repeats,
+                                   gpu_memory_utilization=args.gpu_memory_utilization)
+        res["vllm"]["vllm_over_step"] = res["vllm"]["vllm_step_tok_s"] / max(r["step_tok_s"] for r in res["rows"])
+    name = args.name or "capture_throughput" + ("_smoke" if args.smoke else "")
+    out = write_result(name, {"dtype": dtype, "max_length": args.max_length, **res, "goal": "step_over_plain >= 0.85"})
     print("wrote", out)
 
 
