@@ -187,10 +187,12 @@ def main() -> None:
                                                     "acceptance_length", "tokens_per_s", "tpot_ms", "model_runner")}
                                  | {"step": r.get("step_costs")}), flush=True)
             result["rows"] += rows
-            result.update(environment=environment(), ours_profile={"rates": ours, "source": ours_source},
-                          command="python -m bench.synthetic_serving " + " ".join(
-                              f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                              if k not in ("out", "engine_env")))
+            command = "python -m bench.synthetic_serving " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                if k not in ("out", "engine_env", "ours_from", "budget_s"))
+            for r in rows:
+                r["command"] = command
+            result.update(environment=environment(), ours_profile={"rates": ours, "source": ours_source})
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
             print(f"cell {profile} {method} K={K}: {time.perf_counter() - t:.0f} s", flush=True)

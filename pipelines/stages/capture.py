@@ -64,10 +64,6 @@ class CaptureStage(Stage):
         return problems
 
     @staticmethod
-    def requirements(recipe) -> tuple[str, ...]:
-        return ("vllm",) if recipe.capture.backend == "vllm" else ()
-
-    @staticmethod
     def sections(recipe):
         return (recipe.capture, recipe.resolved_aux_layer_ids())
 

@@ -34,16 +34,17 @@ K = 4
 MASK_ID = 16  # <empty_output>, never emitted by SmolLM2's chat template
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-# (rtol, atol) of drafter replays (same inputs) and of the target's aux states (30 target layers apart)
-TOLERANCE = {torch.float32: {"replay": (1e-4, 1e-4), "target": (1e-4, 1e-4)},
-             torch.bfloat16: {"replay": (2e-2, 2e-2), "target": (6e-2, 6e-2)}}[DTYPE]
+# Largest |difference| over the largest |value| allowed: drafter replays (vLLM's exact inputs) and the target's
+# aux states (30 target layers computed by two engines). bfloat16 keeps 8 bits of mantissa (2**-8 = 0.4%).
+TOLERANCES = {torch.float32: {"replay": 1e-4, "target": 1e-4}, torch.bfloat16: {"replay": 3e-2, "target": 3e-2}}
+TOLERANCE = TOLERANCES[DTYPE]
 
 
 def _close(actual, expected, kind: str) -> None:
-    rtol, atol = TOLERANCE[kind]
-    diff = (actual.float() - expected.float()).abs().max().item()
-    print(f"{kind}: max abs diff {diff:.3g} ({DTYPE}, {DEVICE})")
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+    a, b = actual.float(), expected.float()
+    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+    print(f"{kind}: max abs diff {diff:.3g} of max |value| {scale:.3g} = {diff / scale:.2e} ({DTYPE}, {DEVICE})")
+    assert diff <= TOLERANCE[kind] * scale, f"{kind}: max abs diff {diff:.3g} > {TOLERANCE[kind]} x {scale:.3g}"
 PROMPT = [1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2]
 
 

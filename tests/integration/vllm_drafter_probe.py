@@ -35,10 +35,15 @@ def main() -> None:
     logits_fn = drafter.compute_logits
 
     def forward(input_ids, positions, hidden_states, input_embeds=None):
-        normed, prenorm = inner_forward(input_ids, positions, hidden_states, input_embeds)
-        if "input_ids" not in rec:
+        # inputs cloned before the call: on CUDA layer 0's residual aliases hidden_states and the fused
+        # add-RMSNorm writes into it, so a clone taken afterwards records residual + attention output
+        first = "input_ids" not in rec
+        if first:
             rec.update(input_ids=input_ids.clone().long(), positions=positions.clone().long(),
-                       hidden_states=hidden_states.clone(), normed=normed.clone(), prenorm=prenorm.clone())
+                       hidden_states=hidden_states.clone())
+        normed, prenorm = inner_forward(input_ids, positions, hidden_states, input_embeds)
+        if first:
+            rec.update(normed=normed.clone(), prenorm=prenorm.clone())
         return normed, prenorm
 
     def compute_logits(hidden_states):

@@ -2,6 +2,7 @@
 the final norm, the connector's worker half (StateCopier), the backend check, and the capture actor on an
 engine whose store is simulated (the tiny target's states written into a cache as each vLLM version does)."""
 
+import copy
 import importlib.machinery
 import sys
 
@@ -144,7 +145,8 @@ def test_state_copier_cuda_matches_cpu(version):
     dim = token_dim(cache.shape, BLOCK, 4, tokens_at_dim1=version == "0.26")
     norm = torch.nn.RMSNorm(40, eps=1e-6).to(torch.bfloat16)
     cpu = StateCopier(plan, norm, torch.float16, block_size=BLOCK, token_dim=dim)
-    gpu = StateCopier(plan, norm.cuda(), torch.float16, block_size=BLOCK, token_dim=dim)
+    # a copy on the GPU: Module.cuda() moves in place, which left the CPU copier's norm on the GPU (H100 run)
+    gpu = StateCopier(plan, copy.deepcopy(norm).cuda(), torch.float16, block_size=BLOCK, token_dim=dim)
     cache_gpu = cache.cuda()
     reqs = [FinishedRequest(f"r{i}", f"r{i}", 9 + i, list(range(3 * i, 3 * i + 3))) for i in range(8)]
     for step in (reqs[:3], reqs[3:4], reqs[4:]):
@@ -286,13 +288,16 @@ def test_vllm_engine_refuses_parallelism_before_starting(target_dir):
 
 
 def test_capture_stage_needs_vllm_for_the_vllm_backend(monkeypatch, tmp_path):
+    """Without vLLM, capture.backend=vllm is refused by the pre-flight before any compute (train needs its
+    output, so the run cannot go on without it), naming the field and the fix."""
     from pipelines.pipeline import PipelineRun
     from pipelines.recipe import load_recipe
     from tests.conftest import CONFIGS
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     recipe = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["capture.backend=vllm"])
-    not_run = PipelineRun(recipe, run_dir=tmp_path, stages=["capture", "train"]).not_run
-    assert not_run["capture"] == "vllm not installed on this machine"
-    assert not_run["train"] == "needs the outputs of capture, which cannot run here"
-    assert "capture" not in PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml"), run_dir=tmp_path).not_run
+    with pytest.raises(ValueError, match=r"capture.backend=vllm needs vllm.*use capture.backend=transformers"):
+        PipelineRun(recipe, run_dir=tmp_path, stages=["capture", "train"])
+    assert not list(tmp_path.iterdir())  # nothing written
+    transformers = PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml"), run_dir=tmp_path, stages=["capture", "train"])
+    assert "capture" not in transformers.not_run
