@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
 
-console = Console()  # stdout: stage lines, progress bars, the summary
+# stdout: stage lines, progress bars, the summary. Off a terminal rich assumes 80 columns and wraps tables
+# (``peagle registry list | less``): wide enough for any table unless $COLUMNS says otherwise.
+PIPED_WIDTH = 200
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH)
 err_console = Console(stderr=True)  # one-line errors
 
 QUIET_ENV = {
@@ -110,12 +114,21 @@ def _quiet_ray_data() -> None:
             handler.addFilter(lambda record: not record.name.startswith("ray.data._internal.progress"))
 
 
+HEARTBEAT_S = 30.0  # off a terminal: one progress line this often while a step runs
+
+
 @contextmanager
 def progress(description: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
     """One progress bar (rich) for a long step; yields ``advance(n)``.
 
-    On a terminal it updates live; on a log file (``ray job submit``) it prints its final state once.
+    On a terminal it updates live. Off a terminal (a log file, ``ray job submit``) a bar cannot redraw, so
+    a line ``[description] done/total unit, elapsed`` is printed when the step starts, every
+    :data:`HEARTBEAT_S` seconds while it runs, and when it ends.
     """
+    if not console.is_terminal:
+        with _heartbeat(description, total, unit) as advance:
+            yield advance
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
@@ -123,3 +136,32 @@ def progress(description: str, total: int | None, unit: str) -> Iterator[Callabl
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n=1: bar.advance(task, n)
+
+
+@contextmanager
+def _heartbeat(description: str, total: int | None, unit: str,
+               period_s: float | None = None) -> Iterator[Callable[[int], None]]:
+    """Plain progress lines from a daemon thread (see :func:`progress`)."""
+    import threading
+    import time
+
+    done, start, stop = [0], time.monotonic(), threading.Event()
+
+    def line() -> None:
+        elapsed = int(time.monotonic() - start)
+        of = f"/{total}" if total is not None else ""
+        console.print(f"[{description}] {done[0]}{of} {unit}, {elapsed // 60}m{elapsed % 60:02d}s", highlight=False, markup=False)
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S if period_s is None else period_s):
+            line()
+
+    line()
+    thread = threading.Thread(target=beat, name=f"peagle-progress-{description}", daemon=True)
+    thread.start()
+    try:
+        yield lambda n=1: done.__setitem__(0, done[0] + n)
+    finally:
+        stop.set()
+        thread.join()
+        line()

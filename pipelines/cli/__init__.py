@@ -18,11 +18,22 @@ imported inside commands only, so ``peagle --help`` is instant.
 from __future__ import annotations
 
 import typer
+import typer.core
 
 from pipelines.cli import recipes
 from pipelines.cli.head import head_app
 from pipelines.cli.registry import registry_app
 from pipelines.cli.run import run_cmd
+
+_display_type_rich = typer.core.TyperOption.display_type_rich
+
+
+def _no_type_for_flags(self, ctx):
+    """typer 0.29 prints ``<bool>`` beside every flag (``--help <bool>``); a flag takes no value: no type."""
+    return None if self.is_flag else _display_type_rich(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _no_type_for_flags
 
 app = typer.Typer(
     name="peagle",

@@ -37,6 +37,18 @@ def test_run_help_lists_the_flags():
     assert res.exit_code == 0, res.output
     for flag in ("--config", "--stage", "--force", "--set", "--run-dir", "--verbose"):
         assert flag in res.output
+    assert "<bool>" not in res.output  # a flag takes no value: no type beside it
+    assert "<file>" in res.output  # options with a value keep theirs
+
+
+def test_python_m_pipelines_cli_is_the_peagle_command():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "--help"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "validate-config" in proc.stdout and "registry" in proc.stdout
 
 
 def test_ray_job_entrypoints_take_the_same_flags_without_stage():
