@@ -61,8 +61,12 @@ def json_array_to_jsonl(src: Path, dst: Path) -> dict[str, int]:
     return {"num_rows": count, "truncated_at_char": truncated}
 
 
-def as_jsonl(path: Path, home: Path | None) -> Path:
-    """``path`` itself if it is JSONL (or .jsonl.gz), else a cached JSONL rewrite of the JSON array."""
+def as_jsonl(path: Path, home: Path | None, *, known_truncated: bool = False) -> Path:
+    """``path`` itself if it is JSONL (or .jsonl.gz), else a cached JSONL rewrite of the JSON array.
+
+    A cut-off file is said once, when it is first rewritten: a warning, or an information line when
+    ``known_truncated`` (the packaged ShareGPT file, cut off upstream: expected, nothing to fix).
+    """
     name = path.name.lower()
     if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
         return path
@@ -75,13 +79,11 @@ def as_jsonl(path: Path, home: Path | None) -> Path:
     dst = settings.data_dir(home) / f"{path.stem}-{key}.jsonl"
     meta = dst.with_suffix(".meta.json")
     if dst.is_file() and meta.is_file():
-        info = json.loads(meta.read_text())
-    else:
-        info = json_array_to_jsonl(path, dst)
-        atomic_write_text(meta, json.dumps(info))  # the cache's commit marker: whole or absent
+        return dst
+    info = json_array_to_jsonl(path, dst)
+    atomic_write_text(meta, json.dumps(info))  # the cache's commit marker: whole or absent
     if info["truncated_at_char"] >= 0:
-        log.warning(
-            "%s is cut off at character %d (an incomplete last element); using its %d complete rows",
-            path, info["truncated_at_char"], info["num_rows"],
-        )
+        log.log(logging.INFO if known_truncated else logging.WARNING,
+                "%s is cut off at character %d (an incomplete last element); using its %d complete rows",
+                path, info["truncated_at_char"], info["num_rows"])
     return dst

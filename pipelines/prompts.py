@@ -281,7 +281,7 @@ def load_conversations(
 
         return finish_source(load_traffic(source_cfg, heldout=heldout), source_cfg, SOURCE_LABEL, seed)
     path, label = source_file(source_cfg)
-    jsonl = as_jsonl(path, home)
+    jsonl = as_jsonl(path, home, known_truncated=source_cfg.kind == "sharegpt")  # the packaged file: cut upstream
     cache_dir = str(settings.hf_datasets_dir(home))
     raw = datasets.load_dataset("text", data_files=str(jsonl), split="train", cache_dir=cache_dir)
     # datasets hashes module-level functions by name, so a code change would reuse a stale cache:
@@ -306,7 +306,9 @@ def load_conversations(
                 f"{len(bad)} malformed row(s) in {path} (data.on_bad_row=fail; set it to skip to drop them):\n"
                 f"  {report}"
             )
-        log.warning("skipped %d malformed row(s) of %d in %s:\n  %s", len(bad), len(ds), path, report)
+        # the packaged ShareGPT file's malformed rows are known (assets.sharegpt_path): counted, not alarming
+        log.log(logging.INFO if source_cfg.kind == "sharegpt" else logging.WARNING,
+                "skipped %d malformed row(s) of %d in %s:\n  %s", len(bad), len(ds), path, report)
     good = ds.filter(lambda e: not e, input_columns="error")
     if len(good) == 0:
         raise ValueError(f"no usable conversations in {path} ({len(bad)} malformed rows)")

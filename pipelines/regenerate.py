@@ -114,6 +114,21 @@ def regenerate_conversations(
     return out
 
 
+# stats counters that end or shorten a conversation (regenerate_conversations): name -> what the user reads
+STOP_REASONS = {"dropped_no_response": "no assistant turn left (dropped)",
+                "stopped_context_full": "stopped: prompt no longer fits the context",
+                "empty_generations": "stopped: empty response"}
+
+
+def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
+    """``"; 222 of 304 kept: 82 no assistant turn left (dropped), ..."`` -- every counted reason, or "" when
+    nothing was dropped or cut short."""
+    reasons = [f"{int(stats[k])} {label}" for k, label in STOP_REASONS.items() if stats.get(k)]
+    if num_out == num_in and not reasons:
+        return ""
+    return f"; {num_out} of {num_in} kept" + (": " + ", ".join(reasons) if reasons else "")
+
+
 class RegenerateActor:
     """Ray Data ``map_batches`` actor holding one engine: conversation rows -> regenerated rows."""
 

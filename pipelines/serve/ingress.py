@@ -11,6 +11,9 @@ not do, :class:`RequestGuard` does before a byte reaches the router:
   chunked body), so a huge upload is never buffered whole;
 - 400 with the byte offset for a JSON body that is not UTF-8 (FastAPI would answer an opaque
   "There was an error parsing the body");
+- an error body of Ray's OpenAI app loses Ray's internal wrapper ("Internal exception:
+  ray.llm._internal...OpenAIHTTPException (Request ID: ...), original exception: "): the client reads
+  vLLM's own message (:func:`clean_error_message`);
 - a stream (``text/event-stream``) that ends without ``data: [DONE]`` -- the LLMServer replica died
   under it, and Ray closes the response as if it had finished -- gets a last ``data: {"error": ...}``
   event, so clients see an error (the OpenAI SDK raises ``APIError``) instead of a silently cut answer.
@@ -21,7 +24,9 @@ Errors use OpenAI's shape: ``{"error": {"message", "type", "code"}}``.
 from __future__ import annotations
 
 import hmac
+import json
 import os
+import re
 from typing import Any
 
 API_KEY_HEADER = "authorization"
@@ -30,6 +35,17 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 STREAM_DONE = b"data: [DONE]"
 STREAM_INTERRUPTED = (b'data: {"error": {"message": "stream interrupted: the model replica serving it stopped '
                       b'before the end; retry the request", "type": "server_error", "code": 503}}\n\n')
+
+
+# Ray Serve LLM's wrapper around the engine's error text (ray.llm._internal.serve.core)
+_RAY_WRAPPER = re.compile(r"Internal exception: [\w.]+ \(Request ID: [^)]*\),? original exception: ?")
+
+
+def clean_error_message(message: str, status: int) -> str:
+    """``message`` without Ray's internal exception wrapper; a message that was only the wrapper becomes a
+    plain sentence naming the status."""
+    cleaned = _RAY_WRAPPER.sub("", message).strip()
+    return cleaned or f"the model server refused the request (HTTP {status})"
 
 
 def error_response(status: int, message: str, kind: str):
@@ -126,15 +142,26 @@ class RequestGuard:
 
 class _StreamEndWatch:
     """Wraps ASGI ``send``: an event stream whose last body message comes without ``data: [DONE]``
-    gets :data:`STREAM_INTERRUPTED` appended."""
+    gets :data:`STREAM_INTERRUPTED` appended; a JSON error response (status >= 400) is held until its
+    body is complete and sent with :func:`clean_error_message` applied to ``error.message``."""
 
     def __init__(self, send) -> None:
         self.send, self.is_stream, self.done, self.tail = send, False, False, b""
+        self.error_start: dict | None = None
+        self.error_body = b""
 
     async def __call__(self, message) -> None:
         if message["type"] == "http.response.start":
             content_type = dict(message.get("headers", [])).get(b"content-type", b"")
             self.is_stream = content_type.startswith(b"text/event-stream")
+            if message.get("status", 200) >= 400 and b"json" in content_type:
+                self.error_start = message
+                return
+        elif message["type"] == "http.response.body" and self.error_start is not None:
+            self.error_body += message.get("body", b"")
+            if not message.get("more_body", False):
+                await self._send_error()
+            return
         elif message["type"] == "http.response.body" and self.is_stream and not self.done:
             window = self.tail + message.get("body", b"")
             self.done, self.tail = STREAM_DONE in window, window[-len(STREAM_DONE):]
@@ -142,6 +169,20 @@ class _StreamEndWatch:
                 await self.send({**message, "more_body": True})
                 message = {"type": "http.response.body", "body": STREAM_INTERRUPTED, "more_body": False}
         await self.send(message)
+
+    async def _send_error(self) -> None:
+        start, body = self.error_start, self.error_body
+        try:
+            payload = json.loads(body)
+            err = payload.get("error") if isinstance(payload, dict) else None
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                err["message"] = clean_error_message(err["message"], start.get("status", 500))
+                body = json.dumps(payload).encode()
+        except ValueError:
+            pass  # not JSON after all: passed on unchanged
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await self.send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _replay(body: bytes, receive):

@@ -74,7 +74,7 @@ class RegenerateStage(Stage):
     def run(self) -> RegenerateOutput:
         from pipelines.prompt_dataset import load_prompt_dataset
         from pipelines.prompts import train_eval_split
-        from pipelines.regenerate import run_regenerate
+        from pipelines.regenerate import drop_summary, run_regenerate
         from pipelines.selfinstruct import SelfInstructWriter, summary
 
         r = self.recipe
@@ -99,7 +99,8 @@ class RegenerateStage(Stage):
                              num_cpus_per_worker=cpus_per_worker(r.regenerate.num_workers),
                              engine_kwargs=dict(self.ctx.engine.vllm_kwargs))
         self.ctx.say(f"{len(res.rows)} conversations, {res.num_turns} turns, {res.num_generated_tokens} tokens, "
-                     f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)")
+                     f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)"
+                     + drop_summary(res.num_conversations, len(res.rows), res.stats))
         return RegenerateOutput(path=str(out), num_conversations=len(res.rows), regenerated=True,
                                 num_turns=res.num_turns, num_generated_tokens=res.num_generated_tokens,
                                 tokens_per_s=res.tokens_per_s, wall_tokens_per_s=res.wall_tokens_per_s,

@@ -124,3 +124,10 @@ def test_bad_config_raises_before_engine():
         engines.make_engine("sglang", "x", dtype="float32", max_model_len=8)
     with pytest.raises(ValueError, match="regenerate.enabled is false"):
         regenerate.run_regenerate([], None, RegenerateConfig(enabled=False), None)
+
+
+def test_drop_summary_names_every_reason():
+    stats = Counter(dropped_no_response=82, stopped_context_full=3, empty_generations=0, num_turns=400)
+    assert regenerate.drop_summary(304, 222, stats) == (
+        "; 222 of 304 kept: 82 no assistant turn left (dropped), 3 stopped: prompt no longer fits the context")
+    assert regenerate.drop_summary(10, 10, Counter(num_turns=12)) == ""

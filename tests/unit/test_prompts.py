@@ -127,6 +127,23 @@ def test_load_sharegpt_json_array_and_truncated_file(tmp_path, tmp_peagle_home, 
     assert "cut off" in caplog.text
 
 
+def test_the_packaged_sharegpt_files_cut_is_information_not_a_warning(tmp_path, tmp_peagle_home, caplog,
+                                                                      monkeypatch):
+    from pipelines import assets
+
+    rows = [sg(("human", "h0"), ("gpt", "g0"), id="a"), sg(("human", "h1"), ("gpt", "g1"), id="b")]
+    cut = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    cut.write_text(json.dumps(rows, indent=1)[:-30])
+    monkeypatch.setattr(assets, "sharegpt_path", lambda: cut)
+    with caplog.at_level(logging.INFO, logger="pipelines.jsonl"):
+        ds = load_conversations(SourceConfig(kind="sharegpt"), "skip", tmp_peagle_home)
+    assert ds["id"] == ["a"]
+    assert [r.levelno for r in caplog.records if "cut off" in r.getMessage()] == [logging.INFO]
+    caplog.clear()
+    load_conversations(SourceConfig(kind="sharegpt"), "skip", tmp_peagle_home)  # said once: the cache is reused
+    assert not [r for r in caplog.records if "cut off" in r.getMessage()]
+
+
 def test_json_array_to_jsonl_rejects_non_array(tmp_path):
     f = tmp_path / "x.json"
     f.write_text('{"a": 1}')

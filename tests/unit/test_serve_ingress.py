@@ -32,10 +32,20 @@ async def stream(request):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+RAY_WRAPPED = ("Internal exception: ray.llm._internal.serve.core.configs.openai_api_models.OpenAIHTTPException "
+               "(Request ID: 3f1c-77), original exception: 'max_tokens' must be at most 2048")
+
+
+async def refused(request):
+    message = RAY_WRAPPED if request.query_params.get("only") != "1" else RAY_WRAPPED.split("'max")[0]
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, status_code=400)
+
+
 def client(monkeypatch, *, api_key_env: str | None = KEY_ENV, max_body_bytes: int = 1024) -> TestClient:
     monkeypatch.setenv(KEY_ENV, "sk-1")
     app = Starlette(routes=[Route("/v1/echo", echo, methods=["GET", "POST"]),
-                                Route("/v1/stream", stream, methods=["POST"])])
+                                Route("/v1/stream", stream, methods=["POST"]),
+                                Route("/v1/refused", refused, methods=["POST"])])
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, api_key_env=api_key_env)
     return TestClient(app)
 
@@ -82,3 +92,14 @@ def test_cut_stream_ends_with_an_error_event(monkeypatch):
     assert whole.endswith("data: [DONE]\n\n") and "error" not in whole
     events = [line[len("data: "):] for line in c.post("/v1/stream").text.splitlines() if line.startswith("data: ")]
     assert len(events) == 3 and "stream interrupted" in json.loads(events[-1])["error"]["message"]
+
+
+def test_error_bodies_lose_rays_internal_wrapper(monkeypatch):
+    c = client(monkeypatch, api_key_env=None)
+    r = c.post("/v1/refused", json={})
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "'max_tokens' must be at most 2048", "type": "BadRequestError", "code": 400}
+    assert int(r.headers["content-length"]) == len(r.content)
+    r = c.post("/v1/refused?only=1", json={})
+    assert r.json()["error"]["message"] == "the model server refused the request (HTTP 400)"
+    assert "ray.llm" not in r.text
