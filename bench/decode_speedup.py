@@ -27,8 +27,7 @@ import time
 
 import torch
 
-from bench.common import write_result
-from bench.gpu_recipe import _read_jsonl_xz
+from bench.common import read_jsonl_xz, write_result
 
 # Prompts per configuration: enough drafts for a stable AL, batches of `concurrency`.
 PROMPTS_AT = {1: 8, 4: 16, 16: 64, 64: 128}
@@ -104,7 +103,7 @@ def main() -> None:
     heads = {m: load_head(f"{args.heads}/head-{m}", target_embed_tokens=embed, dtype=dtype).to(device).eval()
              for m in ("eagle3", "peagle")}
     prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
-                                       return_dict=True)["input_ids"] for r in _read_jsonl_xz(args.data)]
+                                       return_dict=True)["input_ids"] for r in read_jsonl_xz(args.data)]
     eos = tok.eos_token_id
     conc = [1, 2] if args.smoke else args.concurrency
     ks = [3] if args.smoke else args.ks

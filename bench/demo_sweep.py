@@ -34,8 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import write_result
-from bench.gpu_recipe import _read_jsonl_xz
+from bench.common import read_jsonl_xz, write_result
 from pipelines.recipe import load_recipe
 
 # The CPU demo recipe's filter of code-related conversations (the sweep's "code" pool).
@@ -203,8 +202,8 @@ def main() -> None:
     engine = TransformersEngine(tdir, dtype="float32", max_model_len=2048, model=model, tokenizer=tok)
     names = args.variants.split(",")
     vs = {n: {**BASE, **VARIANTS[n]} for n in names}
-    convs = _read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
-    he = _read_jsonl_xz(Path(args.data) / "humaneval.jsonl.xz")
+    convs = read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
+    he = read_jsonl_xz(Path(args.data) / "humaneval.jsonl.xz")
     n_pool = 16 if args.time_cpu_steps else args.pool_size
     p = pools(convs, n_pool)
     need_pools = {("random", "code") if v["pool"] == "mixed" else (v["pool"],) for v in vs.values()}
