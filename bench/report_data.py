@@ -30,7 +30,7 @@ def warmup(lines: list[str]) -> None:
     lines += table(["method", "first steps s", "steps to steady", "warm-up s", "graphs", "steady s/step"], rows)
     probe = r.get("probe")
     if probe:
-        lines += ["", ("EAGLE-3's TTT builds its 7 step masks by slicing one block mask over all steps "
+        lines += ["", ("EAGLE-3's TTT builds its step masks by slicing one block mask over all steps "
                        "(`ttt_flex_step_masks`, since `46304e8`); with " + probe["what"] + ", the first of those "
                        f"masks had not been built after {probe['first_mask_not_built_after_s']} s on the same "
                        f"{r['device'].removeprefix('NVIDIA ').split()[0]} ({probe['date']})."), ""]
@@ -112,7 +112,7 @@ def pipeline_device(lines: list[str]) -> None:
     size = scale["calls"][0]["size"] if scale else None
     lines += ["", (f"The whole job took {s['total_seconds']:.0f} s. Regeneration through the Ray Data actor ran at "
                    f"{reg:.0f} tok/s, against {f(regen_tokens_per_s(), 0)} tok/s for the same engine driven directly "
-                   "(`run_scale_regen.sh`: the whole set sorted by length, batches of up to "
+                   f"(`{scale['command'] if scale else '-'}`: the whole set sorted by length, batches of up to "
                    f"{scale['calls'][0]['batch_size'] if scale else '-'} prompts). Not profiled; what differs: the actor "
                    f"gets batches of `regenerate.batch_size` ({r['regenerate_batch_size']}) conversations in input "
                    "order, so each batch mixes lengths and meets new static-cache shapes, each compiled once, on "

@@ -38,7 +38,7 @@ def last_final(run: dict | None) -> dict:
 
 
 def _regen_totals(calls: list[dict]) -> tuple[int, float]:
-    """(generated tokens, wall seconds) over ``calls`` of ``scale_regenerate`` (``run_scale_regen.sh``)."""
+    """(generated tokens, wall seconds) over ``calls`` of ``scale_regenerate`` (``run_scale.sh regenerate``)."""
     return sum(c["generated_tokens"] for c in calls), sum(c["wall_s"] for c in calls)
 
 
@@ -66,7 +66,7 @@ def prompts_and_regeneration(lines: list[str]) -> None:
     tokens, wall = _regen_totals(calls)
     mix = ":".join(str(v) for v in g["mix"].values())
     device = first["device"].removeprefix("NVIDIA ").split()[0]
-    lines += [(f"`bench/device/run_scale_data.sh` + `run_scale_regen.sh` on one {device} (bf16, transformers engine, "
+    lines += [(f"`{p['command']}` + `{g['command']}` on one {device} (bf16, transformers engine, "
                f"static cache), {first['date']}: the target wrote {first['requested']} self-instruct user prompts "
                f"(Magpie) at {first['tokens_per_s']:.0f} tok/s; kept {first['kept']} ({first['summary']}). Mixed {mix} "
                f"with multi-turn ShareGPT (<= {calls[-1]['max_turns']} user turns, <= {calls[-1]['max_new_tokens']} new "
@@ -74,7 +74,7 @@ def prompts_and_regeneration(lines: list[str]) -> None:
                f"tokens in {wall:.0f} s ({tokens / wall:.0f} tok/s incl. {g['compilations']} compilations), "
                f"{sum(c['new_conversations'] for c in calls):,} conversations kept (the rest: context full or empty "
                f"answer). The set came back as one {_set_mib():.1f} MiB `.jsonl.xz` and was restored on the next lease "
-               "(`keep_scale_data.sh`) instead of regenerated."), ""]
+               "(`run_scale.sh restore`) instead of regenerated."), ""]
     for b in sorted({r["build"] for r in p["rows"]} - {1}):
         row = next(r for r in p["rows"] if r["build"] == b)
         walls = [c["wall_s"] for c in g["calls"] if c.get("build") == b]
@@ -104,7 +104,7 @@ def heads_table(lines: list[str]) -> None:
         return
     rows = st["rows"]
     runs = [(r["tag"], r["run"]) for r in rows]
-    lines += [_recipe_paragraph(rows), ""]
+    lines += [_recipe_paragraph(st), ""]
     out = []
     for r in rows:
         fin = last_final(r)
@@ -123,8 +123,9 @@ def heads_table(lines: list[str]) -> None:
     lines += ["", *notes, ""] if notes else [""]
 
 
-def _recipe_paragraph(rows: list[dict]) -> str:
+def _recipe_paragraph(st: dict) -> str:
     """The recipe of the table, from the runs' resolved recipes; the variants by what they change."""
+    rows = st["rows"]
     base = {m: next(r for r in rows if r["method"] == m and not r["variant"]) for m in ("peagle", "eagle3")}
     rp, re3 = base["peagle"]["recipe"], base["eagle3"]["recipe"]
     gpu_s = base["peagle"]["train_s_goal"]
@@ -133,7 +134,7 @@ def _recipe_paragraph(rows: list[dict]) -> str:
         if r["variant"] and r["variant"] not in variants:
             what = ", ".join(r["overrides"]) or f"{r['train_s_goal']:.0f} GPU-s"
             variants[r["variant"]] = f"`{r['variant']}` ({what})"
-    return (f"`bench/device/run_scale_train.sh METHOD SIZE {gpu_s:.0f}`: P-EAGLE ({rp['drafter.num_layers']} layers, "
+    return (f"`{st['command']}` (TRAIN_S {gpu_s:.0f}): P-EAGLE ({rp['drafter.num_layers']} layers, "
             f"K_train={rp['drafter.num_speculative_tokens']}, COD) and EAGLE-3 ({re3['drafter.num_layers']} layer, "
             f"TTT-{re3['training.ttt_steps']}) trained on the first SIZE conversations of the same regenerated set "
             f"(`configs/smollm2-135m-scale.yaml` with the `--set` overrides of `bench.scale`), online capture, "
