@@ -5,10 +5,11 @@ What the train stage does, step for step (``pipelines.stages.train`` + ``pipelin
 
 * :func:`bench_recipe`: ``pipelines.recipe.load_recipe(path, overrides)``; on a machine without CUDA the target
   and capture run in float32 and the objective uses dense attention (``--set`` overrides, recorded);
-* :func:`prepare`: ``pipelines.train.plan_from_conversations`` (drafter config from the recipe's ``drafter``
+* :func:`build_head`: ``pipelines.train.plan_from_conversations`` (drafter config from the recipe's ``drafter``
   section, d2t/t2d from the conversations' assistant-token counts, epoch length), then
   ``pipelines.train.build_drafter`` (vocabulary mapping, init from the target, frozen embeddings unless
   ``drafter.train_embed_tokens``) and ``peagle_core.objectives.objective_class(method)(plan.objective)``;
+  :func:`prepare` adds the target for the online capture;
 * :meth:`OnlineRun.samples_for_epoch`: streaming capture with ``pipelines.capture.capture_batch`` and the
   recipe's ``capture`` section, the target loaded by ``pipelines.capture.load_target`` (the capture stage's
   actor does the same per batch);
@@ -131,32 +132,54 @@ class OnlineRun:
                            extra_files={"recipe.yaml": self.recipe.dump_resolved()})
 
 
-def prepare(recipe, rows: list[dict], *, chunk: int = 256) -> OnlineRun:
-    """The train stage's plan, drafter and objective for ``rows`` (``{id, messages}``) under ``recipe``, and the
-    target for their online capture. The draft vocabulary always keeps the tokenizer's eos and pad ids.
+@dataclass
+class Head:
+    """The train stage's set-up of one head: the plan, the drafter (vocabulary mapping, target init, frozen
+    embeddings unless trained), the target's ``lm_head [V, Ht]`` and the objective (rank 0's)."""
+
+    plan: Any
+    drafter: Any
+    lm_head: torch.Tensor
+    objective: Any
+
+
+def build_head(recipe, rows: list[dict], *, always_keep: Sequence[int] = ()) -> Head:
+    """:class:`Head` for ``rows`` (``{id, messages}``: what the draft vocabulary is counted on) under ``recipe``:
+    ``plan_from_conversations``, ``build_drafter`` after the worker's seed, ``objective_class(method)``.
 
     Raises:
         ValueError: the recipe does not fit the target (``pipelines.train.plan_from_conversations``).
     """
     from peagle_core.objectives import objective_class
-    from pipelines.capture import load_target
     from pipelines.train import build_drafter, plan_from_conversations
 
-    target_path, _ = _target(recipe)
-    model, tok = load_target(target_path, recipe.target.dtype)
-    keep = [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
     plan = plan_from_conversations(recipe.training, recipe.drafter, recipe.target, rows,
                                    max_length_tokens=recipe.data.max_length_tokens,
-                                   on_too_long=recipe.capture.on_too_long, always_keep_token_ids=keep)
+                                   on_too_long=recipe.capture.on_too_long, always_keep_token_ids=always_keep)
     torch.manual_seed(recipe.training.seed)  # the worker's init seed
     drafter, lm_head = build_drafter(plan)
-    objective = objective_class(recipe.training.method)(plan.objective)
-    return OnlineRun(recipe=recipe, plan=plan, drafter=drafter, lm_head=lm_head, objective=objective, model=model,
-                     tokenizer=tok, rows=rows, chunk=chunk)
+    return Head(plan=plan, drafter=drafter, lm_head=lm_head,
+                objective=objective_class(recipe.training.method)(plan.objective))
 
 
-def _target(recipe) -> tuple[str, dict]:
-    from pipelines.capture import resolve_target
+def load_recipe_target(recipe):
+    """``(model, tokenizer)`` of the recipe's target at ``target.dtype`` (``pipelines.capture.load_target``, on
+    CUDA when there is one), as the capture stage loads it."""
+    from pipelines.capture import load_target, resolve_target
 
-    asset, config = resolve_target(recipe.target)
-    return str(asset.path), config
+    asset, _ = resolve_target(recipe.target)
+    return load_target(str(asset.path), recipe.target.dtype)
+
+
+def special_ids(tokenizer) -> list[int]:
+    """The eos and pad ids a draft vocabulary always keeps."""
+    return [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
+
+
+def prepare(recipe, rows: list[dict], *, chunk: int = 256) -> OnlineRun:
+    """:func:`build_head` for ``rows`` and the target for their online capture (the draft vocabulary keeps the
+    tokenizer's eos and pad ids)."""
+    model, tok = load_recipe_target(recipe)
+    h = build_head(recipe, rows, always_keep=special_ids(tok))
+    return OnlineRun(recipe=recipe, plan=h.plan, drafter=h.drafter, lm_head=h.lm_head, objective=h.objective,
+                     model=model, tokenizer=tok, rows=rows, chunk=chunk)
