@@ -206,7 +206,7 @@ def main() -> None:
         path = write_result("drafting_cost" + ("_smoke" if args.smoke else ""),
                             {"dtype": str(dtype), "mode": "eager+cuda-graphs" if graphs else "eager",
                              "partial": partial, "rows": rows, "summary": summary, "goals": goals,
-                             "settings": {"num_layers": NUM_LAYERS, "context": context, "eager_iters": EAGER_ITERS,
+                             "settings": {"num_layers": NUM_LAYERS, "context": context, "eager_iters": 3 if args.smoke else EAGER_ITERS,
                                           "graph_iters": GRAPH_ITERS}},
                             None if args.out is None else Path(args.out))
         return summary, path
