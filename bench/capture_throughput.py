@@ -35,8 +35,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import write_result
-from bench.gpu_recipe import _read_jsonl_xz
+from bench.common import read_jsonl_xz, write_result
 
 
 def _median_s(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
@@ -161,7 +160,7 @@ def main() -> None:
     path = ensure_target("smollm2-135m-instruct", dtype=dtype).path
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    rows = _read_jsonl_xz(args.data)[:8 if args.smoke else args.num_conversations]
+    rows = read_jsonl_xz(args.data)[:8 if args.smoke else args.num_conversations]
     repeats = 1 if args.smoke else args.repeats
     res = measure(model, tok, rows, dtype=dtype, batch_sizes=[4, 8] if args.smoke else
                   [int(b) for b in args.batch_sizes.split(",")], max_length=args.max_length, repeats=repeats)

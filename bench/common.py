@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import lzma
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -74,3 +75,25 @@ def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
     return out
+
+
+def keep_dir(path: str | Path) -> Path:
+    """The device's ``~/keep`` (or ``--keep``): state that survives between calls on one warm machine."""
+    p = Path(path).expanduser()
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def read_jsonl_xz(path: str | Path) -> list[dict]:
+    with lzma.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def write_jsonl_xz(path: str | Path, rows: Iterable[dict]) -> int:
+    """Write ``rows`` as xz-compressed JSON Lines; returns how many."""
+    n = 0
+    with lzma.open(path, "wt", preset=9) as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+            n += 1
+    return n

@@ -64,6 +64,7 @@ SMOKE_SHAPE = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads
 # NVLink multicast stays off on the shared multi-GPU hosts (.library/device/KINDS.md); Ray workers
 # inherit the driver's environment, so setting these before ray.init covers them.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GOAL_EFFICIENCY = 0.9  # tokens/s(2) / (2 x tokens/s(1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ def run_torch(cfg: dict, num_workers: int, *, use_gpu: bool, cpus_per_worker: in
 # ----------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, 2 gloo workers, tiny sizes (a minute)")
     p.add_argument("--launcher", default="ray", choices=["ray", "torch"],
@@ -266,36 +267,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cpu", action="store_true", help="CPU workers (gloo) even if a GPU is present")
     p.add_argument("--out", default=None, help="result name (default ddp_scaling[_smoke])")
     p.add_argument("--out-dir", default=None, help="default bench/results (smoke: the temp dir)")
-    args = p.parse_args(argv)
+    return p
 
-    shape = dict(TARGET_SHAPES[args.target])
-    if args.smoke:
-        shape, args.cpu = dict(SMOKE_SHAPE), True
-        args.num_tokens, args.num_docs, args.num_depths, args.num_layers = 64, 2, 3, 2
-        args.warmup_steps, args.steps, args.window_steps = 2, 4, 2
-    use_gpu = torch.cuda.is_available() and not args.cpu
+
+def _check(args, use_gpu: bool) -> None:
+    """Raises:
+        ValueError: step counts that are not whole windows, or more GPU workers than GPUs."""
     if args.warmup_steps % args.window_steps or args.steps % args.window_steps or args.steps < 1:
         raise ValueError(f"--warmup-steps={args.warmup_steps} and --steps={args.steps} must be multiples of "
                          f"--window-steps={args.window_steps} (steps >= 1)")
     if use_gpu and max(args.workers) > torch.cuda.device_count():
         raise ValueError(f"--workers {args.workers} needs {max(args.workers)} GPUs, this box has "
                          f"{torch.cuda.device_count()}; pass --workers 1 or --cpu")
-    cpus = args.cpus_per_worker or (4 if use_gpu else 1)
 
-    from pipelines.recipe import TrainingConfig
 
-    training = TrainingConfig(method="peagle", batch_tokens=args.num_tokens, max_steps=args.warmup_steps + args.steps,
-                              num_workers=max(args.workers), use_gpu=use_gpu)
-    cfg = {"training": training.model_dump(mode="json"), "shape": shape, "num_layers": args.num_layers,
-           "num_depths": args.num_depths, "draft_vocab_size": args.draft_vocab_size, "num_docs": args.num_docs,
-           "num_packs": 2, "warmup_steps": args.warmup_steps, "steps": args.steps,
-           "window_steps": args.window_steps, "cpu_threads_per_worker": 1}
-    for k, v in NO_MULTICAST_ENV.items():
-        os.environ.setdefault(k, v)
-
-    out_dir = Path(args.out_dir) if args.out_dir else (Path(tempfile.gettempdir()) if args.smoke else None)
-    name = args.out or ("ddp_scaling_smoke" if args.smoke else "ddp_scaling")
-    payload = {
+def _payload(args, cfg: dict, training, shape: dict, *, use_gpu: bool, cpus: int) -> dict:
+    """The result file's header (settings, launcher, topology); ``runs`` filled as they finish."""
+    return {
         "benchmark": "ddp_scaling",
         "launcher": {"ray": "ray.train.torch.TorchTrainer (Ray Train V2) + prepare_model DDP",
                      "torch": "torch.multiprocessing + DistributedDataParallel (fallback, no Ray)"}[args.launcher],
@@ -303,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         "backend": "nccl" if use_gpu else "gloo",
         "gpu_topology": _gpu_topology() if use_gpu else None,
         "target": args.target if not args.smoke else "smoke",
-        "goal": {"scaling_efficiency_min": 0.9},
+        "goal": {"scaling_efficiency_min": GOAL_EFFICIENCY},
         "settings": {k: cfg[k] for k in ("num_layers", "num_depths", "draft_vocab_size", "num_docs", "warmup_steps",
                                           "steps", "window_steps")}
         | {"hidden_size": shape["hidden_size"], "vocab_size": shape["vocab_size"],
@@ -314,6 +302,39 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": [],
         "scaling_efficiency": None,
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from pipelines.recipe import TrainingConfig
+
+    args = _parser().parse_args(argv)
+    shape = dict(TARGET_SHAPES[args.target])
+    if args.smoke:
+        shape, args.cpu = dict(SMOKE_SHAPE), True
+        args.num_tokens, args.num_docs, args.num_depths, args.num_layers = 64, 2, 3, 2
+        args.warmup_steps, args.steps, args.window_steps = 2, 4, 2
+    use_gpu = torch.cuda.is_available() and not args.cpu
+    _check(args, use_gpu)
+    cpus = args.cpus_per_worker or (4 if use_gpu else 1)
+    training = TrainingConfig(method="peagle", batch_tokens=args.num_tokens, max_steps=args.warmup_steps + args.steps,
+                              num_workers=max(args.workers), use_gpu=use_gpu)
+    cfg = {"training": training.model_dump(mode="json"), "shape": shape, "num_layers": args.num_layers,
+           "num_depths": args.num_depths, "draft_vocab_size": args.draft_vocab_size, "num_docs": args.num_docs,
+           "num_packs": 2, "warmup_steps": args.warmup_steps, "steps": args.steps,
+           "window_steps": args.window_steps, "cpu_threads_per_worker": 1}
+    for k, v in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(k, v)
+    payload = _payload(args, cfg, training, shape, use_gpu=use_gpu, cpus=cpus)
+    out_dir = Path(args.out_dir) if args.out_dir else (Path(tempfile.gettempdir()) if args.smoke else None)
+    path = _run_all(args, cfg, payload, use_gpu=use_gpu, cpus=cpus,
+                    name=args.out or ("ddp_scaling_smoke" if args.smoke else "ddp_scaling"), out_dir=out_dir)
+    print(f"[ddp_scaling] scaling efficiency {payload['scaling_efficiency']} (goal >= {GOAL_EFFICIENCY}); "
+          f"wrote {path}", flush=True)
+    return payload
+
+
+def _run_all(args, cfg: dict, payload: dict, *, use_gpu: bool, cpus: int, name: str, out_dir: Path | None) -> Path:
+    """One run per ``--workers`` entry under the launcher; the result file rewritten after each."""
     tmp = Path(tempfile.mkdtemp(prefix="ddp-"))  # short: Ray's socket paths live under it
     if args.launcher == "ray":
         import ray
@@ -325,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
         run = run_ray
     else:
         run = run_torch
-    runs = payload["runs"]
+    runs, path = payload["runs"], None
     try:
         for w in args.workers:
             r = run(cfg, w, use_gpu=use_gpu, cpus_per_worker=cpus, storage=tmp)
@@ -342,8 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.launcher == "ray":
             ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"[ddp_scaling] scaling efficiency {payload['scaling_efficiency']} (goal >= 0.9); wrote {path}", flush=True)
-    return payload
+    return path
 
 
 def _gpu_topology() -> str | None:

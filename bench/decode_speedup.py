@@ -27,8 +27,7 @@ import time
 
 import torch
 
-from bench.common import write_result
-from bench.gpu_recipe import _read_jsonl_xz
+from bench.common import read_jsonl_xz, write_result
 
 # Prompts per configuration: enough drafts for a stable AL, batches of `concurrency`.
 PROMPTS_AT = {1: 8, 4: 16, 16: 64, 64: 128}
@@ -75,12 +74,7 @@ def _profile(target, heads, prompts, eos) -> dict:
     return out
 
 
-def main() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from peagle_core.contract import load_head
-    from pipelines.assets import ensure_target
-
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", required=True, help="directory holding head-peagle/ and head-eagle3/")
     ap.add_argument("--data", required=True, help="HumanEval prompts as jsonl.xz ({'messages': [...]})")
@@ -92,8 +86,64 @@ def main() -> None:
     ap.add_argument("--fp32-check", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, float32, c in {1, 2}, K=3, 8 tokens")
-    args = ap.parse_args()
-    t_begin = time.perf_counter()
+    return ap
+
+
+class Grid:
+    """The grid's rows (best round per configuration), the greedy references, the budget; ``flush`` rewrites the
+    result file after every configuration."""
+
+    def __init__(self, args, *, name: str, dtype, conc: list[int], max_new: int, num_prompts: int) -> None:
+        self.args, self.name, self.dtype, self.conc, self.max_new = args, name, dtype, conc, max_new
+        self.num_prompts, self.t_begin = num_prompts, time.perf_counter()
+        self.rows: dict[tuple[int, str, int], dict] = {}
+        self.refs: dict[int, list] = {}
+        self.fp32, self.rounds_done, self.stopped = None, 0, None
+
+    def flush(self) -> None:
+        ordered = [self.rows[k] for k in sorted(self.rows, key=lambda k: (k[0], ("none", "eagle3", "peagle").index(k[1]),
+                                                                          k[2]))]
+        for r in ordered:
+            base = self.rows.get((r["concurrency"], "none", 0))
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        write_result(self.name, {"dtype": str(self.dtype), "max_new_tokens": self.max_new, "rounds": self.args.rounds,
+                                 "rounds_done": self.rounds_done, "partial": self.stopped is not None,
+                                 "note": self.stopped, "prompts_at": {c: min(PROMPTS_AT.get(c, 4 * c), self.num_prompts)
+                                                                      for c in self.conc},
+                                 "rows": ordered, "fp32_lossless_check": self.fp32})
+
+    def over_budget(self, what: str) -> bool:
+        if time.perf_counter() - self.t_begin > self.args.budget_s:
+            self.stopped = f"--budget-s {self.args.budget_s:.0f} reached before {what}"
+            return True
+        return False
+
+    def record(self, rnd: int, c: int, method: str, K: int, n: int, res) -> None:
+        """A configuration's result: a new row, or a later round's times when they beat the kept round."""
+        key = (c, method, K)
+        if method == "none" and c not in self.refs:
+            self.refs[c] = res.output_ids
+        if key not in self.rows:
+            self.rows[key] = _row(c, method, K, n, res, self.refs.get(c))
+        else:  # later round: keep the best wall time
+            r = self.rows[key]
+            r["wall_s_rounds"].append(res.wall_s)
+            if res.tokens_per_s > r["tokens_per_s"]:  # times of the best round
+                best = _row(c, method, K, n, res, self.refs.get(c))
+                r.update({k: best[k] for k in ("tokens_per_s", "target_ms_per_step", "drafter_ms_per_step") if k in best})
+        print(rnd + 1, {k: (round(v, 3) if isinstance(v, float) else v)
+                                              for k, v in self.rows[key].items()
+                                              if k not in ("acceptance_per_pos", "wall_s_rounds")}, flush=True)
+        self.flush()
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peagle_core.contract import load_head
+    from pipelines.assets import ensure_target
+
+    args = _parser().parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -104,73 +154,39 @@ def main() -> None:
     heads = {m: load_head(f"{args.heads}/head-{m}", target_embed_tokens=embed, dtype=dtype).to(device).eval()
              for m in ("eagle3", "peagle")}
     prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
-                                       return_dict=True)["input_ids"] for r in _read_jsonl_xz(args.data)]
+                                       return_dict=True)["input_ids"] for r in read_jsonl_xz(args.data)]
     eos = tok.eos_token_id
-    conc = [1, 2] if args.smoke else args.concurrency
-    ks = [3] if args.smoke else args.ks
-    max_new = 8 if args.smoke else args.max_new_tokens
-    name = "decode_speedup" + ("_smoke" if args.smoke else "")
+    suffix = "_smoke" if args.smoke else ""
     if args.profile:
-        write_result("decode_profile" + ("_smoke" if args.smoke else ""),
-                     {"dtype": str(dtype), "methods": _profile(target, heads, prompts, eos)})
-
-    rows: dict[tuple[int, str, int], dict] = {}
-    refs: dict[int, list] = {}
-    state = {"fp32": None, "rounds_done": 0, "stopped": None}
-
-    def flush() -> None:
-        ordered = [rows[k] for k in sorted(rows, key=lambda k: (k[0], ("none", "eagle3", "peagle").index(k[1]), k[2]))]
-        for r in ordered:
-            base = rows.get((r["concurrency"], "none", 0))
-            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
-        write_result(name, {"dtype": str(dtype), "max_new_tokens": max_new, "rounds": args.rounds,
-                            "rounds_done": state["rounds_done"], "partial": state["stopped"] is not None,
-                            "note": state["stopped"], "prompts_at": {c: min(PROMPTS_AT.get(c, 4 * c), len(prompts))
-                                                                     for c in conc},
-                            "rows": ordered, "fp32_lossless_check": state["fp32"]})
-
-    def over_budget(what: str) -> bool:
-        if time.perf_counter() - t_begin > args.budget_s:
-            state["stopped"] = f"--budget-s {args.budget_s:.0f} reached before {what}"
-            return True
-        return False
-
+        write_result("decode_profile" + suffix, {"dtype": str(dtype), "methods": _profile(target, heads, prompts, eos)})
+    grid = Grid(args, name="decode_speedup" + suffix, dtype=dtype, conc=[1, 2] if args.smoke else args.concurrency,
+                max_new=8 if args.smoke else args.max_new_tokens, num_prompts=len(prompts))
+    ks = [3] if args.smoke else args.ks
     for rnd in range(args.rounds):
-        for c in conc:
-            n = min(PROMPTS_AT.get(c, 4 * c), len(prompts)) if not args.smoke else 2 * c
-            ps = prompts[:n]
-            if rnd == 0:
-                run_config(target, ps[:c], c, "none", 0, None, max_new=8, eos=eos)  # warm-up of this batch size
-            for method, K in _configs(ks):
-                if over_budget(f"round {rnd + 1}, c={c}, {method} K={K}"):
-                    break
-                res = run_config(target, ps, c, method, K, heads.get(method), max_new=max_new, eos=eos)
-                key = (c, method, K)
-                if method == "none" and c not in refs:
-                    refs[c] = res.output_ids
-                if key not in rows:
-                    rows[key] = _row(c, method, K, n, res, refs.get(c))
-                else:  # later round: keep the best wall time
-                    r = rows[key]
-                    r["wall_s_rounds"].append(res.wall_s)
-                    if res.tokens_per_s > r["tokens_per_s"]:  # times of the best round
-                        best = _row(c, method, K, n, res, refs.get(c))
-                        r.update({k: best[k] for k in ("tokens_per_s", "target_ms_per_step", "drafter_ms_per_step")
-                                  if k in best})
-                print(rnd + 1, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[key].items()
-                                if k not in ("acceptance_per_pos", "wall_s_rounds")}, flush=True)
-                flush()
-            if state["stopped"]:
-                break
-        if state["stopped"]:
+        _round(grid, rnd, target, heads, prompts, ks, eos)
+        if grid.stopped:
             break
-        state["rounds_done"] = rnd + 1
-        if rnd == 0 and args.fp32_check and cuda and not over_budget("the float32 check"):
-            state["fp32"] = fp32_check(args, ensure_target, AutoModelForCausalLM, heads, prompts, eos)
-            print("fp32 losslessness", state["fp32"], flush=True)
-        flush()
-    flush()
-    print("wrote", name, "in", round(time.perf_counter() - t_begin), "s")
+        grid.rounds_done = rnd + 1
+        if rnd == 0 and args.fp32_check and cuda and not grid.over_budget("the float32 check"):
+            grid.fp32 = fp32_check(args, ensure_target, AutoModelForCausalLM, heads, prompts, eos)
+            print("fp32 losslessness", grid.fp32, flush=True)
+        grid.flush()
+    grid.flush()
+    print("wrote", grid.name, "in", round(time.perf_counter() - grid.t_begin), "s")
+
+
+def _round(grid: Grid, rnd: int, target, heads, prompts, ks: list[int], eos) -> None:
+    """One round over the grid (every concurrency, then every method and K), until the budget runs out."""
+    for c in grid.conc:
+        n = 2 * c if grid.args.smoke else min(PROMPTS_AT.get(c, 4 * c), len(prompts))
+        ps = prompts[:n]
+        if rnd == 0:
+            run_config(target, ps[:c], c, "none", 0, None, max_new=8, eos=eos)  # warm-up of this batch size
+        for method, K in _configs(ks):
+            if grid.over_budget(f"round {rnd + 1}, c={c}, {method} K={K}"):
+                return
+            res = run_config(target, ps, c, method, K, heads.get(method), max_new=grid.max_new, eos=eos)
+            grid.record(rnd, c, method, K, n, res)
 
 
 def fp32_check(args, ensure_target, model_cls, heads, prompts, eos) -> dict:

@@ -14,8 +14,9 @@ with vLLM on the CPU (``make demo``).
 Pipeline (one process, no Ray): ``pipelines.regenerate.regenerate_conversations`` with
 ``TransformersEngine`` (greedy, first turn, 192 tokens) on two ShareGPT pools -- a uniform sample
 and the conversations whose first user turn asks about code -- and on HumanEval (128 tokens,
-the evaluation targets); ``pipelines.capture.capture_batch`` (float32); ``pipelines.train.
-train_in_process`` per variant; the scoring above.
+the evaluation targets); ``pipelines.capture.capture_batch`` (float32); per variant the CPU demo recipe
+with the variant's ``--set`` overrides (:func:`variant_overrides`) through ``bench.harness.build_head`` (the
+train stage's plan, drafter and objective) and ``pipelines.train.train_in_process``; the scoring above.
 
     python -m bench.demo_sweep --data ~/keep            # GPU: writes bench/results/demo_sweep.json
     python -m bench.demo_sweep --data .carry/w1 --time-cpu-steps 6 --variants base,frozen_embed
@@ -34,13 +35,13 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import write_result
-from bench.gpu_recipe import _read_jsonl_xz
+from bench.common import read_jsonl_xz, write_result
 from pipelines.recipe import load_recipe
 
+CPU_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-cpu.yaml"
 # The CPU demo recipe's filter of code-related conversations (the sweep's "code" pool).
-CODE = re.compile(load_recipe(Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-cpu.yaml")
-                  .data.sources[0].filter_regex)
+CODE = re.compile(load_recipe(CPU_RECIPE).data.sources[0].filter_regex)
+TRAIN_MAX_LENGTH, EVAL_MAX_LENGTH = 448, 1024  # tokens per captured conversation: training pools, HumanEval
 
 # The CPU demo recipe (configs/smollm2-135m-cpu.yaml at the start of the sweep) and its variants.
 BASE = {"pool": "random", "conversations": 254, "layers": 1, "aux": (2, 15, 29), "lr": 1.5e-3, "steps": 160,
@@ -125,41 +126,30 @@ def joint_acceptance(drafter, samples: list[dict], K: int, device) -> list[float
     return (hits / max(anchors, 1)).tolist()
 
 
-def train_variant(name, v, data, eval_sets, tdir, device, max_steps=None):
-    from transformers import AutoConfig
+def variant_overrides(v: dict, steps: int) -> list[str]:
+    """A variant as ``--set`` overrides of the CPU demo recipe (``configs/smollm2-135m-cpu.yaml``)."""
+    return [f"drafter.num_layers={v['layers']}", f"target.aux_layer_ids=[{', '.join(map(str, v['aux']))}]",
+            f"drafter.draft_vocab_size={v['draft_vocab']}", f"drafter.num_speculative_tokens={v['K']}",
+            f"drafter.train_embed_tokens={'false' if v['freeze_embed'] else 'true'}", f"training.lr={v['lr']}",
+            f"training.max_steps={steps}", "training.num_epochs=1000", f"training.warmup_steps={v['warmup']}",
+            f"training.batch_tokens={v['batch_tokens']}", f"training.cod_ratio={v['cod_ratio']}",
+            f"training.cod_min_ratio={v['cod_min_ratio']}", f"training.loss={v['loss']}",
+            f"data.max_length_tokens={TRAIN_MAX_LENGTH}"]
 
-    from peagle_core.drafter import Eagle3Drafter
-    from peagle_core.drafter_config import DrafterConfig
-    from peagle_core.objectives import build_objective
-    from peagle_core.vocab import vocab_mapping_from_counts
-    from pipelines.capture import count_assistant_tokens
-    from pipelines.recipe import TrainingConfig
-    from pipelines.train import (
-        init_drafter_from_target,
-        load_target_embed,
-        load_target_lm_head,
-        train_in_process,
-    )
 
-    hf = AutoConfig.from_pretrained(tdir)
+def train_variant(name, v, data, regen, eval_sets, device, keep, max_steps=None):
+    """Train one variant through the product (``bench.harness.build_head``: the CPU demo recipe with the
+    variant's overrides, the train stage's plan, drafter and objective; ``train_in_process``) on its captured
+    samples, then score it."""
+    from bench.harness import bench_recipe, build_head
+    from pipelines.train import train_in_process
+
     samples = data[(v["pool"], v["aux"])][: v["conversations"]]
-    counts = count_assistant_tokens(samples, hf.vocab_size)
-    d2t, t2d = vocab_mapping_from_counts(counts, v["draft_vocab"], always_keep=[hf.eos_token_id or 0, 2])
-    dcfg = DrafterConfig.from_target(hf, num_hidden_layers=v["layers"], draft_vocab_size=v["draft_vocab"],
-                                     mask_token_id=16, aux_layer_ids=v["aux"])
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(dcfg)
-    drafter.set_vocab_mapping(d2t, t2d)
-    lm_head = load_target_lm_head(tdir)
-    init_drafter_from_target(drafter, load_target_embed(tdir), lm_head)
-    if v["freeze_embed"]:
-        drafter.embed_tokens.weight.requires_grad_(False)
+    kept = {s["sample_id"] for s in samples}
     steps = max_steps or v["steps"]
-    tcfg = TrainingConfig(method="peagle", max_steps=steps, num_epochs=1000, lr=v["lr"], warmup_steps=v["warmup"],
-                          batch_tokens=v["batch_tokens"], cod_ratio=v["cod_ratio"], cod_min_ratio=v["cod_min_ratio"],
-                          loss=v["loss"], checkpoint_every_steps=10**6)
-    obj = build_objective("peagle", num_depths=v["K"], cod_ratio=v["cod_ratio"], cod_min_ratio=v["cod_min_ratio"],
-                          loss=v["loss"], attention="auto" if device == "cuda" else "dense")
+    recipe = bench_recipe(CPU_RECIPE, variant_overrides(v, steps))
+    head = build_head(recipe, [r for r in regen[v["pool"]] if r["id"] in kept], always_keep=keep)
+    drafter = head.drafter
 
     def samples_for_epoch(epoch: int):
         g = torch.Generator().manual_seed(epoch)
@@ -167,14 +157,15 @@ def train_variant(name, v, data, eval_sets, tdir, device, max_steps=None):
 
     hist = []
     t0 = time.perf_counter()
-    train_in_process(samples_for_epoch, drafter, lm_head, obj, tcfg, device=device, log_every_steps=max(1, steps // 4),
-                 on_log=lambda s, m: hist.append({"step": s, **{k: float(x) for k, x in m.items()
-                                                                 if isinstance(x, (int, float))}}))
+    train_in_process(samples_for_epoch, drafter, head.lm_head, head.objective, head.plan.training,
+                     steps_per_epoch=head.plan.steps_per_epoch, device=device, log_every_steps=max(1, steps // 4),
+                     on_log=lambda s, m: hist.append({"step": s, **{k: float(x) for k, x in m.items()
+                                                                     if isinstance(x, (int, float))}}))
     train_s = time.perf_counter() - t0
     drafter.eval()
     out = {"variant": name, **{k: (list(x) if isinstance(x, tuple) else x) for k, x in v.items()},
            "train_s": train_s, "s_per_step": train_s / steps, "tokens": sum(len(s["input_ids"]) for s in samples),
-           "final": hist[-1] if hist else None}
+           "overrides": variant_overrides(v, steps), "final": hist[-1] if hist else None}
     for ename, es in eval_sets.items():
         j = joint_acceptance(drafter, es[v["aux"]], v["K"], device)
         out[f"{ename}_joint"] = j
@@ -185,6 +176,7 @@ def train_variant(name, v, data, eval_sets, tdir, device, max_steps=None):
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from bench.harness import special_ids
     from pipelines.assets import ensure_target
     from pipelines.engines import TransformersEngine
 
@@ -203,8 +195,8 @@ def main() -> None:
     engine = TransformersEngine(tdir, dtype="float32", max_model_len=2048, model=model, tokenizer=tok)
     names = args.variants.split(",")
     vs = {n: {**BASE, **VARIANTS[n]} for n in names}
-    convs = _read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
-    he = _read_jsonl_xz(Path(args.data) / "humaneval.jsonl.xz")
+    convs = read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
+    he = read_jsonl_xz(Path(args.data) / "humaneval.jsonl.xz")
     n_pool = 16 if args.time_cpu_steps else args.pool_size
     p = pools(convs, n_pool)
     need_pools = {("random", "code") if v["pool"] == "mixed" else (v["pool"],) for v in vs.values()}
@@ -224,8 +216,8 @@ def main() -> None:
     data, eval_sets = {}, {"humaneval": {}, "humaneval16": {}}
     for aux in auxes:
         for k, rows in regen.items():
-            data[(k, aux)] = capture(model, tok, rows, aux, 448)
-        he_s = capture(model, tok, he_rows, aux, 1024)
+            data[(k, aux)] = capture(model, tok, rows, aux, TRAIN_MAX_LENGTH)
+        he_s = capture(model, tok, he_rows, aux, EVAL_MAX_LENGTH)
         eval_sets["humaneval"][aux] = he_s
         eval_sets["humaneval16"][aux] = he_s[:16]
     results = []
@@ -233,7 +225,8 @@ def main() -> None:
         if time.perf_counter() - t_start > args.budget_s:
             print("budget spent, skipping", n, flush=True)
             continue
-        r = train_variant(n, vs[n], data, eval_sets, tdir, device, max_steps=args.time_cpu_steps or None)
+        r = train_variant(n, vs[n], data, regen, eval_sets, device, special_ids(tok),
+                          max_steps=args.time_cpu_steps or None)
         results.append(r)
         print(json.dumps({k: r[k] for k in ("variant", "s_per_step", "humaneval_tf_al", "humaneval16_tf_al")}),
               flush=True)

@@ -33,6 +33,8 @@ from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_cache import DrafterCache
 from peagle_core.drafter_config import DrafterConfig
 
+NUM_LAYERS = 4  # the P-EAGLE head, and the same-size sequential head beside the 1-layer EAGLE-3 head
+EAGER_ITERS, GRAPH_ITERS = 20, 50  # timed repeats (median) per cell, eager / CUDA-graph replays
 TINY_SHAPE = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 6, "intermediate_size": 50,
                   "vocab_size": 99, "num_hidden_layers": 5, "rope_theta": 10000.0}
 
@@ -144,7 +146,7 @@ def measure_batch(name: str, heads: dict[str, Eagle3Drafter], B: int, Ks: list[i
             kind = "parallel" if method == "parallel" else "sequential"
             run = step_fn(head, caches[method], kind, K, B, context, device, dtype)
             with torch.no_grad():
-                row[f"{method}_ms"] = time_ms(run, warmup=2 if smoke else 5, iters=3 if smoke else 20)
+                row[f"{method}_ms"] = time_ms(run, warmup=2 if smoke else 5, iters=3 if smoke else EAGER_ITERS)
             if not (graphs or smoke):
                 continue
             # static cache: same drafts as the dynamic one, then graph timing
@@ -158,7 +160,7 @@ def measure_batch(name: str, heads: dict[str, Eagle3Drafter], B: int, Ks: list[i
             if graphs:
                 with torch.no_grad():
                     replay = graphed(step_fn(head, static, kind, K, B, context, device, dtype))
-                    row[f"{method}_graph_ms"] = time_ms(replay, warmup=3, iters=50)
+                    row[f"{method}_graph_ms"] = time_ms(replay, warmup=3, iters=GRAPH_ITERS)
                 del replay
         rows.append(row)
         print(row, flush=True)
@@ -203,14 +205,16 @@ def main() -> None:
         goals = {"parallel_t11_over_t1": "<= 1.15", "sequential_over_parallel_K7": ">= 5"}
         path = write_result("drafting_cost" + ("_smoke" if args.smoke else ""),
                             {"dtype": str(dtype), "mode": "eager+cuda-graphs" if graphs else "eager",
-                             "partial": partial, "rows": rows, "summary": summary, "goals": goals},
+                             "partial": partial, "rows": rows, "summary": summary, "goals": goals,
+                             "settings": {"num_layers": NUM_LAYERS, "context": context, "eager_iters": 3 if args.smoke else EAGER_ITERS,
+                                          "graph_iters": GRAPH_ITERS}},
                             None if args.out is None else Path(args.out))
         return summary, path
 
     with decoding_attention(torch.device(device)):
         for name, shape in shapes.items():
-            heads = {"parallel": build(shape, 4, device, dtype),
-                     "sequential": build(shape, 4, device, dtype, mask=False),
+            heads = {"parallel": build(shape, NUM_LAYERS, device, dtype),
+                     "sequential": build(shape, NUM_LAYERS, device, dtype, mask=False),
                      "sequential-1layer": build(shape, 1, device, dtype, mask=False)}
             for B in batches:
                 rows.extend(measure_batch(name, heads, B, Ks, context, device, dtype, graphs=graphs, smoke=args.smoke))

@@ -6,17 +6,16 @@ Ray stages wrap, without Ray:
 
 - ``pipelines.regenerate.regenerate_conversations`` with ``TransformersEngine`` (self-distillation
   of the assistant turn, time-boxed: the rest keep their ShareGPT answers, counted);
-- ``pipelines.capture.capture_batch`` run *online* inside the training data iterator (the
-  streaming mode: no hidden states on disk);
-- ``pipelines.train.train_in_process`` (+ ``init_drafter_from_target``, ``TrainingConfig.objective_config``) for a
-  P-EAGLE head and an EAGLE-3 TTT-7 head on the same data, each time-boxed by a calibrated
-  ``max_steps``;
-- ``peagle_core.contract.export_head``.
+- training through :mod:`bench.harness`: the recipe with :data:`TRAIN_OVERRIDES` (``--set`` adds more), the
+  train stage's plan (``plan_from_conversations``: drafter config, d2t/t2d, epoch length), drafter
+  (``build_drafter``) and objective, ``pipelines.capture.capture_batch`` run *online* inside the training data
+  iterator (the streaming mode: no hidden states on disk) and ``pipelines.train.train_in_process``, for a
+  P-EAGLE head and an EAGLE-3 TTT-7 head on the same data, each time-boxed by a calibrated ``max_steps``;
+  the head exported as the train stage exports it.
 
 Choices forced by the 64 MiB return path (heads come back to be evaluated with vLLM on CPU):
 frozen target embeddings (vLLM shares the target's ``embed_tokens`` when a head has none) and an
-8192-token draft vocabulary (d2t/t2d from regenerated assistant-token counts); P-EAGLE 4 layers,
-EAGLE-3 1 layer (its usual size).
+8192-token draft vocabulary; P-EAGLE 4 layers, EAGLE-3 1 layer (its usual size).
 
 Subcommands (state under ``--keep``, default ``~/keep``)::
 
@@ -31,44 +30,23 @@ Subcommands (state under ``--keep``, default ``~/keep``)::
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
-import lzma
 import os
 import time
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
+
+from bench.common import keep_dir, read_jsonl_xz, write_jsonl_xz
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-gpu.yaml"
 DRAFT_VOCAB = 8192
 LAYERS = {"peagle": 4, "eagle3": 1}
 
 
-def _keep(args) -> Path:
-    p = Path(args.keep).expanduser()
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def _read_jsonl_xz(path: Path) -> list[dict]:
-    with lzma.open(path, "rt") as f:
-        return [json.loads(line) for line in f]
-
-
-def _write_jsonl_xz(path: Path, rows) -> int:
-    n = 0
-    with lzma.open(path, "wt", preset=9) as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-            n += 1
-    return n
-
-
-def _target(args):
+def _target():
     """The converted SmolLM2 target directory (bf16 on GPU, float32 on CPU)."""
     from pipelines.assets import ensure_target
 
@@ -87,9 +65,9 @@ def export_data(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     convs = load_conversations(SourceConfig(kind="sharegpt"), on_bad_row="skip")
-    n = _write_jsonl_xz(out / "sharegpt.jsonl.xz", ({"id": r["id"], "messages": r["messages"]} for r in convs))
+    n = write_jsonl_xz(out / "sharegpt.jsonl.xz", ({"id": r["id"], "messages": r["messages"]} for r in convs))
     he = load_conversations(SourceConfig(kind="humaneval"), on_bad_row="fail")
-    m = _write_jsonl_xz(out / "humaneval.jsonl.xz", ({"id": r["id"], "messages": r["messages"]} for r in he))
+    m = write_jsonl_xz(out / "humaneval.jsonl.xz", ({"id": r["id"], "messages": r["messages"]} for r in he))
     print(f"wrote {n} ShareGPT conversations, {m} HumanEval prompts to {out}")
 
 
@@ -117,12 +95,12 @@ def regenerate(args) -> None:
     from pipelines.recipe import RegenerateConfig
     from pipelines.regenerate import regenerate_conversations
 
-    keep = _keep(args)
-    convs = _read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
+    keep = keep_dir(args.keep)
+    convs = read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
     if args.limit:
         convs = convs[: args.limit]
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    engine = TransformersEngine(_target(args), dtype=dtype, max_model_len=args.max_model_len,
+    engine = TransformersEngine(_target(), dtype=dtype, max_model_len=args.max_model_len,
                                 name="smollm2-135m-instruct")
     cfg = RegenerateConfig(backend="transformers", temperature=0.0, max_tokens_per_turn=args.max_new_tokens,
                            batch_size=args.batch_size, max_turns=1)
@@ -141,7 +119,7 @@ def regenerate(args) -> None:
     merged = [out.get(c["id"], {**c, "regenerated": False}) for c in convs]
     for r in merged:
         r.setdefault("regenerated", True)
-    _write_jsonl_xz(keep / "train.jsonl.xz", merged)
+    write_jsonl_xz(keep / "train.jsonl.xz", merged)
     res = {"conversations": len(convs), "regenerated": len(out), "generated_tokens": stats["num_generated_tokens"],
            "regenerate_s": wall, "tokens_per_s": stats["num_generated_tokens"] / max(wall, 1e-9),
            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "dtype": dtype}
@@ -149,114 +127,50 @@ def regenerate(args) -> None:
     print(json.dumps(res))
 
 
-def _online_samples(rows, model, tokenizer, layer_ids, max_len, batch_size, chunk, stats):
-    """Streaming capture: conversation rows -> captured samples, target forward on the GPU."""
-    from pipelines.capture import capture_batch
-
-    cfg = SimpleNamespace(dtype="bfloat16" if torch.cuda.is_available() else "float32", on_too_long="truncate",
-                          batch_size=batch_size)
-    for s in range(0, len(rows), chunk):
-        yield from capture_batch(model, tokenizer, rows[s:s + chunk], cfg, layer_ids, max_length_tokens=max_len,
-                                 stats=stats, validate=False)
+# The GPU recipe's heads: configs/smollm2-135m-gpu.yaml with these overrides (plus the method's and LAYERS').
+# 8192-token draft vocabulary and frozen target embeddings: heads small enough for the 64 MiB return path, served
+# with the target's embeddings (vLLM shares embed_tokens when a head has none).
+TRAIN_OVERRIDES = (f"drafter.draft_vocab_size={DRAFT_VOCAB}", "drafter.train_embed_tokens=false",
+                   "training.batch_tokens=16384", "training.lr=6e-4", "training.warmup_steps=50",
+                   "training.num_epochs=1000", "data.max_length_tokens=1024")
 
 
 def train(args) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Train one head through the product (``bench.harness``), time-boxed by a calibrated ``max_steps``."""
+    from bench.harness import bench_recipe, prepare, resolved
 
-    from peagle_core.contract import export_head
-    from peagle_core.drafter import Eagle3Drafter
-    from peagle_core.drafter_config import DrafterConfig
-    from peagle_core.objectives import build_objective
-    from peagle_core.vocab import vocab_mapping_from_counts
-    from pipelines.capture import count_assistant_tokens, prepare_samples
-    from pipelines.recipe import load_recipe
-    from pipelines.train import (
-        estimate_steps_per_epoch,
-        init_drafter_from_target,
-        load_target_embed,
-        load_target_lm_head,
-        train_in_process,
-    )
-
-    keep = _keep(args)
-    recipe = load_recipe(RECIPE)
-    method = args.method
-    tdir = _target(args)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = AutoConfig.from_pretrained(tdir)
-    tok = AutoTokenizer.from_pretrained(tdir)
-    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    target = target.to(device).eval()
-    rows = _read_jsonl_xz(keep / "train.jsonl.xz")
-    if args.limit:
-        rows = rows[: args.limit]
-    K = recipe.drafter.num_speculative_tokens
-    max_len = args.max_length or recipe.data.max_length_tokens
+    keep = keep_dir(args.keep)
+    recipe = bench_recipe(RECIPE, [f"training.method={args.method}", f"drafter.num_layers={LAYERS[args.method]}",
+                                   *TRAIN_OVERRIDES, *args.set])
+    rows = read_jsonl_xz(keep / "train.jsonl.xz")[: args.limit or None]
     t_prep = time.perf_counter()
-    prepared = prepare_samples(tok, rows, max_length_tokens=max_len, on_too_long="truncate")
-    lengths = [len(p[1]) for p in prepared]
-    counts = count_assistant_tokens(({"input_ids": p[1], "loss_mask": p[2]} for p in prepared), hf.vocab_size)
-    eos = [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
-    d2t, t2d = vocab_mapping_from_counts(counts, DRAFT_VOCAB, always_keep=eos)
-    dcfg = DrafterConfig.from_target(hf, num_hidden_layers=LAYERS[method], draft_vocab_size=DRAFT_VOCAB,
-                                     mask_token_id=recipe.drafter.mask_token_id if method == "peagle" else None)
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(dcfg)
-    drafter.set_vocab_mapping(d2t, t2d)
-    lm_head = load_target_lm_head(tdir)
-    init_drafter_from_target(drafter, load_target_embed(tdir), lm_head)
-    drafter.embed_tokens.weight.requires_grad_(False)  # frozen target embeddings (not exported)
-    tcfg = recipe.training.model_copy(update={"method": method, "batch_tokens": args.batch_tokens,
-                                              "checkpoint_every_steps": 0, "num_partitions": args.num_partitions,
-                                              "warmup_steps": args.warmup_steps, "lr": args.lr})
-    obj_cfg = tcfg.objective_config(recipe.drafter.num_speculative_tokens)
-    if device == "cpu":
-        obj_cfg = dataclasses.replace(obj_cfg, attention="dense")
-    obj_kw = dataclasses.asdict(obj_cfg)
-    steps_per_epoch = estimate_steps_per_epoch(lengths, args.batch_tokens)
-    layer_ids = dcfg.aux_layer_ids
-    stats: Counter = Counter()
-
-    def samples_for_epoch(epoch: int):
-        g = torch.Generator().manual_seed(epoch)
-        perm = torch.randperm(len(rows), generator=g).tolist()
-        return _online_samples([rows[i] for i in perm], target, tok, layer_ids, max_len, args.capture_batch,
-                               args.chunk, stats)
-
-    # Calibrate: a short run gives seconds/step, then the time box sets max_steps.
-    calib_steps = args.calib_steps
-    t0 = time.perf_counter()
-    train_in_process(samples_for_epoch, copy.deepcopy(drafter), lm_head, build_objective(method, **obj_kw),
-                 tcfg.model_copy(update={"max_steps": calib_steps, "warmup_steps": 0}),
-                 steps_per_epoch=steps_per_epoch, device=device, log_every_steps=max(1, calib_steps))
-    s_per_step = (time.perf_counter() - t0) / calib_steps
+    run = prepare(recipe, rows, chunk=args.chunk)
+    # calibrate: a short run gives seconds/step (compilation included), then the time box sets max_steps
+    s_per_step = run.seconds_per_step(warmup_steps=0, timed_steps=args.calib_steps)
     max_steps = args.max_steps or max(1, int((args.budget_s - (time.perf_counter() - t_prep)) / s_per_step))
-    history = []
+    history: list[dict] = []
 
     def on_log(step: int, m: dict) -> None:
         history.append({"step": step, **{k: float(v) for k, v in m.items() if isinstance(v, (int, float))}})
         print(json.dumps(history[-1]), flush=True)
 
     t1 = time.perf_counter()
-    res = train_in_process(samples_for_epoch, drafter, lm_head, build_objective(method, **obj_kw),
-                       tcfg.model_copy(update={"max_steps": max_steps, "num_epochs": 1000}),
-                       steps_per_epoch=steps_per_epoch, device=device, log_every_steps=args.log_every,
-                       on_log=on_log)
+    res = run.train(max_steps, log_every_steps=args.log_every, on_log=on_log)
     train_s = time.perf_counter() - t1
-    head = export_head(drafter.cpu(), keep / f"head-{method}", dtype="bfloat16", include_embed_tokens=False,
-                       overwrite=True, extra_config={"method": method, "num_speculative_tokens_trained": K,
-                                                      "target": "smollm2-135m-instruct", "steps": res.step})
+    head = run.export(keep / f"head-{args.method}", step=res.step)
+    plan = run.plan
     summary = {
-        "method": method, "layers": LAYERS[method], "K": K, "draft_vocab_size": DRAFT_VOCAB,
-        "conversations": len(rows), "regenerated": sum(bool(r.get("regenerated")) for r in rows),
-        "tokens_per_epoch": sum(lengths), "steps": res.step, "steps_per_epoch": steps_per_epoch,
-        "epochs": res.step / max(1, steps_per_epoch), "batch_tokens": args.batch_tokens,
-        "train_s": train_s, "s_per_step": train_s / max(1, res.step), "calib_s_per_step": s_per_step,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-        "captured_tokens": stats["num_tokens"], "objective": obj_kw, "lr": args.lr,
-        "final": history[-1] if history else None, "head_dir": str(head),
+        "method": args.method, "layers": LAYERS[args.method], "K": plan.drafter_spec.num_speculative_tokens,
+        "draft_vocab_size": plan.drafter.draft_vocab_size, "conversations": len(rows),
+        "regenerated": sum(bool(r.get("regenerated")) for r in rows), "tokens_per_epoch": plan.num_tokens,
+        "steps": res.step, "steps_per_epoch": plan.steps_per_epoch, "epochs": res.step / max(1, plan.steps_per_epoch),
+        "batch_tokens": plan.training.batch_tokens, "train_s": train_s, "s_per_step": train_s / max(1, res.step),
+        "calib_s_per_step": s_per_step, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available() else None, "captured_tokens": run.stats["num_tokens"],
+        "objective": dataclasses.asdict(plan.objective), "lr": plan.training.lr, "recipe": resolved(recipe),
+        "overrides": list(args.set), "final": history[-1] if history else None, "head_dir": str(head),
     }
-    (keep / f"train-{method}.json").write_text(json.dumps({**summary, "history": history}, indent=2))
+    (keep / f"train-{args.method}.json").write_text(json.dumps({**summary, "history": history}, indent=2))
     print(json.dumps(summary))
 
 
@@ -264,7 +178,7 @@ def split_head(args) -> None:
     """Copy a head to ``--out`` with ``model.safetensors`` cut in parts of < 16 MiB (return limit)."""
     import shutil
 
-    keep = _keep(args)
+    keep = keep_dir(args.keep)
     src = keep / f"head-{args.method}"
     out = Path(args.out) / f"head-{args.method}"
     out.mkdir(parents=True, exist_ok=True)
@@ -299,13 +213,9 @@ def main() -> None:
     p = sub.add_parser("train")
     p.add_argument("--method", choices=sorted(LAYERS), required=True)
     p.add_argument("--budget-s", type=float, default=400)
-    p.add_argument("--batch-tokens", type=int, default=16384)
-    p.add_argument("--num-partitions", type=int, default=1)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--capture-batch", type=int, default=32)
-    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a recipe override on top of TRAIN_OVERRIDES, e.g. training.num_partitions=2")
+    p.add_argument("--chunk", type=int, default=256, help="conversations per online capture call")
     p.add_argument("--calib-steps", type=int, default=8)
     p.add_argument("--max-steps", type=int, default=0, help="fixed steps (calibration includes compile warm-up)")
     p.add_argument("--log-every", type=int, default=50)

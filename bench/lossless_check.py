@@ -11,8 +11,7 @@ import argparse
 
 import torch
 
-from bench.common import write_result
-from bench.gpu_recipe import _read_jsonl_xz
+from bench.common import read_jsonl_xz, write_result
 
 
 def main() -> None:
@@ -32,7 +31,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     tgt = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     emb = tgt.get_input_embeddings().weight.detach()
-    rows = _read_jsonl_xz(args.data)[: args.num_prompts]
+    rows = read_jsonl_xz(args.data)[: args.num_prompts]
     prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
                                        return_dict=True)["input_ids"] for r in rows]
     ref = speculative_generate(tgt, prompts, method="none", max_new_tokens=args.max_new_tokens,

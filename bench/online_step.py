@@ -1,7 +1,8 @@
 """Online vs offline training step (issue 14 item 4; goal: online step at N=8192 <= 1.15x offline).
 
-Both steps train a P-EAGLE drafter (SmolLM2-135M sizes, 4 layers, K=8, COD, the recipe's objective)
-on packed batches of ``--num-tokens`` real ShareGPT tokens:
+Both steps train the GPU recipe's P-EAGLE head (``configs/smollm2-135m-gpu.yaml`` with K=8, set up through the
+product: ``bench.harness.build_head``, ``pipelines.train.build_optimizer``) on packed batches of
+``--num-tokens`` real ShareGPT tokens:
 
 * ``offline``: the captured samples were materialized before (host memory, as read from shards);
   a step = pack -> host-to-device copy -> ``forward_backward`` -> AdamW;
@@ -17,15 +18,16 @@ Median over ``--iters`` steps after ``--warmup``, CUDA synchronized. Also on CPU
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import lzma
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from bench.common import time_ms, write_result
+
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-gpu.yaml"
+K = 8  # drafter.num_speculative_tokens of the measured step (the scaling table's K_train)
 
 
 def _conversations(path: Path, limit: int) -> list[dict]:
@@ -55,16 +57,10 @@ def _batches(rows, tokenizer, num_tokens: int, max_len: int, count: int) -> list
 
 
 def main() -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+    from bench.harness import bench_recipe, build_head, load_recipe_target, special_ids
     from peagle_core.batch import pack_samples
-    from peagle_core.drafter import Eagle3Drafter
-    from peagle_core.drafter_config import DrafterConfig
-    from peagle_core.objectives import build_objective
-    from pipelines.assets import ensure_target
     from pipelines.capture import capture_batch
-    from pipelines.recipe import load_recipe
-    from pipelines.train import load_target_lm_head
+    from pipelines.train import build_optimizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
@@ -80,30 +76,21 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = "bfloat16" if cuda else "float32"
-    tdir = ensure_target("smollm2-135m-instruct", dtype=dtype).path
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-gpu.yaml")
-    tok = AutoTokenizer.from_pretrained(tdir)
-    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=getattr(torch, dtype)).to(device).eval()
-    dcfg = DrafterConfig.from_target(AutoConfig.from_pretrained(tdir), num_hidden_layers=4,
-                                     mask_token_id=recipe.drafter.mask_token_id)
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(dcfg).to(device)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=cuda)
-    lm_head = load_target_lm_head(tdir).to(device=device, dtype=getattr(torch, dtype))
-    obj_cfg = recipe.training.objective_config(8)
-    if not cuda:
-        obj_cfg = dataclasses.replace(obj_cfg, attention="dense")
-    obj = build_objective("peagle", **dataclasses.asdict(obj_cfg))
-    cap_cfg = SimpleNamespace(dtype=dtype, on_too_long="truncate", batch_size=args.capture_batch)
+    overrides = [f"drafter.num_speculative_tokens={K}", f"data.max_length_tokens={args.max_length}",
+                 f"capture.batch_size={args.capture_batch}"]
+    recipe = bench_recipe(RECIPE, overrides)
+    target, tok = load_recipe_target(recipe)
     rows = _conversations(Path(args.data).expanduser(), 4000)
     groups = _batches(rows, tok, args.num_tokens, args.max_length, args.warmup + args.iters)
-    layer_ids = dcfg.aux_layer_ids
+    head = build_head(recipe, [r for g in groups for r in g], always_keep=special_ids(tok))
+    drafter, obj, plan = head.drafter.to(device), head.objective, head.plan
+    opt = build_optimizer(drafter, plan.training)
+    lm_head = head.lm_head.to(device=device, dtype=getattr(torch, recipe.target.dtype))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     def capture(group):
-        return capture_batch(target, tok, group, cap_cfg, layer_ids, max_length_tokens=args.max_length,
-                             validate=False)
+        return capture_batch(target, tok, group, recipe.capture, plan.drafter.aux_layer_ids,
+                             max_length_tokens=args.max_length, validate=False)
 
     def train_on(samples) -> int:
         (packed,) = pack_samples(samples, args.num_tokens)
@@ -115,8 +102,9 @@ def main() -> None:
         return int(packed.input_ids.numel())
 
     materialized = [capture(g) for g in groups]  # offline: captured before training (host tensors)
-    res: dict = {"num_tokens": args.num_tokens, "dtype": dtype, "K": 8, "layers": 4,
-                 "device": torch.cuda.get_device_name() if cuda else "cpu",
+    res: dict = {"num_tokens": args.num_tokens, "dtype": recipe.target.dtype, "K": K,
+                 "layers": plan.drafter.num_hidden_layers, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                 "recipe": RECIPE.name, "overrides": overrides,
                  "tokens_per_batch": [sum(len(s["input_ids"]) for s in m) for m in materialized]}
     for label, step in (("offline", lambda i: train_on(materialized[i])),
                         ("online", lambda i: train_on(capture(groups[i]))),

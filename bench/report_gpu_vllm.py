@@ -6,25 +6,19 @@ real model sizes, regeneration and capture with vLLM. Called by :func:`bench.rep
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
+
+from bench.report_fmt import approx, met, table
+from bench.report_fmt import env as _env_line
+from bench.report_fmt import f as _f
 
 # the seeds' anchor (B200, GPT-OSS-20B, vLLM blog 2026-03-13; shared/REFERENCES.md): P-EAGLE / EAGLE-3 tok/s
 ANCHOR_RATIO = {1: (1.55, 1.69), 64: (1.05, 1.25)}
+ANCHOR_TOLERANCE = 0.15  # "within 15%" of the anchor's range
 GOAL_REGEN_TOK_S = 50_000
 GOAL_CAPTURE_RATIO = 2.0
-
-
-def _f(x, nd: int = 2) -> str:
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-
-
-def _env(r: dict) -> str:
-    e = r["environment"]
-    return f"{e['device']}, torch {e['torch']}, CUDA {e.get('cuda')}, {e['date'][:10]}"
+_env = partial(_env_line, triton=False)
+_table = table
 
 
 def in_flight(row: dict) -> int:
@@ -56,7 +50,7 @@ def serving(lines: list[str], data: dict | None) -> None:
         lines += ["not run", ""]
         return
     rows = [r for r in data["rows"] if r.get("engine") == "gpu"]
-    lines += [(f"{_env(data)}; vLLM {data.get('vllm', '0.26.0')}; `bash bench/device/run_gpu_serving.sh SETS K_SWEEP "
+    lines += [(f"{_env(data)}; vLLM {data['vllm']}; `bash bench/device/run_gpu_serving.sh SETS K_SWEEP "
               f"{data['prompts']} {data['max_tokens']}` (`bench.eval_gpu_heads --engine gpu --step-costs`): "
               f"{data['prompts']} prompts per set, {data['max_tokens']} new tokens, greedy, bfloat16, CUDA graphs; "
               "concurrency c = waves of c requests through the offline API (the evaluate stage's engine worker; "
@@ -89,9 +83,9 @@ def serving(lines: list[str], data: dict | None) -> None:
                       f"break-even AL of {break_even_al(best, none[best['concurrency']]):.2f})."), ""]
     runners = {r["head"]: r.get("model_runner") for r in rows}
     if len(set(runners.values())) > 1:
-        lines += ["Runners differ: " + ", ".join(f"{h} on {v}" for h, v in runners.items()) + " (vLLM 0.26 serves a "
-                  "dense target without speculation on Model Runner V2 and falls back to V1 for parallel drafting).",
-                  ""]
+        lines += ["Runners differ: " + ", ".join(f"{h} on {v}" for h, v in runners.items()) + f" (vLLM {data['vllm']} "
+                  "serves a dense target without speculation on Model Runner V2 and falls back to V1 for parallel "
+                  "drafting).", ""]
 
 
 def synthetic(lines: list[str], data: dict | None) -> None:
@@ -99,10 +93,13 @@ def synthetic(lines: list[str], data: dict | None) -> None:
     if data is None:
         lines += ["not run", ""]
         return
+    from bench.synthetic_serving import HEAD_LAYERS
+
     commands = sorted({r.get("command") or data.get("command", "") for r in data["rows"]})
     lines += [(f"{_env(data)}; `bash bench/device/run_synthetic_serving.sh FLAGS` ("
                + "; ".join(f"`{c}`" for c in commands if c) + "). Random-weight targets "
-              "(`load_format=dummy`), heads of matching shape (EAGLE-3 1 layer, P-EAGLE 4 layers), "
+              "(`load_format=dummy`), heads of matching shape ("
+              + ", ".join(f"{m} {n} layer(s)" for m, n in HEAD_LAYERS.items()) + "), "
               "`rejection_sample_method: synthetic` with per-position acceptance from a profile; "
               f"peagle-smollm2 profile: {data.get('ours_profile', {}).get('source', '-')}."), ""]
     rows = data["rows"]
@@ -133,8 +130,8 @@ def synthetic(lines: list[str], data: dict | None) -> None:
                 ratio = p["tokens_per_s"] / e["tokens_per_s"]
                 gap = 0.0 if lo <= ratio <= hi else min(abs(ratio - lo) / lo, abs(ratio - hi) / hi)
                 lines += [(f"Anchor at c={c}, paper profile, K=7: P-EAGLE / EAGLE-3 {ratio:.2f}x against the seeds' "
-                          f"{lo:.2f}-{hi:.2f}x on a B200 ({'within' if gap <= 0.15 else 'outside'} 15%: "
-                          f"{100 * gap:.0f}% from the range)."), ""]
+                          f"{lo:.2f}-{hi:.2f}x on a B200 ({'within' if gap <= ANCHOR_TOLERANCE else 'outside'} "
+                          f"{100 * ANCHOR_TOLERANCE:.0f}%: {100 * gap:.0f}% from the range)."), ""]
 
 
 def regeneration(lines: list[str], vllm: dict | None, static: dict | None) -> None:
@@ -151,7 +148,7 @@ def regeneration(lines: list[str], vllm: dict | None, static: dict | None) -> No
               f"ShareGPT first turns, <= {vllm['max_new_tokens']} new tokens, greedy: {v['generated_tokens']} tokens "
               f"in {v['wall_s']:.1f} s = **{v['tokens_per_s']:.0f} tok/s**{ratio}; engine start "
               f"{v['engine_start_s']:.0f} s (not counted); vLLM max_num_seqs {v.get('scheduler_max_num_seqs', '-')}. "
-              f"Goal {GOAL_REGEN_TOK_S} tok/s: {'met' if v['tokens_per_s'] >= GOAL_REGEN_TOK_S else 'not met'}."), ""]
+              f"Goal {GOAL_REGEN_TOK_S} tok/s: {met(v['tokens_per_s'] >= GOAL_REGEN_TOK_S)}."), ""]
 
 
 def main_sections(lines: list[str], load) -> None:
@@ -160,11 +157,11 @@ def main_sections(lines: list[str], load) -> None:
     synthetic(lines, load("gpu_synthetic_serving"))
     k_schedule(lines, load("gpu_vllm_serving"), load("gpu_synthetic_serving"))
     parity(lines, load("gpu_vllm_parity"))
-    capture(lines, load("capture_throughput_vllm"))
+    capture(lines, load("capture_throughput_vllm"), load("pipeline_device"))
     regeneration(lines, load("regen_throughput_vllm"), load("regen_throughput"))
 
 
-def capture(lines: list[str], data: dict | None) -> None:
+def capture(lines: list[str], data: dict | None, pipeline: dict | None = None) -> None:
     lines += ["## GPU vLLM: capture (issue 25 item 3)", ""]
     if data is None or "vllm" not in data:
         lines += ["not run", ""]
@@ -177,18 +174,28 @@ def capture(lines: list[str], data: dict | None) -> None:
                "`extract_hidden_states` + `PeagleHiddenStatesConnector`, every conversation in one `generate`) "
                f"captures **{v['vllm_step_tok_s']:.0f} tok/s** against the transformers step's "
                f"{best['step_tok_s']:.0f} tok/s at batch {best['batch']}: **{v['vllm_over_step']:.2f}x** (goal "
-               f"{GOAL_CAPTURE_RATIO:.0f}x: {'met' if v['vllm_over_step'] >= GOAL_CAPTURE_RATIO else 'not met'}). "
-               "The issue's 13.6k tok/s baseline was the whole Ray capture stage of the device pipeline run (actor "
-               "start, tokenization, shard writes), not the model step: both model steps run at ~30x that on a "
-               f"135M target; vLLM's engine start took {v['engine_start_s']:.0f} s."), ""]
+               f"{GOAL_CAPTURE_RATIO:.0f}x: {met(v['vllm_over_step'] >= GOAL_CAPTURE_RATIO)}). "
+               + _stage_baseline(pipeline, (v["vllm_step_tok_s"], best["step_tok_s"]))
+               + f"vLLM's engine start took {v['engine_start_s']:.0f} s."), ""]
+
+
+def _stage_baseline(pipeline: dict | None, steps: tuple[float, float]) -> str:
+    """The issue's capture baseline: the Ray capture stage of the device pipeline run (``pipeline_device.json``)."""
+    if pipeline is None:
+        return ""
+    stage = pipeline["stage_records"]["capture"]["outputs"]["tokens_per_s"]
+    return (f"The issue's {stage / 1000:.1f}k tok/s baseline was the whole Ray capture stage of the device pipeline run "
+            "(actor start, tokenization, shard writes), not the model step: both model steps run at "
+            f"~{approx(min(steps) / stage, 10)}x that on a 135M target; ")
 
 
 def parity(lines: list[str], data: dict | None) -> None:
-    lines += ["## GPU vLLM: head parity with vLLM 0.26 (issue 25 item 2)", ""]
+    lines += [f"## GPU vLLM: head parity with vLLM {data['vllm'] if data else ''} (issue 25 item 2)", ""]
     if data is None:
         lines += ["not run", ""]
         return
-    lines += [(f"`python -m bench.vllm_parity_record {data['record']}` (vLLM {data['vllm']}, H100, bfloat16; "
+    lines += [(f"`python -m bench.vllm_parity_record {data['record']}` (vLLM {data['vllm']}, "
+               f"{data['device'].removeprefix('NVIDIA ').split()[0]}, {data['dtype']}; "
                f"{data['inputs']}): slot layout {'as peagle builds it' if data['slot_layout_ok'] else 'DIFFERS'}; "
                f"largest difference over largest value: drafter output {data['normed_rel']:.3f} "
                f"(mask slots {data['mask_slots_normed_rel']:.3f}), logits {data['logits_rel']:.3f}, logits from "

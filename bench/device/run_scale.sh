@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The data-scaling table of issue 14 (bench.scale), one step per call, state in ~/keep (a machine idle for ~30 s goes
+# back with it: every call returns what a new machine needs to continue):
+#   prompts NUM                carry .carry/w2 after `keep_carry.sh .carry/w1`: installs SmolLM2 (bf16) and datasketch;
+#                              the target writes NUM self-instruct prompts -> selfinstruct.jsonl.xz (returned)
+#   regenerate SIZE BUDGET_S   no carry, or .carry/scale-data (returned files) on a new machine after
+#                              `. install_target.sh bfloat16`: the next chunks for BUDGET_S seconds; this call's chunks
+#                              come back, and once every chunk is done the set as regenerated.jsonl.xz.part*
+#   restore                    after `. install_target.sh bfloat16` in the same call (carry .carry/w2): the set into
+#                              ~/keep/regen from .carry/scale-data when carried, else the committed bench/data/scale
+#   train METHOD SIZE TRAIN_S [BOX_S [bench.scale train flags...]]   no carry, after restore: one head for TRAIN_S GPU
+#                              seconds in total, this call stopping at a checkpoint after BOX_S post-warm-up seconds;
+#                              repeat until it returns head-<tag>.tar.part* and scale_train_<tag>.json (then here:
+#                              python -m bench.scale record DIR/scale_train_<tag>.json --data-build N)
+#                              e.g. train peagle 29905 600 380 --variant 600s; train peagle 29905 150 --variant lr12e-4
+#                              --set training.lr=1.2e-3; a repeat of a recipe: ... --run 2
+# Usage: bash bench/device/run_scale.sh STEP [ARGS...]
+set -u
+STEP=${1:-}; shift
+case "$STEP" in
+  prompts)
+    . bench/device/install_target.sh bfloat16
+    python3 -m pip install -q --no-index --no-deps --target ~/keep/site .carry/w2/datasketch-*.whl
+    timeout 330 python3 -m bench.scale prompts --num "${1:-34000}" 2>&1 | grep -v "Loading\|clean_up" | tail -2 | cut -c1-800
+    cp ~/keep/selfinstruct.jsonl.xz "$OUT/"  # returned: a lost machine does not cost the prompts again
+    save ;;
+  regenerate)
+    . bench/device/env.sh
+    if [ -d .carry/scale-data ]; then cp -n .carry/scale-data/* ~/keep/ 2>/dev/null; mkdir -p ~/keep/regen; mv -n ~/keep/chunk-*.jsonl.xz ~/keep/regen/ 2>/dev/null; fi
+    touch "$OUT/.start"
+    timeout 570 python3 -m bench.scale regenerate --size "${1:-30000}" --budget-s "${2:-420}" 2>&1 | grep "^chunk\|^{" | cut -c1-600
+    python3 - <<'PY' && python3 -m bench.scale pack-data --out "$OUT"
+import json, os, sys
+calls = json.load(open(os.path.expanduser("~/keep/scale_regenerate.json")))["calls"]
+sys.exit(0 if calls[-1]["chunks_done"] == calls[-1]["chunks_total"] else 1)
+PY
+    [ -n "$(ls "$OUT"/regenerated.jsonl.xz.part* 2>/dev/null)" ] || \
+      find ~/keep/regen -name "chunk-*" -newer "$OUT/.start" -exec cp {} "$OUT/" \;  # this call's chunks come back
+    rm -f "$OUT/.start"
+    save ;;
+  restore)
+    . bench/device/env.sh
+    python3 -m bench.scale unpack-data "$( [ -d .carry/scale-data ] && echo .carry/scale-data || echo bench/data/scale )" ;;
+  train)
+    . bench/device/env.sh
+    timeout 580 python3 -m bench.scale train --method "$1" --size "$2" --train-s "$3" --box-s "${4:-420}" --out "$OUT" "${@:5}" \
+      > "$OUT/train.log" 2>&1
+    echo "rc=$?"; grep -v Loading "$OUT/train.log" | grep -v '^{"step"' | tail -4 | cut -c1-1200
+    grep '^{"step"' "$OUT/train.log" | python3 -c "
+import json, sys
+for l in sys.stdin:
+    m = json.loads(l); print(int(m['step']), round(m['loss'], 3), 'acc', [round(m.get(f'acc_d{i}', 0), 3) for i in range(8)], round(m.get('tokens_per_s', 0)))"
+    rm -f "$OUT/train.log"
+    save ;;
+  *) echo "usage: bash bench/device/run_scale.sh prompts NUM | regenerate SIZE BUDGET_S | restore | train METHOD SIZE TRAIN_S [BOX_S [flags...]]"; exit 2 ;;
+esac

@@ -1,0 +1,185 @@
+"""Training through the product, in this process (a GPU box without Ray or MLflow): a recipe with ``--set``
+overrides -> the train stage's plan -> its drafter -> its objective -> ``pipelines.train.train_in_process``.
+
+What the train stage does, step for step (``pipelines.stages.train`` + ``pipelines.train.worker``):
+
+* :func:`bench_recipe`: ``pipelines.recipe.load_recipe(path, overrides)``; on a machine without CUDA the target
+  and capture run in float32 and the objective uses dense attention (``--set`` overrides, recorded);
+* :func:`build_head`: ``pipelines.train.plan_from_conversations`` (drafter config from the recipe's ``drafter``
+  section, d2t/t2d from the conversations' assistant-token counts, epoch length), then
+  ``pipelines.train.build_drafter`` (vocabulary mapping, init from the target, frozen embeddings unless
+  ``drafter.train_embed_tokens``) and ``peagle_core.objectives.objective_class(method)(plan.objective)``;
+  :func:`prepare` adds the target for the online capture;
+* :meth:`OnlineRun.samples_for_epoch`: streaming capture with ``pipelines.capture.capture_batch`` and the
+  recipe's ``capture`` section, the target loaded by ``pipelines.capture.load_target`` (the capture stage's
+  actor does the same per batch);
+* :meth:`OnlineRun.train`: ``pipelines.train.train_in_process`` with the plan's ``training`` section;
+* :meth:`OnlineRun.export`: ``peagle_core.contract.export_head`` with the metadata the train stage writes.
+
+Shape legend: V target vocab, Ht target hidden.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CPU_OVERRIDES = ("target.dtype=float32", "capture.dtype=float32", "training.attention=dense")
+# the recipe fields a result row records (resolved values, after the overrides)
+RECORDED_FIELDS = ("drafter.num_layers", "drafter.num_speculative_tokens", "drafter.draft_vocab_size",
+                   "drafter.train_embed_tokens", "training.batch_tokens", "training.lr", "training.warmup_steps",
+                   "training.ttt_steps", "data.max_length_tokens")
+
+
+def bench_recipe(path: str | Path, overrides: Sequence[str] = ()):
+    """The recipe at ``path`` with ``overrides`` (``section.field=value``), plus :data:`CPU_OVERRIDES` when
+    there is no CUDA device.
+
+    Raises:
+        ValueError: an override the recipe schema rejects (``pipelines.recipe.load_recipe``).
+    """
+    from pipelines.recipe import load_recipe
+
+    return load_recipe(path, list(overrides) + ([] if torch.cuda.is_available() else list(CPU_OVERRIDES)))
+
+
+def resolved(recipe, fields: Sequence[str] = RECORDED_FIELDS) -> dict[str, Any]:
+    """``{"section.field": value}`` of ``recipe`` for ``fields`` (what a result row records)."""
+    out = {}
+    for name in fields:
+        section, key = name.split(".", 1)
+        out[name] = getattr(getattr(recipe, section), key)
+    return out
+
+
+@dataclass
+class OnlineRun:
+    """One training run's pieces, built by :func:`prepare`: the recipe and plan, the drafter and the target's
+    ``lm_head [V, Ht]``, the objective, the target (model, tokenizer) for the online capture, the
+    conversations, the capture's counters."""
+
+    recipe: Any
+    plan: Any
+    drafter: Any
+    lm_head: torch.Tensor
+    objective: Any
+    model: Any
+    tokenizer: Any
+    rows: list[dict]
+    chunk: int = 256
+    stats: Counter = field(default_factory=Counter)
+
+    @property
+    def device(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def samples_for_epoch(self, epoch: int) -> Iterator[dict]:
+        """Streaming capture of a seeded permutation of the conversations (the same order for the same epoch, so a
+        resume skips exactly the samples trained), ``chunk`` conversations per ``capture_batch`` call."""
+        from pipelines.capture import capture_batch
+
+        perm = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(epoch)).tolist()
+        rows = [self.rows[i] for i in perm]
+        r = self.recipe
+        for s in range(0, len(rows), self.chunk):
+            yield from capture_batch(self.model, self.tokenizer, rows[s:s + self.chunk], r.capture,
+                                     self.plan.drafter.aux_layer_ids, max_length_tokens=r.data.max_length_tokens,
+                                     stats=self.stats, validate=False)
+
+    def train(self, max_steps: int, *, drafter=None, update: dict | None = None, **kwargs):
+        """``train_in_process`` for ``max_steps`` steps (the cosine horizon) on the plan's ``training`` section
+        (with ``update``); ``drafter`` (default this run's) and ``kwargs`` (``checkpoint_dir``, ``on_log``,
+        ``callbacks``, ...) as ``pipelines.train.train_in_process`` takes them."""
+        from pipelines.train import train_in_process
+
+        config = self.plan.training.model_copy(update={"max_steps": max_steps, **(update or {})})
+        return train_in_process(self.samples_for_epoch, self.drafter if drafter is None else drafter, self.lm_head,
+                                self.objective, config, steps_per_epoch=self.plan.steps_per_epoch,
+                                device=self.device, **kwargs)
+
+    def seconds_per_step(self, *, warmup_steps: int, timed_steps: int) -> float:
+        """Seconds per optimizer step after ``warmup_steps`` (compilation), over ``timed_steps``, on a throwaway
+        copy of the drafter without learning-rate warm-up."""
+        marks = {"t0": time.perf_counter()}
+
+        def on_log(step: int, _metrics: dict) -> None:
+            if step == warmup_steps:
+                marks["t0"] = time.perf_counter()
+            marks["t1"] = time.perf_counter()
+
+        self.train(warmup_steps + timed_steps, drafter=copy.deepcopy(self.drafter), update={"warmup_steps": 0},
+                   log_every_steps=1, on_log=on_log)
+        return (marks["t1"] - marks["t0"]) / max(1, timed_steps)
+
+    def export(self, head_dir: Path, *, step: int, extra: dict | None = None) -> Path:
+        """The trained head as the train stage exports it (bfloat16, ``embed_tokens`` only when trained,
+        method / K / target / recipe in ``config.json``) plus ``extra``."""
+        from peagle_core.contract import export_head
+
+        spec, training = self.plan.drafter_spec, self.plan.training
+        meta = {"method": training.method, "num_speculative_tokens": spec.num_speculative_tokens,
+                "target": self.plan.target_name, "target_sha256": self.plan.target_sha256, "step": step,
+                "recipe": {"training": training.model_dump(mode="json"), "drafter": spec.model_dump(mode="json")}}
+        return export_head(self.drafter.cpu(), head_dir, dtype="bfloat16", overwrite=True,
+                           include_embed_tokens=spec.train_embed_tokens, extra_config=meta | (extra or {}),
+                           extra_files={"recipe.yaml": self.recipe.dump_resolved()})
+
+
+@dataclass
+class Head:
+    """The train stage's set-up of one head: the plan, the drafter (vocabulary mapping, target init, frozen
+    embeddings unless trained), the target's ``lm_head [V, Ht]`` and the objective (rank 0's)."""
+
+    plan: Any
+    drafter: Any
+    lm_head: torch.Tensor
+    objective: Any
+
+
+def build_head(recipe, rows: list[dict], *, always_keep: Sequence[int] = ()) -> Head:
+    """:class:`Head` for ``rows`` (``{id, messages}``: what the draft vocabulary is counted on) under ``recipe``:
+    ``plan_from_conversations``, ``build_drafter`` after the worker's seed, ``objective_class(method)``.
+
+    Raises:
+        ValueError: the recipe does not fit the target (``pipelines.train.plan_from_conversations``).
+    """
+    from peagle_core.objectives import objective_class
+    from pipelines.train import build_drafter, plan_from_conversations
+
+    plan = plan_from_conversations(recipe.training, recipe.drafter, recipe.target, rows,
+                                   max_length_tokens=recipe.data.max_length_tokens,
+                                   on_too_long=recipe.capture.on_too_long, always_keep_token_ids=always_keep)
+    torch.manual_seed(recipe.training.seed)  # the worker's init seed
+    drafter, lm_head = build_drafter(plan)
+    return Head(plan=plan, drafter=drafter, lm_head=lm_head,
+                objective=objective_class(recipe.training.method)(plan.objective))
+
+
+def load_recipe_target(recipe):
+    """``(model, tokenizer)`` of the recipe's target at ``target.dtype`` (``pipelines.capture.load_target``, on
+    CUDA when there is one), as the capture stage loads it."""
+    from pipelines.capture import load_target, resolve_target
+
+    asset, _ = resolve_target(recipe.target)
+    return load_target(str(asset.path), recipe.target.dtype)
+
+
+def special_ids(tokenizer) -> list[int]:
+    """The eos and pad ids a draft vocabulary always keeps."""
+    return [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
+
+
+def prepare(recipe, rows: list[dict], *, chunk: int = 256) -> OnlineRun:
+    """:func:`build_head` for ``rows`` and the target for their online capture (the draft vocabulary keeps the
+    tokenizer's eos and pad ids)."""
+    model, tok = load_recipe_target(recipe)
+    h = build_head(recipe, rows, always_keep=special_ids(tok))
+    return OnlineRun(recipe=recipe, plan=h.plan, drafter=h.drafter, lm_head=h.lm_head, objective=h.objective,
+                     model=model, tokenizer=tok, rows=rows, chunk=chunk)
