@@ -75,8 +75,8 @@ def pools(convs: list[dict], n: int, seed: int = 0) -> dict[str, list[dict]]:
 
 
 def regenerate(rows, engine, max_tokens: int, batch: int) -> list[dict]:
+    from pipelines.data.regenerate import regenerate_conversations
     from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import regenerate_conversations
 
     cfg = RegenerateConfig(backend="transformers", temperature=0.0, max_tokens_per_turn=max_tokens,
                            batch_size=batch, max_turns=1)
@@ -186,7 +186,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipelines.assets import ensure_target
-    from pipelines.engines import TransformersEngine
+    from pipelines.data.engines import TransformersEngine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="dir with sharegpt.jsonl.xz and humaneval.jsonl.xz")

@@ -58,7 +58,7 @@ def head_method(label: str, head_dir: str) -> str:
 def _prompt_ids(src, tokenizer, num_prompts: int, ids_dir: str | None) -> list[list[int]]:
     """The eval set's prompt token ids: ``pipelines.eval_prompts.load_eval_prompts`` (seed 0, <= 512 tokens), or
     the copy ``--export-prompt-ids`` saved in ``ids_dir`` (for a machine without the prompt packages)."""
-    from pipelines.eval_prompts import load_eval_prompts
+    from pipelines.evaluate.prompts import load_eval_prompts
 
     saved = Path(ids_dir) / f"{src.kind}-{num_prompts}.json" if ids_dir else None
     if saved is not None and saved.exists():
@@ -75,7 +75,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from pipelines.assets import ensure_target
-    from pipelines.evaluate import evaluate, offline_acceptance
+    from pipelines.evaluate.measure import evaluate, offline_acceptance
     from pipelines.recipe import EvalConfig, SourceConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -81,7 +81,7 @@ def _target(args):
 
 def export_data(args) -> None:
     """Normalized ShareGPT conversations (all of the packaged file) and HumanEval prompts."""
-    from pipelines.prompts import load_conversations
+    from pipelines.data.prompts import load_conversations
     from pipelines.recipe import SourceConfig
 
     out = Path(args.out)
@@ -113,9 +113,9 @@ def join_head(args) -> None:
 
 def regenerate(args) -> None:
     """Regenerate first assistant turns with the target until the time budget is spent."""
-    from pipelines.engines import TransformersEngine
+    from pipelines.data.engines import TransformersEngine
+    from pipelines.data.regenerate import regenerate_conversations
     from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import regenerate_conversations
 
     keep = _keep(args)
     convs = _read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")

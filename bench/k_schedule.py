@@ -46,11 +46,11 @@ def _ints(text: str) -> list[int]:
 
 def _local_head(ref: str, work: Path, tracking_uri: str | None) -> tuple[Path, list | None, str]:
     """``(head dir, the version's k_schedule tag or None, pinned ref)``; a directory is used as is."""
-    from pipelines.k_schedule import schedule_from_tags
+    from pipelines.evaluate.k_schedule import schedule_from_tags
 
     if not ref.startswith("models:/"):
         return Path(ref).expanduser(), None, ref
-    from pipelines.register import download, get_client
+    from pipelines.registry.register import download, get_client
     from pipelines.serve.heads import pin_head_ref
 
     pinned = pin_head_ref(ref, tracking_uri)
@@ -60,7 +60,7 @@ def _local_head(ref: str, work: Path, tracking_uri: str | None) -> tuple[Path, l
 
 
 def _measure(spec, label: str) -> list[dict[str, Any]]:
-    from pipelines.evaluate import run_engine_subprocess
+    from pipelines.evaluate.measure import run_engine_subprocess
 
     t = time.perf_counter()
     rows = run_engine_subprocess(spec, timeout_s=3600)
@@ -93,9 +93,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from pipelines.assets import EMBEDDED_TARGETS, ensure_target
-    from pipelines.eval_prompts import load_eval_prompts
-    from pipelines.evaluate import CPU_ENGINE_KWARGS, EngineSpec
-    from pipelines.k_schedule import best_fixed_K, build_k_schedule
+    from pipelines.evaluate.k_schedule import best_fixed_K, build_k_schedule
+    from pipelines.evaluate.measure import CPU_ENGINE_KWARGS, EngineSpec
+    from pipelines.evaluate.prompts import load_eval_prompts
     from pipelines.recipe import SourceConfig
 
     target = str(ensure_target(a.target, dtype=a.dtype).path) if a.target in EMBEDDED_TARGETS else a.target

@@ -63,7 +63,7 @@ def _agreement(a: list[str], b: list[str]) -> float:
 
 def main() -> None:
     from pipelines.assets import ensure_target
-    from pipelines.engines import TransformersEngine
+    from pipelines.data.engines import TransformersEngine
     from pipelines.recipe import RegenerateConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,7 +108,7 @@ def main() -> None:
             print(f"static_{label}", json.dumps(res[f"static_{label}"]), flush=True)
         del static
     if "vllm" in engines:
-        from pipelines.engines import VLLMEngine
+        from pipelines.data.engines import VLLMEngine
 
         t0 = time.perf_counter()
         extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}

@@ -200,7 +200,7 @@ def parity(lines: list[str], data: dict | None) -> None:
 
 def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict | None) -> None:
     """Item 7: ``pipelines.k_schedule.build_k_schedule`` over the GPU rows (measured tokens/s per K and c)."""
-    from pipelines.k_schedule import build_k_schedule
+    from pipelines.evaluate.k_schedule import build_k_schedule
 
     lines += ["## GPU vLLM: K schedule from the GPU rows (issue 25 item 7)", ""]
     cases = []

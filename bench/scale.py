@@ -51,7 +51,7 @@ def _dtype() -> str:
 
 
 def _engine(args, *, batch_size: int):
-    from pipelines.engines import TransformersEngine
+    from pipelines.data.engines import TransformersEngine
 
     return TransformersEngine(_target(args), dtype=_dtype(), max_model_len=args.max_model_len,
                               name="smollm2-135m-instruct", batch_size=batch_size,
@@ -63,8 +63,8 @@ def _engine(args, *, batch_size: int):
 
 def prompts(args) -> None:
     """Self-instruct user prompts (``pipelines.selfinstruct.generate_prompts``) -> ``keep/selfinstruct.jsonl.xz``."""
+    from pipelines.data.selfinstruct import generate_prompts, summary
     from pipelines.recipe import load_recipe
-    from pipelines.selfinstruct import generate_prompts, summary
 
     keep = _keep(args)
     out = keep / "selfinstruct.jsonl.xz"
@@ -124,8 +124,8 @@ def _regenerated(keep: Path) -> list[dict]:
 
 def regenerate(args) -> None:
     """Answer the first ``--size`` rows of the mixed order, ``CHUNK_CONVERSATIONS`` at a time, until the budget."""
+    from pipelines.data.regenerate import regenerate_conversations
     from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import regenerate_conversations
 
     keep = _keep(args)
     order = _mixed_order(args)[: args.size]

@@ -122,7 +122,7 @@ def _ours(path: str | None) -> tuple[list[float], str]:
 
 
 def main() -> None:
-    from pipelines.evaluate import EngineSpec, run_engine_subprocess
+    from pipelines.evaluate.measure import EngineSpec, run_engine_subprocess
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="llama-3.1-8b", choices=sorted(TARGET_CONFIGS))

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     from pipelines.assets import DEFAULT_TARGET, ensure_target
     from pipelines.capture import load_target
     from pipelines.capture.forward import capture_tokenized
-    from pipelines.eval_prompts import load_eval_prompts
-    from pipelines.evaluate import offline_acceptance
+    from pipelines.evaluate.measure import offline_acceptance
+    from pipelines.evaluate.prompts import load_eval_prompts
     from pipelines.recipe import CaptureConfig, SourceConfig
     from pipelines.train import load_target_lm_head
 

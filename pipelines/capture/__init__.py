@@ -55,7 +55,7 @@ from pipelines.capture.rows import (
     tokenized_to_arrow,
 )
 from pipelines.capture.stream import capture_stream
-from pipelines.capture.target import load_final_norm, load_target, resolve_target
+from pipelines.capture.target import load_final_norm, load_target
 from pipelines.capture.tokenize import (
     DROP_REASONS,
     ConversationError,
@@ -86,7 +86,6 @@ __all__ = [
     "load_final_norm",
     "load_target",
     "prepare_samples",
-    "resolve_target",
     "run_capture",
     "samples_to_columns",
     "tokenize_conversation",

@@ -19,7 +19,7 @@ FILE_KINDS = ("sharegpt_file", "openai_jsonl")
 
 class SelfInstructConfig(Section):
     """Prompts written by the target itself (Magpie, arXiv 2406.08464): the aligned target sees only
-    its chat template up to the opening of a user turn and completes it (``pipelines.selfinstruct``)."""
+    its chat template up to the opening of a user turn and completes it (``pipelines.data.selfinstruct``)."""
 
     num_prompts: int = Field(1000, ge=1, description="Completions requested from the target; at most this many "
                              "prompts are kept after the length filters and duplicate removal.")
@@ -127,6 +127,16 @@ class SourceConfig(Section):
 
     def resolved_path(self) -> Path | None:
         return Path(os.path.expandvars(self.path)).expanduser() if self.path else None
+
+    def eval_set_name(self) -> str:
+        """Name of this source's prompt set when it is an evaluation source (rows carry it as ``eval_set``):
+        the user file's stem, else the kind (``mtbench-2turn`` for MT-Bench with ``turns: 2``); a traffic
+        log: ``traffic``, or ``traffic-<directory name>`` with a path."""
+        if self.kind == "traffic":
+            return f"traffic-{Path(self.path.rstrip('/')).name}" if self.path else "traffic"
+        if self.path:
+            return Path(self.path).stem
+        return "mtbench-2turn" if self.kind == "mtbench" and self.turns == 2 else self.kind
 
 
 class DataConfig(Section):

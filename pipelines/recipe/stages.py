@@ -15,6 +15,7 @@ from pipelines.recipe.base import Section
 from pipelines.recipe.data import SourceConfig
 from pipelines.recipe.target import TargetConfig
 from pipelines.recipe.traffic import TrafficLogConfig
+from pipelines.registry.refs import HeadRef
 
 if TYPE_CHECKING:
     from peagle_core.objectives import ObjectiveConfig
@@ -38,7 +39,7 @@ class RegenerateConfig(Section):
     max_turns: int | None = Field(None, ge=1, description="Regenerate at most this many assistant turns per "
                                   "conversation (later turns are cut); None = all.")
     static_cache: bool | None = Field(None, description="backend=transformers: static KV cache, compiled decoding "
-                                      "on CUDA, length-bucketed batches (pipelines.engines.TransformersEngine); "
+                                      "on CUDA, length-bucketed batches (pipelines.data.engines.TransformersEngine); "
                                       "None/false = plain generate.")
 
 
@@ -180,10 +181,8 @@ class TrainingConfig(Section):
         ref = ref.strip()
         if not ref:
             raise ValueError("training.init_from is empty: give models:/NAME@ALIAS, a head directory, or null")
-        if ref.startswith("models:/"):
-            from pipelines.register import parse_model_ref
-
-            parse_model_ref(ref)  # ValueError: neither NAME@ALIAS nor NAME/VERSION
+        if HeadRef.is_ref(ref):
+            HeadRef.parse(ref)  # ValueError: neither NAME@ALIAS nor NAME/VERSION
         return ref
 
     @model_validator(mode="after")
@@ -230,7 +229,7 @@ class EvalConfig(Section):
     )
     step_costs: bool | None = Field(
         None, description="Also split each engine's decoding step into target forward, sampling and drafting "
-        "(ms per step, pipelines.step_costs) at every concurrency: one more wave per concurrency after the timed "
+        "(ms per step, pipelines.evaluate.step_costs) at every concurrency: one more wave per concurrency after the timed "
         "sweep, with synchronized phases (the sweep's tokens/s are measured without them). vLLM's V1 model runner "
         "only: rows of a Model Runner V2 engine say 'unavailable'. None (default) = off.",
     )
@@ -238,7 +237,7 @@ class EvalConfig(Section):
         None, description="Also measure the registry's current champion (models:/<registry model>@champion, pinned "
         "to its version and head_sha256 when the run starts; part of the evaluate stage's key) in the same evaluate "
         "run: same prompts, K sweep, concurrency sweep and engine settings, its rows labelled method 'champion' "
-        "(pipelines.evaluate.CHAMPION_LABEL). The promotion gate then compares the challenger with the AL the "
+        "(pipelines.evaluate.measure.CHAMPION_LABEL). The promotion gate then compares the challenger with the AL the "
         "champion got in this run on the gate eval set instead of the AL recorded when the champion was "
         "registered. None (default) = on when training.init_from is a registry reference (models:/...), off "
         "otherwise. No champion yet: only the challenger is measured and the gate promotes it.",
@@ -249,7 +248,7 @@ class EvalConfig(Section):
         registry reference)."""
         if self.compare_champion is not None:
             return self.compare_champion
-        return training.init_from is not None and training.init_from.startswith("models:/")
+        return training.init_from is not None and HeadRef.is_ref(training.init_from)
 
     @field_validator("num_speculative_tokens_sweep", "concurrency_sweep")
     @classmethod
@@ -281,7 +280,7 @@ class RegistryConfig(Section):
         "tokens (AL units)."
     )
     gate_eval_set: str | None = Field(
-        None, description="Eval set (a name pipelines.eval_prompts.eval_set_name gives an evaluation source: "
+        None, description="Eval set (the name SourceConfig.eval_set_name gives an evaluation source: "
         "humaneval, mtbench, traffic, a file's stem, ...) on which the gate compares ALs; it is also the set of "
         "the registered AL tags and of the K schedule. None = the first traffic source of evaluation.sources "
         "(the held-out traffic slice) when there is one, else the first source (resolved_gate_eval_set).",
@@ -293,9 +292,7 @@ class RegistryConfig(Section):
         Raises:
             ValueError: ``gate_eval_set`` names none of ``evaluation.sources``' sets (the names are listed).
         """
-        from pipelines.eval_prompts import eval_set_name
-
-        names = [eval_set_name(s) for s in evaluation.sources]
+        names = [s.eval_set_name() for s in evaluation.sources]
         if self.gate_eval_set is not None:
             if self.gate_eval_set not in names:
                 raise ValueError(f"registry.gate_eval_set={self.gate_eval_set!r} is not an eval set of "
@@ -342,7 +339,7 @@ class ServeConfig(Section):
     head_alias: str = Field("champion", description="Registry alias of the head to serve.")
     k_schedule: Literal["auto", "off"] | None = Field(
         None, description="auto (None, the default): pass the served version's measured K schedule (tag "
-        "k_schedule: batch-size ranges -> K, pipelines.k_schedule) to vLLM as "
+        "k_schedule: batch-size ranges -> K, pipelines.evaluate.k_schedule) to vLLM as "
         "num_speculative_tokens_per_batch_size, num_speculative_tokens = its largest K; a version without the tag "
         "is served at num_speculative_tokens. off: always the fixed num_speculative_tokens.",
     )

@@ -1,14 +1,17 @@
 """What every pipeline stage is: its recipe sections, its run, its validity check, its typed output.
 
-A stage is a :class:`Stage` subclass (one per file in ``pipelines/stages/``) that declares
+A stage is a :class:`Stage` subclass (one per file in ``pipelines/stages/``, each wiring the work of one package,
+e.g. ``pipelines/stages/train.py`` of ``pipelines/train/``; ``pipelines.pipeline.STAGE_TYPES`` lists them in
+order) that declares
 
 - ``name`` and ``Output`` (a :class:`StageOutput` dataclass: what the next stages read; written to
   ``<run dir>/<name>/stage.json`` as ``{"name", "status", "seconds", "key", "outputs"}``),
 - :meth:`Stage.sections`: the recipe sections it reads; its *key* is sha256 of those plus the key of
   the stage before it (:func:`stage_key`), so a changed upstream section re-runs everything after it,
-- :meth:`Stage.run` (the work, calling the plain function of ``pipelines.<stage>``),
+- :meth:`Stage.run` (the work, calling the plain functions of its package),
 - :meth:`Stage.is_valid` (are the recorded outputs still there and usable),
 - :meth:`Stage.summary` (its part of the pipeline summary, optional),
+- :meth:`Stage.before_other_stage_runs` (free what its running outputs hold before another stage runs, optional),
 - :meth:`Stage.preflight` (the recipe choices it cannot honour, anywhere or on this machine: the pre-flight
   of :mod:`pipelines.preflight`, from :meth:`Stage.requirements`, :meth:`Stage.num_gpus` and its own checks).
 
@@ -291,12 +294,11 @@ class Stage(ABC):
     def is_valid(self, out: StageOutput) -> bool:
         """Whether a recorded output is still usable (files there, head validates, ...); may raise."""
 
-    def before_run(self) -> None:
-        """Called before :meth:`run` (not when skipped): a compute stage frees the CPUs a running
-        demo Serve app holds."""
-        from pipelines.stages.serve import delete_app_on_cpu
-
-        delete_app_on_cpu(self.ctx)
+    @classmethod
+    def before_other_stage_runs(cls, ctx: RunContext, name: str) -> None:
+        """Called before stage ``name`` (another stage) runs, not when it is skipped: free what this stage's
+        running outputs hold that ``name`` may need. Default nothing; the serve stage deletes an endpoint that
+        holds the CPUs of a small cluster."""
 
     def summary(self, out: StageOutput) -> tuple[str, dict[str, Any]] | None:
         """``(section, JSON-able dict)`` for ``summary.json``, or None."""

@@ -1,7 +1,7 @@
-"""Stage ``evaluate``: the trained head's acceptance length (AL) and tokens/s with real vLLM (``pipelines.evaluate``).
+"""Stage ``evaluate``: the trained head's acceptance length (AL) and tokens/s with real vLLM (``pipelines.evaluate.measure``).
 
 Measures every method x K x concurrency of the ``evaluation`` section on every eval source
-(``pipelines.eval_prompts``: one eval set per source); the gate set
+(``pipelines.evaluate.prompts``: one eval set per source); the gate set
 (``RegistryConfig.resolved_gate_eval_set``: ``registry.gate_eval_set``, else the held-out traffic set
 when there is one, else the first set) is where the promotion gate compares ALs, listed first. Writes
 ``evaluate/<eval_set>/`` (``table.json``, ``table.md``, plots) per set and ``evaluate/table.json`` /
@@ -11,12 +11,12 @@ Champion vs challenger (``EvalConfig.compares_champion``: ``evaluation.compare_c
 for a warm start from the registry): the registry's ``champion`` of the recipe's model is resolved once
 per pipeline run, when the stage is built, to a version and its ``head_sha256`` (both in this stage's
 key: a re-run against the same champion is skipped, a promotion re-keys it), downloaded to
-``evaluate/champion_head/`` and measured by the same ``pipelines.evaluate.evaluate`` call as the
+``evaluate/champion_head/`` and measured by the same ``pipelines.evaluate.measure.evaluate`` call as the
 trained head on every set (rows ``method: champion``). The register stage's gate then uses the
 champion's AL from this table. MT-Bench with
 ``turns: 2`` needs the target's answers to the first turns: a transformers engine of the target
 writes them in this process (greedy) and is freed before vLLM starts. The trained method's K schedule
-on the gate set (``pipelines.k_schedule``: batch-size ranges -> best measured K, K=0 where no
+on the gate set (``pipelines.evaluate.k_schedule``: batch-size ranges -> best measured K, K=0 where no
 speculation was faster) goes into ``table.json`` and the output; register writes it on the model
 version. Key: evaluation section (plus the gate set when it is not the first set, and the champion
 version and head_sha256 when comparing).
@@ -44,13 +44,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EvaluateOutput(StageOutput):
-    """``rows``: the eval table of every eval set (``pipelines.evaluate`` rows, tagged ``eval_set``);
+    """``rows``: the eval table of every eval set (``pipelines.evaluate.measure`` rows, tagged ``eval_set``);
     ``eval_set``: the gate set (the first eval source); ``best_K``: the gate set's
     ``{method: {concurrency: K}}`` (JSON keys are strings after a reload); ``plots``:
     ``{"<eval_set>/<plot>": PNG path}``; ``eval_sets``: every set, gate first (None in records
     written before there were several: their rows are all the gate set's); ``k_schedule``: the trained
     method's vLLM schedule ``[[batch_min, batch_max, K], ...]`` on the gate set
-    (``pipelines.k_schedule.build_k_schedule``; None in records written before it existed);
+    (``pipelines.evaluate.k_schedule.build_k_schedule``; None in records written before it existed);
     ``champion``: the registry champion measured beside the trained head (rows ``method: champion``),
     ``{"model", "version", "head_sha256", "method"}``, or ``{"model", "version": None}`` when the
     comparison was on but there was no champion; None when the comparison was off."""
@@ -88,7 +88,7 @@ class EvaluateStage(Stage):
         super().__init__(ctx)
         self._compares = ctx.recipe.evaluation.compares_champion(ctx.recipe.training)
         # the champion pinned once per run (version + head_sha256): the key and the download agree
-        self._champion = resolve_champion(ctx.model_name, tracking_uri=ctx.tracking_uri) if self._compares else None
+        self._champion = self._pin_champion() if self._compares else None
 
     @staticmethod
     def requirements(recipe) -> tuple[str, ...]:
@@ -102,14 +102,12 @@ class EvaluateStage(Stage):
     def preflight(cls, recipe, machine: Machine) -> list[Problem]:
         """Also: the trained method is measured, eval set names are distinct, user files of
         ``evaluation.sources`` are there."""
-        from pipelines.eval_prompts import eval_set_name
-
         problems = super().preflight(recipe, machine)
         methods, method = recipe.evaluation.methods, recipe.training.method
         if method not in methods:
             problems.append(cls.problem(Severity.INVALID, f"evaluation.methods={methods} does not measure the trained "
                                         f"head (training.method={method!r}); add it", "evaluation.methods"))
-        names = [eval_set_name(s) for s in recipe.evaluation.sources]
+        names = [s.eval_set_name() for s in recipe.evaluation.sources]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             problems.append(cls.problem(
@@ -118,11 +116,9 @@ class EvaluateStage(Stage):
         return problems + cls.source_problems("evaluation.sources", recipe.evaluation.sources, machine)
 
     def sections(self, recipe):
-        from pipelines.eval_prompts import eval_set_name
-
         parts: list[Any] = [recipe.evaluation]
         gate = recipe.registry.resolved_gate_eval_set(recipe.evaluation)
-        if gate != eval_set_name(recipe.evaluation.sources[0]):  # the gate set orders the table, picks the schedule
+        if gate != recipe.evaluation.sources[0].eval_set_name():  # the gate set orders the table, picks the schedule
             parts.append({"gate_eval_set": gate})
         if self._compares:
             parts.append({"champion": self._champion.key() if self._champion is not None
@@ -132,10 +128,10 @@ class EvaluateStage(Stage):
     def run(self) -> EvaluateOutput:
         from transformers import AutoTokenizer
 
-        from pipelines import evaluate as ev
-        from pipelines.capture import resolve_target
-        from pipelines.eval_prompts import load_eval_prompts
-        from pipelines.k_schedule import schedule_or_none
+        from pipelines.assets import resolve_target
+        from pipelines.evaluate import measure as ev
+        from pipelines.evaluate.k_schedule import schedule_or_none
+        from pipelines.evaluate.prompts import load_eval_prompts
 
         r = self.recipe
         head = self.ctx.upstream(TrainOutput).head_dir
@@ -172,6 +168,26 @@ class EvaluateStage(Stage):
                               best_K=reports[gate].best_K, eval_sets=list(reports), plots=plots,
                               k_schedule=k_schedule, champion=champion)
 
+    def _pin_champion(self):
+        """The registry's ``champion`` of the recipe's model pinned to its version and ``head_sha256`` (a
+        ``pipelines.train.warm_start.InitHead``: ``fetch_init_head`` downloads it), or None when no version
+        holds the alias (or the model is not registered yet).
+
+        Raises:
+            pipelines.registry.client.TrackingUnreachableError: an ``http(s)://`` tracking server that does not
+                answer.
+        """
+        from pipelines.registry.client import tracking_guard
+        from pipelines.registry.promotion import CHAMPION
+        from pipelines.registry.refs import HeadRef
+        from pipelines.train.warm_start import InitHead
+
+        champion = HeadRef(self.ctx.model_name, alias=CHAMPION)
+        with tracking_guard(self.ctx.tracking_uri, hint="evaluation.compare_champion needs the registry: start it, "
+                            "or set evaluation.compare_champion: false") as uri:
+            pinned = champion.resolve(uri, missing_ok=True)
+        return InitHead.from_registry(str(champion), pinned) if pinned is not None else None
+
     def _fetch_champion(self) -> tuple[str | None, dict[str, Any] | None]:
         """``(local head dir, EvaluateOutput.champion)`` of the pinned champion: ``(None, None)`` when not
         comparing, ``(None, {"model", "version": None})`` when there is no champion.
@@ -205,7 +221,7 @@ class EvaluateStage(Stage):
             return
         import torch
 
-        from pipelines.engines import make_engine
+        from pipelines.data.engines import make_engine
 
         engine = make_engine("transformers", target_path, dtype=self.recipe.target.dtype, max_model_len=max_len,
                              name=self.recipe.target.model)
@@ -221,7 +237,7 @@ class EvaluateStage(Stage):
         return Path(out.table).is_file() and bool(out.rows)
 
     def summary(self, out: EvaluateOutput) -> tuple[str, dict[str, Any]]:
-        from pipelines.evaluate import CHAMPION_LABEL
+        from pipelines.evaluate.measure import CHAMPION_LABEL
 
         by_set = {name: headline(out.set_rows(name), self.recipe) for name in out.set_names()}
         s = headline(out.set_rows(), self.recipe) | {
@@ -233,27 +249,6 @@ class EvaluateStage(Stage):
             s["champion"] = out.champion | {"al_by_K": {name: out.al_by_K(CHAMPION_LABEL, c, eval_set=name)
                                                         for name in out.set_names()}}
         return "eval", s
-
-
-def resolve_champion(model_name: str, *, tracking_uri: str | None = None):
-    """The ``champion`` of ``model_name`` pinned to its version and ``head_sha256`` tag, as a
-    ``pipelines.train.warm_start.InitHead`` (``fetch_init_head`` downloads it), or None when no version
-    holds the alias (or the model is not registered yet).
-
-    Raises:
-        pipelines.register.TrackingUnreachableError: an ``http(s)://`` tracking server that does not answer.
-    """
-    from pipelines.promotion import CHAMPION, current_champion
-    from pipelines.register import HEAD_SHA256_TAG, get_client, tracking_guard, version_tag
-    from pipelines.train.warm_start import REGISTRY_PREFIX, InitHead
-
-    with tracking_guard(tracking_uri, hint="evaluation.compare_champion needs the registry: start it, or set "
-                        "evaluation.compare_champion: false") as uri:
-        mv = current_champion(get_client(uri), model_name)
-    if mv is None:
-        return None
-    return InitHead(ref=f"{REGISTRY_PREFIX}{model_name}@{CHAMPION}", model_name=model_name, version=str(mv.version),
-                    head_sha256=version_tag(mv, HEAD_SHA256_TAG))
 
 
 def headline(rows: list[dict], recipe) -> dict[str, Any]:

@@ -66,10 +66,10 @@ class TrainStage(Stage):
 
     @staticmethod
     def requirements(recipe) -> tuple[str, ...]:
-        from pipelines.train.warm_start import REGISTRY_PREFIX
+        from pipelines.registry.refs import HeadRef
 
         init = recipe.training.init_from
-        return ("mlflow",) if init is not None and init.startswith(REGISTRY_PREFIX) else ()
+        return ("mlflow",) if init is not None and HeadRef.is_ref(init) else ()
 
     @staticmethod
     def num_gpus(recipe) -> tuple[int, str]:
@@ -133,7 +133,7 @@ class TrainStage(Stage):
         else:  # each worker reads its slice of the seeded per-epoch order: a resume is sample-exact
             plan = plan_from_capture(r.training, r.drafter, r.target, cap.capture_dir, init_head=init)
             data = OrderedCapture(str(cap.capture_dir))
-        from pipelines.stages.train_progress import train_progress
+        from pipelines.train.progress import train_progress
 
         tracking_uri = self.ctx.tracking_uri
         if not_installed("mlflow"):
@@ -174,7 +174,7 @@ class TrainStage(Stage):
             s["init_from"] = out.init_from
         if out.streaming and self._stream_num_tokens is not None:
             from peagle_core.storage import bytes_per_token
-            from pipelines.capture import resolve_target
+            from pipelines.assets import resolve_target
 
             hidden_size = int(resolve_target(self.recipe.target)[1]["hidden_size"])
             s["materialized_capture_bytes_estimate"] = self._stream_num_tokens * bytes_per_token(

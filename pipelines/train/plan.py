@@ -36,10 +36,12 @@ from peagle_core.drafter_config import DrafterConfig
 from peagle_core.objectives import ObjectiveConfig
 from peagle_core.samples import INPUT_IDS, LOSS_MASK
 from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts, vocab_mapping_from_counts
-from pipelines.capture import count_assistant_tokens, resolve_target, tokenize_rows
+from pipelines.assets import resolve_target
+from pipelines.capture import count_assistant_tokens, tokenize_rows
 from pipelines.recipe import DrafterSpec, TargetConfig, TrainingConfig
+from pipelines.registry.refs import HeadRef
 from pipelines.train.data import estimate_steps_per_epoch
-from pipelines.train.warm_start import InitHead, check_init_head, is_registry_ref, resolve_init_from
+from pipelines.train.warm_start import InitHead, check_init_head, resolve_init_from
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +242,7 @@ class _Sizing:
             raise ValueError(f"init_head resolves {init_head.ref!r} but training.init_from={ref!r}")
         if ref is None or init_head is not None:
             return init_head
-        if is_registry_ref(ref):
+        if HeadRef.is_ref(ref):
             raise ValueError(f"training.init_from={ref!r} is a registry head: download it first "
                              "(pipelines.train.warm_start.resolve_init_from, fetch_init_head; the train stage does)")
         return resolve_init_from(ref)

@@ -21,7 +21,7 @@ from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts
 from pipelines import capture
 from pipelines.capture import materialize
 from pipelines.capture.actors import CaptureShardActor
-from pipelines.prompts import load_conversations
+from pipelines.data.prompts import load_conversations
 from pipelines.recipe import CaptureConfig, DataConfig, SourceConfig, TargetConfig, load_recipe
 from pipelines.stages.base import engine_settings
 from tests.conftest import CONFIGS

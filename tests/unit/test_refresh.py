@@ -9,10 +9,10 @@ import types
 
 import pytest
 
-from pipelines import promotion
-from pipelines import register as reg
 from pipelines.pipeline import PipelineRun
 from pipelines.recipe import load_recipe
+from pipelines.registry import promotion
+from pipelines.registry import register as reg
 from pipelines.stages.base import StageRecord
 from pipelines.stages.evaluate import EvaluateOutput
 from pipelines.stages.register import measured_champion
@@ -186,7 +186,7 @@ def test_register_reads_the_champion_from_the_gate_set_rows():
 
 
 def test_evaluate_measures_the_champion_like_the_trained_head(monkeypatch):
-    from pipelines import evaluate as ev
+    from pipelines.evaluate import measure as ev
 
     specs = []
 
@@ -212,7 +212,7 @@ def test_evaluate_measures_the_champion_like_the_trained_head(monkeypatch):
     assert report.al_by_K(ev.CHAMPION_LABEL, 1) == {2: 1.5, 3: 1.5}
     assert set(report.best_K) == {"peagle", "champion"}
     assert {r["speedup"] for r in champ} == {1.5}  # over the one no-speculation baseline
-    from pipelines.mlflow_runs import eval_metric_name
+    from pipelines.registry.runs import eval_metric_name
 
     assert eval_metric_name(champ[0], "acceptance_length", "traffic") == "eval.champion.K2.c1.acceptance_length"
 
@@ -220,9 +220,10 @@ def test_evaluate_measures_the_champion_like_the_trained_head(monkeypatch):
 def test_evaluate_stage_measures_the_pinned_champion_on_every_set(uri, tmp_path, monkeypatch):
     import transformers
 
-    from pipelines import capture, eval_prompts
-    from pipelines import evaluate as ev
-    from pipelines.eval_report import EvalReport
+    from pipelines import assets
+    from pipelines.evaluate import measure as ev
+    from pipelines.evaluate import prompts as eval_prompts
+    from pipelines.evaluate.report import EvalReport
     from pipelines.train import warm_start
 
     client = reg.get_client(uri)
@@ -253,7 +254,7 @@ def test_evaluate_stage_measures_the_pinned_champion_on_every_set(uri, tmp_path,
         return EvalReport(eval_set=eval_set, rows=rows, best_K={"peagle": {1: 3}}, markdown="| t |\n")
 
     monkeypatch.setattr(warm_start, "fetch_init_head", fetch)
-    monkeypatch.setattr(capture, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
+    monkeypatch.setattr(assets, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda p: "tok")
     monkeypatch.setattr(eval_prompts, "load_eval_prompts",
                         lambda sources, tok, **kw: {"humaneval": [[1]], "traffic": [[2]]})

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import register as reg
 from pipelines import settings
+from pipelines.registry import register as reg
+from pipelines.registry.refs import HeadRef
 
 pytestmark = pytest.mark.unit
 
@@ -20,18 +21,26 @@ def test_tracking_uri_precedence(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(("ref", "want"), [
-    ("peagle-x@champion", ("peagle-x", "@champion")),
-    ("models:/peagle-x@challenger", ("peagle-x", "@challenger")),
-    ("models:/peagle-x/12", ("peagle-x", "/12")),
+    ("peagle-x@champion", HeadRef("peagle-x", alias="champion")),
+    ("models:/peagle-x@challenger", HeadRef("peagle-x", alias="challenger")),
+    ("models:/peagle-x/12", HeadRef("peagle-x", version="12")),
 ])
 def test_parse_model_ref(ref, want):
-    assert reg.parse_model_ref(ref) == want
+    assert HeadRef.parse(ref) == want
 
 
 @pytest.mark.parametrize("ref", ["peagle-x", "models:/peagle-x/latest", "@champion", "peagle-x@"])
 def test_parse_model_ref_rejects(ref):
     with pytest.raises(ValueError, match="NAME@ALIAS"):
-        reg.parse_model_ref(ref)
+        HeadRef.parse(ref)
+
+
+def test_head_ref_str_round_trips():
+    for text in ("models:/peagle-x@champion", "models:/peagle-x/12", "models:/org/peagle-x@a"):
+        assert str(HeadRef.parse(text)) == text
+    assert HeadRef.parse("models:/peagle-x/12").pinned and not HeadRef.parse("models:/peagle-x@c").pinned
+    with pytest.raises(ValueError, match="exactly one of alias / version"):
+        HeadRef("peagle-x", alias="champion", version="1")
 
 
 def test_names_and_hashes(tmp_path):

@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
-from pipelines.pipeline import PipelineRun, print_summary
+from pipelines.pipeline import STAGE_TYPES, STAGES, PipelineRun, print_summary
 from pipelines.preflight import Machine
 from pipelines.recipe import load_recipe
-from pipelines.stages import STAGE_TYPES, STAGES
 from pipelines.stages.base import STAGE_FILE, StageRecord, engine_settings
 from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.evaluate import EvaluateOutput
@@ -167,9 +166,11 @@ def test_evaluate_stage_measures_every_eval_set(tmp_path, monkeypatch):
 
     import transformers
 
-    from pipelines import capture, engines, eval_prompts
-    from pipelines import evaluate as ev
-    from pipelines.eval_report import EvalReport
+    from pipelines import assets
+    from pipelines.data import engines
+    from pipelines.evaluate import measure as ev
+    from pipelines.evaluate import prompts as eval_prompts
+    from pipelines.evaluate.report import EvalReport
     from pipelines.stages.evaluate import EvaluateStage
 
     recipe = load_recipe(CONFIGS / "smollm2-135m-ci.yaml",
@@ -177,7 +178,7 @@ def test_evaluate_stage_measures_every_eval_set(tmp_path, monkeypatch):
     run = PipelineRun(recipe, run_dir=tmp_path, say=lambda m: None)
     run.records["train"] = StageRecord("train", "ran", 1.0, run.key("train"), SAMPLES[5])
     engine, calls = object(), []
-    monkeypatch.setattr(capture, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
+    monkeypatch.setattr(assets, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda p: "tok")
     monkeypatch.setattr(engines, "make_engine", lambda backend, path, **kw: calls.append(backend) or engine)
 

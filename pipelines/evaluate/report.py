@@ -1,7 +1,7 @@
 """The evaluation table: :class:`EvalReport`, best K per method, speedups over no speculation,
 markdown and PNG plots, built (and written) by :func:`build_report`.
 
-Rows are those of :func:`pipelines.evaluate.evaluate` (one per method x K x concurrency; the columns
+Rows are those of :func:`pipelines.evaluate.measure.evaluate` (one per method x K x concurrency; the columns
 are listed in its module doc).
 """
 
@@ -19,7 +19,7 @@ from peagle_core.atomic import atomic_write_text
 
 @dataclass
 class EvalReport:
-    """Result of :func:`pipelines.evaluate.evaluate`: ``rows`` (the table), ``best_K`` per method per concurrency
+    """Result of :func:`pipelines.evaluate.measure.evaluate`: ``rows`` (the table), ``best_K`` per method per concurrency
     (by tokens/s), ``offline`` rows of the reference decoder, ``plots`` (PNG paths), ``markdown``."""
 
     eval_set: str
