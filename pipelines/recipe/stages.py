@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from peagle_core.drafter_config import DrafterConfig
 from pipelines import settings
-from pipelines.recipe.base import Section
+from pipelines.recipe.base import KEY_NEUTRAL_WHEN_NONE, Section
 from pipelines.recipe.data import SourceConfig
 from pipelines.recipe.target import TargetConfig
 from pipelines.recipe.traffic import TrafficLogConfig
@@ -38,7 +38,7 @@ class RegenerateConfig(Section):
     )
     max_turns: int | None = Field(None, ge=1, description="Regenerate at most this many assistant turns per "
                                   "conversation (later turns are cut); None = all.")
-    static_cache: bool | None = Field(None, description="backend=transformers: static KV cache, compiled decoding "
+    static_cache: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(None, description="backend=transformers: static KV cache, compiled decoding "
                                       "on CUDA, length-bucketed batches (pipelines.data.engines.TransformersEngine); "
                                       "None/false = plain generate.")
 
@@ -227,13 +227,13 @@ class EvalConfig(Section):
     include_offline_decoder: bool = Field(
         True, description="Also measure with the pure-torch reference speculative decoder."
     )
-    step_costs: bool | None = Field(
+    step_costs: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="Also split each engine's decoding step into target forward, sampling and drafting "
         "(ms per step, pipelines.evaluate.step_costs) at every concurrency: one more wave per concurrency after the timed "
         "sweep, with synchronized phases (the sweep's tokens/s are measured without them). vLLM's V1 model runner "
         "only: rows of a Model Runner V2 engine say 'unavailable'. None (default) = off.",
     )
-    compare_champion: bool | None = Field(
+    compare_champion: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="Also measure the registry's current champion (models:/<registry model>@champion, pinned "
         "to its version and head_sha256 when the run starts; part of the evaluate stage's key) in the same evaluate "
         "run: same prompts, K sweep, concurrency sweep and engine settings, its rows labelled method 'champion' "
@@ -279,7 +279,7 @@ class RegistryConfig(Section):
         0.0, description="Challenger is promoted when its acceptance length beats the champion's by this many "
         "tokens (AL units)."
     )
-    gate_eval_set: str | None = Field(
+    gate_eval_set: Annotated[str | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="Eval set (the name SourceConfig.eval_set_name gives an evaluation source: "
         "humaneval, mtbench, traffic, a file's stem, ...) on which the gate compares ALs; it is also the set of "
         "the registered AL tags and of the K schedule. None = the first traffic source of evaluation.sources "
@@ -337,7 +337,7 @@ class ServeConfig(Section):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     head_alias: str = Field("champion", description="Registry alias of the head to serve.")
-    k_schedule: Literal["auto", "off"] | None = Field(
+    k_schedule: Annotated[Literal["auto", "off"] | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="auto (None, the default): pass the served version's measured K schedule (tag "
         "k_schedule: batch-size ranges -> K, pipelines.evaluate.k_schedule) to vLLM as "
         "num_speculative_tokens_per_batch_size, num_speculative_tokens = its largest K; a version without the tag "
@@ -349,7 +349,7 @@ class ServeConfig(Section):
     def _yaml_off(cls, value):
         """YAML 1.1 reads a bare ``off``/``on`` as a boolean."""
         return ("auto" if value else "off") if isinstance(value, bool) else value
-    traffic_log: TrafficLogConfig | None = Field(
+    traffic_log: Annotated[TrafficLogConfig | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="Opt-in log of served chat completions (messages, served answer, model version, K, "
         "per-request acceptance) to Parquet shards, read back by source kind traffic (pipelines.traffic; "
         "docs/traffic.md, personal data included); None = no log.",

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 from peagle_core.atomic import atomic_write_text
 from pipelines.preflight import Machine, Problem, Severity
+from pipelines.recipe.base import is_key_neutral_when_none
 
 if TYPE_CHECKING:
     from pipelines.recipe import Recipe
@@ -103,19 +104,9 @@ def digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-# Recipe fields added after the stage keys were fixed, per section class: left out of a key while
-# None (their default), so a recipe that does not use them keeps its key and its run directory.
-KEY_NEUTRAL_WHEN_NONE: dict[str, tuple[str, ...]] = {
-    "SourceConfig": ("weight", "turns", "self_instruct", "traffic"),
-    "RegenerateConfig": ("static_cache",),
-    "ServeConfig": ("k_schedule", "traffic_log"),
-    "EvalConfig": ("compare_champion", "step_costs"),
-    "RegistryConfig": ("gate_eval_set",),
-}
-
-
 def stage_key(name: str, upstream_key: str, sections: tuple) -> str:
-    """Key of stage ``name``: its recipe ``sections`` (pydantic models dumped as JSON) + the upstream key."""
+    """Key of stage ``name``: its recipe ``sections`` (pydantic models dumped as JSON, without the fields marked
+    ``KEY_NEUTRAL_WHEN_NONE`` that are None) + the upstream key."""
     dumped = [_key_dump(s) for s in sections]
     return digest(name, upstream_key, dumped)
 
@@ -129,12 +120,12 @@ def _key_dump(section: Any) -> Any:
 
 
 def _drop_neutral(model: Any, dumped: Any) -> None:
-    """Remove :data:`KEY_NEUTRAL_WHEN_NONE` fields that are None from ``dumped`` (``model``'s dump), nested."""
+    """Remove the fields marked ``pipelines.recipe.base.KEY_NEUTRAL_WHEN_NONE`` that are None from ``dumped``
+    (``model``'s dump), nested."""
     if hasattr(type(model), "model_fields") and isinstance(dumped, dict):
-        neutral = KEY_NEUTRAL_WHEN_NONE.get(type(model).__name__, ())
-        for fname in type(model).model_fields:
+        for fname, info in type(model).model_fields.items():
             value = getattr(model, fname)
-            if fname in neutral and value is None:
+            if value is None and is_key_neutral_when_none(info):
                 dumped.pop(fname, None)
             elif fname in dumped:
                 _drop_neutral(value, dumped[fname])

@@ -62,6 +62,27 @@ def test_stage_keys_unchanged(config, tmp_path):
     assert {s: run.key(s) for s in STAGES} == KEYS[config]
 
 
+@pytest.mark.parametrize("config", sorted(KEYS))
+def test_stage_keys_do_not_depend_on_class_names(config, tmp_path):
+    """Which fields a key leaves out while None is marked on the fields (KEY_NEUTRAL_WHEN_NONE), not listed
+    by class name: renaming every recipe section class changes no key."""
+    import pipelines.recipe as r
+
+    classes = (r.SourceConfig, r.DataConfig, r.RegenerateConfig, r.CaptureConfig, r.DrafterSpec, r.TrainingConfig,
+               r.EvalConfig, r.RegistryConfig, r.ServeConfig, r.TargetConfig, r.TrafficSourceConfig,
+               r.TrafficLogConfig, r.SelfInstructConfig)
+    names = [(c.__name__, c.__qualname__) for c in classes]
+    try:
+        for c in classes:
+            c.__name__, c.__qualname__ = f"Renamed{c.__name__}", f"Renamed{c.__qualname__}"
+        run = PipelineRun(load_recipe(CONFIGS / config), run_dir=tmp_path, machine=Machine.ideal())
+        keys = {s: run.key(s) for s in STAGES}
+    finally:
+        for c, (name, qualname) in zip(classes, names, strict=True):
+            c.__name__, c.__qualname__ = name, qualname
+    assert keys == KEYS[config]
+
+
 def test_key_follows_upstream_sections(ci_recipe, tmp_path):
     base = PipelineRun(ci_recipe, run_dir=tmp_path)
     changed = PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["training.lr=0.001"]), run_dir=tmp_path)
