@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -310,38 +310,33 @@ class RegistryConfig(Section):
         return settings.model_name(target.model, self.model_name)
 
 
-def check_autoscaling(min_replicas: int, max_replicas: int, target_ongoing_requests: float,
-                      max_ongoing_requests: int, *, prefix: str = "") -> None:
-    """Ray Serve autoscaling bounds of one deployment (``serving`` recipe section, ``ServeAppArgs``).
+class ServeDeployment(Section):
+    """One Serve deployment of target + head: served K, replicas and their autoscaling, the API key, the K schedule
+    and the traffic log. The one home of these fields: the recipe's ``serving`` section (:class:`ServeConfig`)
+    and a Serve app's arguments (``pipelines.serve.ServeAppArgs``) both derive from it."""
 
-    Raises:
-        ValueError: ``min_replicas > max_replicas``; ``target_ongoing_requests > max_ongoing_requests`` (a
-            replica never reaches the target, so autoscaling would never trigger). ``prefix`` names the section.
-    """
-    if min_replicas > max_replicas:
-        raise ValueError(f"{prefix}min_replicas={min_replicas} > max_replicas={max_replicas}")
-    if target_ongoing_requests > max_ongoing_requests:
-        raise ValueError(f"{prefix}target_ongoing_requests={target_ongoing_requests} > max_ongoing_requests="
-                         f"{max_ongoing_requests}: autoscaling would never trigger; lower the target")
+    _error_prefix: ClassVar[str] = ""  # names the section in errors ("serving." in a recipe)
 
-
-class ServeConfig(Section):
-    """Ray Serve LLM deployment of target + head (parallel drafting)."""
-
-    num_speculative_tokens: int = Field(5, ge=1, description="K served (may exceed the trained K).")
-    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound (replicas).")
-    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound (replicas).")
+    num_speculative_tokens: int = Field(5, ge=1, description="K served (draft tokens per step; may exceed the trained "
+                                        "K) when no K schedule is served.")
+    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound of LLM replicas.")
+    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of LLM replicas.")
     target_ongoing_requests: int = Field(4, ge=1, description="Autoscaling target of in-flight requests per replica.")
-    max_ongoing_requests: int = Field(16, ge=1, description="Hard cap of in-flight requests per replica.")
-    api_key_env: str | None = Field(None, description="Env var holding the API key clients must send; None = open.")
-    host: str = Field("127.0.0.1", description="HTTP bind address.")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-    head_alias: str = Field("champion", description="Registry alias of the head to serve.")
+    max_ongoing_requests: int = Field(16, ge=1, description="Hard cap of in-flight requests per LLM replica.")
+    api_key_env: str | None = Field(
+        None, description="Env var holding the API key clients must send (Authorization: Bearer KEY); None = open "
+        "endpoint. Must be set on the driver and on every node (e.g. a Kubernetes Secret on all pods).",
+    )
     k_schedule: Annotated[Literal["auto", "off"] | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="auto (None, the default): pass the served version's measured K schedule (tag "
         "k_schedule: batch-size ranges -> K, pipelines.evaluate.k_schedule) to vLLM as "
-        "num_speculative_tokens_per_batch_size, num_speculative_tokens = its largest K; a version without the tag "
-        "is served at num_speculative_tokens. off: always the fixed num_speculative_tokens.",
+        "num_speculative_tokens_per_batch_size, num_speculative_tokens = its largest K; a local head directory or a "
+        "version without the tag is served at num_speculative_tokens. off: always the fixed num_speculative_tokens.",
+    )
+    traffic_log: Annotated[TrafficLogConfig | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, description="Opt-in log of served chat completions (messages, served answer, model version, K, "
+        "per-request acceptance) to Parquet shards, read back by source kind traffic (pipelines.traffic, "
+        "pipelines.data.traffic_source; docs/traffic.md, personal data included); None = no log.",
     )
 
     @field_validator("k_schedule", mode="before")
@@ -349,14 +344,26 @@ class ServeConfig(Section):
     def _yaml_off(cls, value):
         """YAML 1.1 reads a bare ``off``/``on`` as a boolean."""
         return ("auto" if value else "off") if isinstance(value, bool) else value
-    traffic_log: Annotated[TrafficLogConfig | None, KEY_NEUTRAL_WHEN_NONE] = Field(
-        None, description="Opt-in log of served chat completions (messages, served answer, model version, K, "
-        "per-request acceptance) to Parquet shards, read back by source kind traffic (pipelines.traffic; "
-        "docs/traffic.md, personal data included); None = no log.",
-    )
 
     @model_validator(mode="after")
     def _bounds(self):
-        check_autoscaling(self.min_replicas, self.max_replicas, self.target_ongoing_requests,
-                          self.max_ongoing_requests, prefix="serving.")
+        """Ray Serve autoscaling bounds: ``min_replicas <= max_replicas``; ``target_ongoing_requests <=
+        max_ongoing_requests`` (else a replica never reaches the target and autoscaling never triggers)."""
+        prefix = self._error_prefix
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"{prefix}min_replicas={self.min_replicas} > max_replicas={self.max_replicas}")
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(f"{prefix}target_ongoing_requests={self.target_ongoing_requests} > max_ongoing_requests="
+                             f"{self.max_ongoing_requests}: autoscaling would never trigger; lower the target")
         return self
+
+
+class ServeConfig(ServeDeployment):
+    """Ray Serve LLM deployment of target + head (parallel drafting): :class:`ServeDeployment` plus where the
+    endpoint listens and which registry alias it serves."""
+
+    _error_prefix: ClassVar[str] = "serving."
+
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    head_alias: str = Field("champion", description="Registry alias of the head to serve.")

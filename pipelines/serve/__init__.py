@@ -49,26 +49,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipelines import settings
 from pipelines.assets import EMBEDDED_TARGETS
-from pipelines.recipe.stages import check_autoscaling
-from pipelines.recipe.traffic import TrafficLogConfig
+from pipelines.recipe.stages import ServeDeployment
 from pipelines.registry.refs import HeadRef
 from pipelines.serve.heads import PIN_FIX, HeadDownloadCallback, fetch_head
 
 log = logging.getLogger(__name__)
 
 
-class ServeAppArgs(BaseModel):
+class ServeAppArgs(ServeDeployment):
     """``args`` of the Serve YAML (``import_path: pipelines.serve:build_app``).
 
-    Defaults mirror ``pipelines.recipe.ServeConfig`` for the replica / autoscaling fields; see
-    :meth:`from_recipe` to derive the args from a recipe.
+    The deployment fields (served K, replicas and autoscaling, API key, K schedule, traffic log) are
+    ``pipelines.recipe.ServeDeployment``'s, the same class the recipe's ``serving`` section derives from;
+    :meth:`from_recipe` copies them from a recipe. The fields here are the app's own. ``k_schedule`` also takes
+    an explicit schedule; None (a recipe's default) means ``auto``.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     model_id: str | None = Field(None, description="Model name clients send; None = the target's basename.")
     target: str = Field(
@@ -88,12 +87,9 @@ class ServeAppArgs(BaseModel):
         None, description="MLflow tracking URI of the registry; None = $MLFLOW_TRACKING_URI or "
         "sqlite:///$PEAGLE_HOME/mlflow.db (resolved on the driver and passed to every replica).",
     )
-    num_speculative_tokens: int = Field(5, ge=1, description="K served (draft tokens per step) without a K schedule.")
     k_schedule: Literal["auto", "off"] | list[tuple[int, int, int]] = Field(
-        "auto", description="K per batch size for vLLM's num_speculative_tokens_per_batch_size: 'auto' = the "
-        "registered version's measured schedule (tag k_schedule, pipelines.evaluate.k_schedule; none for a local head "
-        "directory or an untagged version: fixed num_speculative_tokens), 'off' = fixed num_speculative_tokens, or "
-        "an explicit [[batch_min, batch_max, K], ...] (inclusive ranges from 1, K >= 0).",
+        "auto", description="As ServeDeployment.k_schedule (None = auto), or an explicit [[batch_min, batch_max, K], "
+        "...] for vLLM's num_speculative_tokens_per_batch_size (inclusive ranges from 1, K >= 0).",
     )
     parallel_drafting: bool = Field(True, description="P-EAGLE parallel drafting (False: sequential EAGLE-3).")
     accelerator: Literal["cpu", "gpu"] = Field("cpu", description="Ray Serve LLM accelerator_config kind.")
@@ -103,20 +99,12 @@ class ServeAppArgs(BaseModel):
         description="Extra vLLM engine kwargs (max_model_len, gpu_memory_utilization, tensor_parallel_size, "
         "enforce_eager, ...). 'model', 'dtype' and 'speculative_config' are set from the fields above.",
     )
-    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound of LLM replicas.")
-    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of LLM replicas.")
-    target_ongoing_requests: int = Field(4, ge=1, description="Autoscaling target of in-flight requests per replica.")
-    max_ongoing_requests: int = Field(16, ge=1, description="Hard cap of in-flight requests per LLM replica.")
     replica_num_cpus: float = Field(
         1.0, ge=0, description="CPUs reserved by the LLMServer actor itself (the engine bundle adds its own)."
     )
     ingress_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each ingress replica.")
     ingress_max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of ingress replicas.")
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="In-flight requests per ingress replica.")
-    api_key_env: str | None = Field(
-        None, description="Env var holding the API key (Authorization: Bearer KEY); None = open endpoint. "
-        "Must be set on the driver and on every node (e.g. a Kubernetes Secret on all pods).",
-    )
     head_cache_dir: str | None = Field(
         None, description="Where replicas keep downloaded heads; None = $PEAGLE_HOME/serve/heads."
     )
@@ -124,14 +112,12 @@ class ServeAppArgs(BaseModel):
         8 << 20, ge=1024, description="Largest request body the ingress reads (bytes); larger ones get 413."
     )
     log_engine_metrics: bool = Field(True, description="Export vLLM metrics (spec-decode counters included).")
-    traffic_log: TrafficLogConfig | None = Field(
-        None, description="Opt-in log of served chat completions to Parquet shards (pipelines.traffic; "
-        "docs/traffic.md: personal data); None = no log.",
-    )
 
     @field_validator("k_schedule", mode="before")
     @classmethod
     def _valid_schedule(cls, value):
+        if value is None:  # a recipe's default
+            return "auto"
         if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as a boolean
             return "auto" if value else "off"
         if isinstance(value, list | tuple):
@@ -142,8 +128,6 @@ class ServeAppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        check_autoscaling(self.min_replicas, self.max_replicas, self.target_ongoing_requests,
-                          self.max_ongoing_requests)
         if isinstance(self.k_schedule, list) and self.parallel_drafting:
             from pipelines.evaluate.k_schedule import check_parallel_drafting
 
@@ -163,18 +147,14 @@ class ServeAppArgs(BaseModel):
 
     @classmethod
     def from_recipe(cls, recipe, **overrides: Any) -> ServeAppArgs:
-        """Args from a ``pipelines.recipe.Recipe`` (target, serving and registry sections)."""
+        """Args from a ``pipelines.recipe.Recipe``: the serving section's deployment fields as they are, plus the
+        target, the head (``models:/<registry model>@<serving.head_alias>``), the registry and the method."""
         s, r = recipe.serving, recipe.registry
         name = r.resolved_model_name(recipe.target)
-        kw: dict[str, Any] = {
-            "target": recipe.target.model, "target_dtype": recipe.target.dtype,
-            "head": f"models:/{name}@{s.head_alias}", "tracking_uri": r.tracking_uri,
-            "num_speculative_tokens": s.num_speculative_tokens, "min_replicas": s.min_replicas,
-            "max_replicas": s.max_replicas, "target_ongoing_requests": s.target_ongoing_requests,
-            "max_ongoing_requests": s.max_ongoing_requests, "api_key_env": s.api_key_env,
-            "parallel_drafting": recipe.training.method == "peagle", "k_schedule": s.k_schedule or "auto",
-            "traffic_log": s.traffic_log,
-        }
+        kw: dict[str, Any] = {f: getattr(s, f) for f in ServeDeployment.model_fields}
+        kw |= {"target": recipe.target.model, "target_dtype": recipe.target.dtype,
+               "head": str(HeadRef(name, alias=s.head_alias)), "tracking_uri": r.tracking_uri,
+               "parallel_drafting": recipe.training.method == "peagle"}
         kw.update(overrides)
         return cls(**kw)
 

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from pipelines import settings
 from pipelines.registry import register as reg
@@ -81,3 +82,24 @@ def test_serve_args_from_recipe():
     args = ServeAppArgs.from_recipe(r, accelerator="gpu", accelerator_type="B200")
     assert args.head == "models:/peagle-gpt-oss-20b@champion" and args.num_speculative_tokens == 7
     assert args.target == "openai/gpt-oss-20b" and args.parallel_drafting
+
+
+def test_serve_args_and_the_serving_section_share_one_schema():
+    """The deployment fields have one home (ServeDeployment): same defaults and limits in the recipe's serving
+    section and in the Serve app's args, and from_recipe carries every one of them."""
+    from pipelines.recipe import ServeConfig, ServeDeployment, load_recipe
+    from pipelines.serve import ServeAppArgs
+
+    shared = set(ServeDeployment.model_fields)
+    assert {"num_speculative_tokens", "min_replicas", "max_replicas", "target_ongoing_requests",
+            "max_ongoing_requests", "api_key_env", "k_schedule", "traffic_log"} == shared
+    assert issubclass(ServeConfig, ServeDeployment) and issubclass(ServeAppArgs, ServeDeployment)
+    r = load_recipe(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-cpu.yaml",
+                    ["serving.num_speculative_tokens=3", "serving.max_replicas=2", "serving.api_key_env=KEY",
+                     "serving.traffic_log={}", "serving.k_schedule=off"])
+    args = ServeAppArgs.from_recipe(r)
+    assert {f: getattr(args, f) for f in shared} == {f: getattr(r.serving, f) for f in shared}
+    with pytest.raises(ValidationError, match="serving.min_replicas=2 > max_replicas=1"):
+        ServeConfig(min_replicas=2)
+    with pytest.raises(ValidationError, match="min_replicas=2 > max_replicas=1"):
+        ServeAppArgs(min_replicas=2)
