@@ -110,12 +110,13 @@ class ServeStage(Stage):
                            smoke_answer=answer, api_key_env=s.api_key_env)
 
     def is_valid(self, out: ServeOutput) -> bool:
+        from pipelines.registry.refs import HeadRef
         from pipelines.serve.heads import pin_head_ref
         from pipelines.serve.rollout import RUNNING, app_statuses, backend_apps, ray_serve
 
         ray_serve()
         statuses = app_statuses()
-        current = pin_head_ref(f"models:/{self.ctx.model_name}@{self.recipe.serving.head_alias}",
+        current = pin_head_ref(str(HeadRef(self.ctx.model_name, alias=self.recipe.serving.head_alias)),
                                self.ctx.tracking_uri)
         return (statuses.get(settings.SERVE_APP_NAME) == RUNNING and out.head == current
                 and any(statuses[b] == RUNNING for b in backend_apps(statuses)))
