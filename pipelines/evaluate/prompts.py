@@ -7,9 +7,12 @@ An eval set is named by ``SourceConfig.eval_set_name`` (rows of :func:`pipelines
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipelines.recipe import SourceConfig
@@ -76,6 +79,28 @@ def load_eval_prompts(
             ids = kept
         out[src.eval_set_name()] = ids
     return out
+
+
+@contextlib.contextmanager
+def first_turn_engine(sources: Sequence[SourceConfig], target_path: str | Path, *, dtype: str, max_model_len: int,
+                      name: str | None = None) -> Iterator[Any]:
+    """A transformers engine of the target while eval prompts load, when an MT-Bench source has ``turns: 2``
+    (it answers the first turns, :func:`mtbench_two_turns`); else None. Freed on exit, before vLLM starts."""
+    if not any(s.kind == "mtbench" and s.turns == 2 for s in sources):
+        yield None
+        return
+    import torch
+
+    from pipelines.data.engines import make_engine
+
+    engine = make_engine("transformers", target_path, dtype=dtype, max_model_len=max_model_len, name=name)
+    try:
+        yield engine
+    finally:
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def mtbench_two_turns(rows: Sequence[dict], engine, max_tokens: int) -> list[list[dict]]:

@@ -87,6 +87,15 @@ def head_sha256(head_dir: str | os.PathLike) -> str | None:
     return hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None
 
 
+def head_method(head_dir: str | os.PathLike) -> str:
+    """``peagle`` for a head with a mask token id (parallel drafting), else ``eagle3``: the ``method`` a version
+    of this head is tagged with when its registration does not say."""
+    from peagle_core.contract import CONFIG_FILE, head_mask_token_id
+
+    config = json.loads((Path(head_dir) / CONFIG_FILE).read_text())
+    return "peagle" if head_mask_token_id(config) is not None else "eagle3"
+
+
 def find_registered(model_name: str, pipeline_key: str, *, head_sha: str | None = None,
                     experiment: str = settings.EXPERIMENT, tracking_uri: str | None = None) -> Registered:
     """The model version and run an earlier register of ``pipeline_key`` left (tag :data:`PIPELINE_KEY_TAG`).
@@ -350,6 +359,6 @@ def list_versions(model_name: str | None = None, *, tracking_uri: str | None = N
 
 __all__ = [
     "CHALLENGER", "HEAD_SHA256_TAG", "PIPELINE_KEY_TAG", "Registered", "TrackingUnreachableError", "download",
-    "eval_metric_name", "find_registered", "get_client", "head_sha256", "list_versions", "log_run", "manifest_hash",
-    "register_head", "tracking_guard", "version_tag",
+    "eval_metric_name", "find_registered", "get_client", "head_method", "head_sha256", "list_versions", "log_run",
+    "manifest_hash", "register_head", "tracking_guard", "version_tag",
 ]

@@ -93,6 +93,16 @@ def log_run(
     return run_id
 
 
+def log_metrics_now(run_id: str, metrics: Mapping[str, float], *, tracking_uri: str | None = None) -> None:
+    """Log ``metrics`` (``{name: value}``, e.g. ``stage_seconds.<stage>``) to ``run_id`` at step 0, timestamped now."""
+    if not metrics:
+        return
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    get_client(tracking_uri).log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
+
+
 def _open_run(client, run_id: str | None, *, run_name: str | None, experiment: str,
               tags: Mapping[str, str] | None) -> str:
     """``run_id`` with ``tags`` added, or a new run in ``experiment`` carrying them."""

@@ -24,17 +24,13 @@ version and head_sha256 when comparing).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_core.atomic import atomic_write_text
 from pipelines.preflight import Machine, Problem, Severity
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, write_json
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput
 from pipelines.stages.train import TrainOutput
 
 CHAMPION_HEAD_DIR = "champion_head"  # under the stage directory: the champion's head, downloaded
@@ -72,6 +68,20 @@ class EvaluateOutput(StageOutput):
         """Rows of ``eval_set`` (default: the gate set); a row without ``eval_set`` is the gate set's."""
         name = eval_set or self.eval_set
         return [x for x in self.rows if x.get("eval_set", self.eval_set) == name]
+
+    def measured_champion(self, *, gate_K: int, concurrency: int):
+        """The champion as this run measured it on its gate set (``pipelines.registry.promotion.MeasuredChampion``:
+        version and AL at ``gate_K`` and ``concurrency``), or None when the stage did not compare (the gate then
+        reads the champion's registered AL)."""
+        from pipelines.evaluate.measure import CHAMPION_LABEL
+        from pipelines.registry.promotion import MeasuredChampion
+
+        if self.champion is None:
+            return None
+        version = self.champion.get("version")
+        al = self.al_by_K(CHAMPION_LABEL, concurrency, eval_set=self.eval_set).get(gate_K) if version is not None \
+            else None
+        return MeasuredChampion(version=str(version) if version is not None else None, al=al, eval_set=self.eval_set)
 
     def al_by_K(self, method: str, concurrency: int, eval_set: str | None = None) -> dict[int, float]:
         """AL per K of ``method`` at ``concurrency`` on ``eval_set`` (default: the gate set)."""
@@ -130,8 +140,8 @@ class EvaluateStage(Stage):
 
         from pipelines.assets import resolve_target
         from pipelines.evaluate import measure as ev
-        from pipelines.evaluate.k_schedule import schedule_or_none
-        from pipelines.evaluate.prompts import load_eval_prompts
+        from pipelines.evaluate.prompts import first_turn_engine, load_eval_prompts
+        from pipelines.evaluate.report import write_sets_table
 
         r = self.recipe
         head = self.ctx.upstream(TrainOutput).head_dir
@@ -140,7 +150,8 @@ class EvaluateStage(Stage):
         asset, _ = resolve_target(r.target)
         tok = AutoTokenizer.from_pretrained(str(asset.path))
         max_len = max(1024, r.data.max_length_tokens)
-        with self._turn_one_engine(asset.path, max_len) as engine:
+        with first_turn_engine(r.evaluation.sources, asset.path, dtype=r.target.dtype, max_model_len=max_len,
+                               name=r.target.model) as engine:
             sets = load_eval_prompts(r.evaluation.sources, tok, num_prompts=r.evaluation.num_prompts,
                                      seed=r.data.seed, max_prompt_tokens=max_len - r.evaluation.max_tokens,
                                      engine=engine, max_tokens=r.evaluation.max_tokens)
@@ -151,22 +162,11 @@ class EvaluateStage(Stage):
             reports[eval_set] = ev.evaluate(target=asset.path, prompts=sets[eval_set],
                                             heads={r.training.method: head}, cfg=r.evaluation, eval_set=eval_set,
                                             engine_kwargs=engine_kwargs, out_dir=self.dir / eval_set, **champion_kw)
-        schedule = schedule_or_none(reports[gate].rows, r.training.method)
-        k_schedule = [list(e) for e in schedule] if schedule is not None else None
-        rows = [row for rep in reports.values() for row in rep.rows]
-        markdown = "".join(f"## {name}{' (gate)' if name == gate else ''}\n\n{rep.markdown}\n"
-                           for name, rep in reports.items())
-        write_json(self.dir / "table.json", {"gate_eval_set": gate, "eval_sets": list(reports), "rows": rows,
-                                             "best_K": {name: rep.best_K for name, rep in reports.items()},
-                                             "k_schedule": {"eval_set": gate, "method": r.training.method,
-                                                            "schedule": k_schedule},
-                                             "champion": champion})
-        atomic_write_text(self.dir / "table.md", markdown)
-        self.ctx.say(f"table {self.dir / 'table.md'}" if not self.ctx.verbose else "\n" + markdown)
-        plots = {f"{name}/{k}": str(v) for name, rep in reports.items() for k, v in rep.plots.items()}
-        return EvaluateOutput(table=str(self.dir / "table.json"), rows=rows, eval_set=gate,
-                              best_K=reports[gate].best_K, eval_sets=list(reports), plots=plots,
-                              k_schedule=k_schedule, champion=champion)
+        table = write_sets_table(reports, gate=gate, method=r.training.method, champion=champion, out_dir=self.dir)
+        self.ctx.say(f"table {self.dir / 'table.md'}" if not self.ctx.verbose else "\n" + table.markdown)
+        return EvaluateOutput(table=str(self.dir / "table.json"), rows=table.rows, eval_set=gate,
+                              best_K=reports[gate].best_K, eval_sets=list(reports), plots=table.plots,
+                              k_schedule=table.schedule, champion=champion)
 
     def _pin_champion(self):
         """The registry's ``champion`` of the recipe's model pinned to its version and ``head_sha256`` (a
@@ -201,68 +201,29 @@ class EvaluateStage(Stage):
         if self._champion is None:
             self.ctx.say(f"no champion of {self.ctx.model_name} yet: measuring the trained head only")
             return None, {"model": self.ctx.model_name, "version": None}
-        import json
 
-        from peagle_core.contract import CONFIG_FILE, head_mask_token_id
+        from pipelines.registry.register import head_method
         from pipelines.train.warm_start import fetch_init_head
 
         init = fetch_init_head(self._champion, self.dir / CHAMPION_HEAD_DIR, tracking_uri=self.ctx.tracking_uri)
-        config = json.loads((Path(init.head_dir) / CONFIG_FILE).read_text())
-        method = "peagle" if head_mask_token_id(config) is not None else "eagle3"  # as register infers it
+        method = head_method(init.head_dir)
         self.ctx.say(f"champion {init.describe()} ({method}) measured beside the trained head")
         return init.head_dir, {**init.key(), "method": method}
-
-    @contextlib.contextmanager
-    def _turn_one_engine(self, target_path: Path, max_len: int) -> Iterator[Any]:
-        """A transformers engine of the target while eval prompts load, when an MT-Bench source has
-        ``turns: 2`` (it answers the first turns); else None. Freed on exit, before vLLM starts."""
-        if not any(s.kind == "mtbench" and s.turns == 2 for s in self.recipe.evaluation.sources):
-            yield None
-            return
-        import torch
-
-        from pipelines.data.engines import make_engine
-
-        engine = make_engine("transformers", target_path, dtype=self.recipe.target.dtype, max_model_len=max_len,
-                             name=self.recipe.target.model)
-        try:
-            yield engine
-        finally:
-            del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
 
     def is_valid(self, out: EvaluateOutput) -> bool:
         return Path(out.table).is_file() and bool(out.rows)
 
     def summary(self, out: EvaluateOutput) -> tuple[str, dict[str, Any]]:
         from pipelines.evaluate.measure import CHAMPION_LABEL
+        from pipelines.evaluate.report import headline
 
-        by_set = {name: headline(out.set_rows(name), self.recipe) for name in out.set_names()}
-        s = headline(out.set_rows(), self.recipe) | {
+        method, c = self.recipe.training.method, min(self.recipe.evaluation.concurrency_sweep)
+        by_set = {name: headline(out.set_rows(name), method, c) for name in out.set_names()}
+        s = headline(out.set_rows(), method, c) | {
             "eval_set": out.eval_set,
             "by_eval_set": {name: {k: h[k] for k in ("none_tokens_per_s", "per_K")} for name, h in by_set.items()},
         }
         if out.champion is not None:  # the champion's AL per K on each set, beside the trained head's
-            c = min(self.recipe.evaluation.concurrency_sweep)
             s["champion"] = out.champion | {"al_by_K": {name: out.al_by_K(CHAMPION_LABEL, c, eval_set=name)
                                                         for name in out.set_names()}}
         return "eval", s
-
-
-def headline(rows: list[dict], recipe) -> dict[str, Any]:
-    """AL per K of the trained head and its tokens/s against no speculation at the lowest concurrency
-    (``rows`` of one eval set)."""
-    c = min(recipe.evaluation.concurrency_sweep)
-    method = recipe.training.method
-    base = next((x for x in rows if x["method"] == "none" and int(x.get("concurrency", 1)) == c), None)
-    per_K = {}
-    for x in rows:
-        if x["method"] == method and int(x.get("concurrency", 1)) == c:
-            speedup = (x["tokens_per_s"] / base["tokens_per_s"]
-                       if base and base.get("tokens_per_s") and x.get("tokens_per_s") else None)
-            per_K[int(x["K"])] = {"acceptance_length": x.get("acceptance_length"),
-                                  "tokens_per_s": x.get("tokens_per_s"), "speedup": speedup}
-    return {"method": method, "concurrency": c,
-            "none_tokens_per_s": base.get("tokens_per_s") if base else None, "per_K": per_K}

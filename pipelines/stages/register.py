@@ -21,7 +21,6 @@ fails in seconds with one line naming the URI (``pipelines.registry.register.tra
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +92,7 @@ class RegisterStage(Stage):
                              "evaluate (peagle run --stage evaluate --force)")
         # the gate compares ALs on one eval set: the gate set's rows only (best_K is the gate set's too)
         al_by_K = ev.al_by_K(method, min(r.evaluation.concurrency_sweep), eval_set=ev.eval_set)
-        measured = measured_champion(ev, gate_K=gate_K, concurrency=min(r.evaluation.concurrency_sweep))
+        measured = ev.measured_champion(gate_K=gate_K, concurrency=min(r.evaluation.concurrency_sweep))
         # records written before evaluate stored the schedule: the same function on the same gate-set rows
         schedule = ev.k_schedule if ev.k_schedule is not None else schedule_or_none(ev.set_rows(), method)
         schedule_tag = {K_SCHEDULE_TAG: schedule_to_tag(schedule)} if schedule is not None else {}
@@ -129,6 +128,7 @@ class RegisterStage(Stage):
         """The pipeline's MLflow run: recipe, curves, eval table, data manifest, stage timings (``run_id``:
         continue the run an interrupted register of this key left)."""
         from pipelines.registry import register as reg
+        from pipelines.registry.runs import log_metrics_now
 
         r, uri = self.recipe, self.ctx.tracking_uri
         champion = {f"peagle.champion_{k}": str(ev.champion.get(k) or "") for k in ("version", "head_sha256")
@@ -142,12 +142,8 @@ class RegisterStage(Stage):
             tags={"peagle.recipe": r.name, "peagle.pipeline_key": self.ctx.key(self.name),
                   "peagle.train_mlflow_run": str(train.mlflow_run_id or ""), **champion},
             tracking_uri=uri)
-        timings = {f"stage_seconds.{n}": rec.seconds for n, rec in self.ctx.records.items() if rec.status == "ran"}
-        if timings:
-            from mlflow.entities import Metric
-
-            now = int(time.time() * 1000)
-            reg.get_client(uri).log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in timings.items()])
+        log_metrics_now(run_id, {f"stage_seconds.{n}": rec.seconds for n, rec in self.ctx.records.items()
+                                     if rec.status == "ran"}, tracking_uri=uri)
         return run_id
 
     def is_valid(self, out: RegisterOutput) -> bool:
@@ -161,17 +157,3 @@ class RegisterStage(Stage):
         return "mlflow", {"tracking_uri": out.tracking_uri, "run_id": out.run_id, "model_name": out.model_name,
                           "version": out.version, "promoted": out.promoted, "champion_version": out.champion_version,
                           "reason": out.reason}
-
-
-def measured_champion(ev: EvaluateOutput, *, gate_K: int, concurrency: int):
-    """The champion as ``ev`` measured it on its gate set (``pipelines.registry.promotion.MeasuredChampion``: version and
-    AL at ``gate_K`` and ``concurrency``), or None when the evaluate stage did not compare (the gate then
-    reads the champion's registered AL)."""
-    from pipelines.evaluate.measure import CHAMPION_LABEL
-    from pipelines.registry.promotion import MeasuredChampion
-
-    if ev.champion is None:
-        return None
-    version = ev.champion.get("version")
-    al = ev.al_by_K(CHAMPION_LABEL, concurrency, eval_set=ev.eval_set).get(gate_K) if version is not None else None
-    return MeasuredChampion(version=str(version) if version is not None else None, al=al, eval_set=ev.eval_set)

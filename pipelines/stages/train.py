@@ -133,7 +133,7 @@ class TrainStage(Stage):
         else:  # each worker reads its slice of the seeded per-epoch order: a resume is sample-exact
             plan = plan_from_capture(r.training, r.drafter, r.target, cap.capture_dir, init_head=init)
             data = OrderedCapture(str(cap.capture_dir))
-        from pipelines.train.progress import train_progress
+        from pipelines.train.progress import format_metrics, train_progress
 
         tracking_uri = self.ctx.tracking_uri
         if not_installed("mlflow"):
@@ -147,7 +147,7 @@ class TrainStage(Stage):
         history = (res.return_value or {}).get("history") or []
         last = history[-1] if history else {}
         resumed = f" (resumed from {res.resumed_from_step})" if res.resumed_from_step else ""
-        self.ctx.say(f"{res.step} steps{resumed}, last {_fmt_metrics(last)}; head {res.head_dir}")
+        self.ctx.say(f"{res.step} steps{resumed}, last {format_metrics(last)}; head {res.head_dir}")
         return TrainOutput(
             head_dir=str(res.head_dir), step=res.step, resumed_from_step=res.resumed_from_step,
             checkpoint=res.checkpoint_path, mlflow_run_id=res.mlflow_run_id, history=history,
@@ -180,8 +180,3 @@ class TrainStage(Stage):
             s["materialized_capture_bytes_estimate"] = self._stream_num_tokens * bytes_per_token(
                 hidden_size, self.recipe.capture.dtype)
         return "train", s
-
-
-def _fmt_metrics(m: dict) -> str:
-    keys = [k for k in m if k in ("loss", "acc_depth0", "acc_depth1", "acc_depth4", "lr") or k.startswith("acc_d")]
-    return ", ".join(f"{k}={m[k]:.4g}" for k in keys[:8] if isinstance(m.get(k), (int, float))) or "-"

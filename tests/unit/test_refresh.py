@@ -15,7 +15,6 @@ from pipelines.registry import promotion
 from pipelines.registry import register as reg
 from pipelines.stages.base import StageRecord
 from pipelines.stages.evaluate import EvaluateOutput
-from pipelines.stages.register import measured_champion
 from pipelines.stages.train import TrainOutput
 from tests.conftest import CONFIGS
 
@@ -173,11 +172,11 @@ def test_register_reads_the_champion_from_the_gate_set_rows():
             row("peagle", 3, 1.4, "humaneval"), row("champion", 3, 2.2, "humaneval")]
     ev = EvaluateOutput(table="t.json", rows=rows, eval_set="traffic", eval_sets=["traffic", "humaneval"],
                         champion={"model": NAME, "version": "4", "head_sha256": "a" * 64, "method": "peagle"})
-    assert measured_champion(ev, gate_K=3, concurrency=1) == promotion.MeasuredChampion("4", 1.5, "traffic")
+    assert ev.measured_champion(gate_K=3, concurrency=1) == promotion.MeasuredChampion("4", 1.5, "traffic")
     assert ev.al_by_K("peagle", 1) == {3: 1.8}  # the trained head's rows exclude the champion's
-    assert measured_champion(dataclasses.replace(ev, champion=None), gate_K=3, concurrency=1) is None
+    assert dataclasses.replace(ev, champion=None).measured_champion(gate_K=3, concurrency=1) is None
     none = dataclasses.replace(ev, champion={"model": NAME, "version": None})
-    assert measured_champion(none, gate_K=3, concurrency=1) == promotion.MeasuredChampion(None, None, "traffic")
+    assert none.measured_champion(gate_K=3, concurrency=1) == promotion.MeasuredChampion(None, None, "traffic")
     again = EvaluateOutput.from_json(json.loads(json.dumps(ev.to_json())))
     assert again == ev and "champion" not in dataclasses.replace(ev, champion=None).to_json()
 
@@ -267,7 +266,7 @@ def test_evaluate_stage_measures_the_pinned_champion_on_every_set(uri, tmp_path,
                      ("humaneval", {"peagle": "/trained"}, str(head), "peagle")]
     assert out.eval_set == "traffic" and out.eval_sets == ["traffic", "humaneval"]
     assert out.champion == {"model": NAME, "version": v1, "head_sha256": "a" * 64, "method": "peagle"}
-    assert measured_champion(out, gate_K=3, concurrency=1) == promotion.MeasuredChampion(v1, 1.4, "traffic")
+    assert out.measured_champion(gate_K=3, concurrency=1) == promotion.MeasuredChampion(v1, 1.4, "traffic")
     table = json.loads((tmp_path / "run" / "evaluate" / "table.json").read_text())
     assert table["gate_eval_set"] == "traffic" and table["champion"]["version"] == v1
     summary = stage.summary(out)[1]
