@@ -219,7 +219,6 @@ def _checked_head(head: Path, *, eval_al: float, K: int, target_config: Any,
         CHECKSUMS_FILE,
         CONFIG_FILE,
         HeadContractError,
-        head_mask_token_id,
         validate_head,
         write_checksums,
     )
@@ -235,7 +234,7 @@ def _checked_head(head: Path, *, eval_al: float, K: int, target_config: Any,
         write_checksums(head)
     head_cfg = json.loads((head / CONFIG_FILE).read_text())
     if parallel_drafting is None:
-        parallel_drafting = head_mask_token_id(head_cfg) is not None
+        parallel_drafting = head_method(head) == "peagle"
     # every vLLM release of the supported range: a registered head may be served by any cluster
     validate_head(head, target_config=target_config, parallel_drafting=parallel_drafting)
     return head_cfg, parallel_drafting
@@ -314,7 +313,7 @@ def download(ref: HeadRef | str, dst: str | os.PathLike, *, target_config: Any =
     import mlflow
 
     from peagle_core.atomic import replace_dir, temp_dir_for
-    from peagle_core.contract import CONFIG_FILE, head_mask_token_id, validate_head, verify_checksums
+    from peagle_core.contract import validate_head, verify_checksums
 
     ref = ref if isinstance(ref, HeadRef) else HeadRef.parse(ref)
     get_client(tracking_uri)
@@ -324,7 +323,7 @@ def download(ref: HeadRef | str, dst: str | os.PathLike, *, target_config: Any =
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=str(ref), dst_path=str(tmp)))
         verify_checksums(local)
         if parallel_drafting is None:
-            parallel_drafting = head_mask_token_id(json.loads((local / CONFIG_FILE).read_text())) is not None
+            parallel_drafting = head_method(local) == "peagle"
         validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting, for_vllm=False)
         replace_dir(local, out)
     finally:
