@@ -190,7 +190,7 @@ def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0) -> lis
         cmd = [sys.executable, "-m", "pipelines.evaluate.measure", "--worker", str(spec_path), str(out_path)]
         try:
             proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s,
-                                  cwd=Path(__file__).resolve().parent.parent)
+                                  cwd=Path(__file__).resolve().parents[2])  # the repository root
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"vLLM eval worker ({spec.method}, K={spec.K}) exceeded {timeout_s}s") from e
         if proc.returncode != 0 or not out_path.exists():

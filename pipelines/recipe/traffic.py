@@ -53,7 +53,7 @@ class TrafficLogConfig(Section):
 
 
 class TrafficSourceConfig(Section):
-    """A traffic log read as prompts (source kind ``traffic``, ``pipelines.traffic.load_traffic``).
+    """A traffic log read as prompts (source kind ``traffic``, ``pipelines.data.traffic_source.load_traffic``).
 
     Rows are sorted by completion time; rows after ``until`` are ignored; prompts are deduplicated
     (first, i.e. oldest, occurrence kept: ``pipelines.data.selfinstruct.deduplicate``); the newest
