@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREFIX = "models:/"
+# MLflow's error codes for a model, alias or version the registry does not have (sqlite and server stores alike);
+# any other MlflowException (e.g. an unreachable server) is not "no such version" and propagates.
+NOT_FOUND_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
 HEAD_SHA256_TAG = "head_sha256"  # version tag: sha256 of the head's peagle_checksums.json
 
 __all__ = ["HEAD_SHA256_TAG", "PREFIX", "HeadRef"]
@@ -77,8 +80,9 @@ class HeadRef:
             missing_ok: return None when the registry has no such model, alias or version.
 
         Raises:
-            ValueError: the registry has no such model version (unless ``missing_ok``), naming ``field``, the
-                registry and ``fix``.
+            ValueError: the registry has no such model, alias or version (unless ``missing_ok``), naming ``field``,
+                the registry and ``fix``.
+            mlflow.exceptions.MlflowException: any other registry failure (e.g. it does not answer).
         """
         from mlflow.exceptions import MlflowException
 
@@ -91,6 +95,8 @@ class HeadRef:
             else:
                 mv = client.get_model_version_by_alias(self.name, self.alias)
         except MlflowException as e:
+            if e.error_code not in NOT_FOUND_CODES:
+                raise
             if missing_ok:
                 return None
             what = f"version {self.version!r}" if self.pinned else f"alias {self.alias!r}"

@@ -103,3 +103,36 @@ def test_serve_args_and_the_serving_section_share_one_schema():
         ServeConfig(min_replicas=2)
     with pytest.raises(ValidationError, match="min_replicas=2 > max_replicas=1"):
         ServeAppArgs(min_replicas=2)
+
+
+def test_head_ref_resolves_to_a_pinned_version(uri, tmp_path, monkeypatch):
+    """One resolver for every caller: an alias pins to its version and head_sha256 tag, a version keeps itself;
+    a model, alias or version the registry does not have is a ValueError naming the field (or None with
+    missing_ok); a registry that does not answer is not "no such version": MLflow's error propagates."""
+    import socket
+
+    from mlflow.exceptions import MlflowException
+
+    client = reg.get_client(uri)
+    client.create_registered_model("peagle-x")
+    (tmp_path / "src").mkdir()
+    v = str(client.create_model_version("peagle-x", source=str(tmp_path / "src"),
+                                        tags={reg.HEAD_SHA256_TAG: "a" * 64}).version)
+    client.set_registered_model_alias("peagle-x", "champion", v)
+    pinned = HeadRef.parse("models:/peagle-x@champion").resolve(uri)
+    assert pinned == HeadRef("peagle-x", version=v, head_sha256="a" * 64) and str(pinned) == f"models:/peagle-x/{v}"
+    assert HeadRef("peagle-x", version=v).resolve(uri) == pinned
+    for missing in ("models:/peagle-x@nope", "models:/peagle-x/99", "models:/peagle-y@champion"):
+        with pytest.raises(ValueError, match="no such model version") as e:
+            HeadRef.parse(missing).resolve(uri, field="training.init_from", fix="register one")
+        assert str(e.value).startswith(f"training.init_from={missing!r}") and str(e.value).endswith("register one")
+        assert HeadRef.parse(missing).resolve(uri, missing_ok=True) is None
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(MlflowException) as e:
+        HeadRef.parse("models:/peagle-x@champion").resolve(dead, missing_ok=True)
+    assert not isinstance(e.value, ValueError)
+    reg.get_client(uri)  # the fluent API's URI back on the test's store
