@@ -45,7 +45,7 @@ RAY_TMP ?= /tmp/peagle-ray
 RAY_PORT ?= 6390
 RAY_DASHBOARD_PORT ?= 8265
 # The uploaded working dir has no .git: the commit (and whether tracked files differ from it) travels
-# as env vars, so MLflow's git_sha param is set (pipelines.provenance).
+# as env vars, so MLflow's git_sha param is set (pipelines.registry.provenance).
 GIT_SHA := $(shell git rev-parse HEAD 2>/dev/null)
 GIT_DIRTY := $(shell test -z "$$(git status --porcelain --untracked-files=no 2>/dev/null)" && echo 0 || echo 1)
 RUNTIME_ENV := {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "mlruns", "*.db", "outputs", ".whl", ".carry"], "env_vars": {"PEAGLE_GIT_SHA": "$(GIT_SHA)", "PEAGLE_GIT_DIRTY": "$(GIT_DIRTY)"}}

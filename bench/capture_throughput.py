@@ -114,8 +114,8 @@ def measure_vllm(path: str, tokenizer, rows: Sequence[dict], *, dtype: str, max_
     import vllm
 
     from peagle_core.drafter_config import default_aux_layer_ids
+    from pipelines.assets import text_config
     from pipelines.capture import tokenize_rows
-    from pipelines.capture.target import text_config
     from pipelines.capture.vllm_backend import VLLMCaptureEngine, capture_tokenized_vllm
 
     tokenized = tokenize_rows(tokenizer, rows, max_length_tokens=max_length)

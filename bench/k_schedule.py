@@ -6,10 +6,10 @@ wall time):
 
 1. the sweep: no speculation (K=0) and each fixed K of ``--k-sweep`` at every ``--concurrency``;
 2. the schedule: the head version's ``k_schedule`` tag (``--schedule version``) or the schedule
-   :func:`pipelines.k_schedule.build_k_schedule` builds from step 1's rows (``--schedule sweep``, the
+   :func:`pipelines.evaluate.k_schedule.build_k_schedule` builds from step 1's rows (``--schedule sweep``, the
    default; what the evaluate stage would write for this sweep), served through
    ``num_speculative_tokens_per_batch_size``;
-3. the best single fixed K of step 1 (:func:`pipelines.k_schedule.best_fixed_K`) measured again right
+3. the best single fixed K of step 1 (:func:`pipelines.evaluate.k_schedule.best_fixed_K`) measured again right
    after the schedule, so the two are compared on back-to-back engines (step 1 chose it on the same
    measurements, which flatters it as much as the schedule).
 
@@ -46,11 +46,11 @@ def _ints(text: str) -> list[int]:
 
 def _local_head(ref: str, work: Path, tracking_uri: str | None) -> tuple[Path, list | None, str]:
     """``(head dir, the version's k_schedule tag or None, pinned ref)``; a directory is used as is."""
-    from pipelines.k_schedule import schedule_from_tags
+    from pipelines.evaluate.k_schedule import schedule_from_tags
 
     if not ref.startswith("models:/"):
         return Path(ref).expanduser(), None, ref
-    from pipelines.register import download, get_client
+    from pipelines.registry.register import download, get_client
     from pipelines.serve.heads import pin_head_ref
 
     pinned = pin_head_ref(ref, tracking_uri)
@@ -60,7 +60,7 @@ def _local_head(ref: str, work: Path, tracking_uri: str | None) -> tuple[Path, l
 
 
 def _measure(spec, label: str) -> list[dict[str, Any]]:
-    from pipelines.evaluate import run_engine_subprocess
+    from pipelines.evaluate.measure import run_engine_subprocess
 
     t = time.perf_counter()
     rows = run_engine_subprocess(spec, timeout_s=3600)
@@ -93,9 +93,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from pipelines.assets import EMBEDDED_TARGETS, ensure_target
-    from pipelines.eval_prompts import load_eval_prompts
-    from pipelines.evaluate import CPU_ENGINE_KWARGS, EngineSpec
-    from pipelines.k_schedule import best_fixed_K, build_k_schedule
+    from pipelines.evaluate.k_schedule import best_fixed_K, build_k_schedule
+    from pipelines.evaluate.measure import CPU_ENGINE_KWARGS, EngineSpec
+    from pipelines.evaluate.prompts import load_eval_prompts
     from pipelines.recipe import SourceConfig
 
     target = str(ensure_target(a.target, dtype=a.dtype).path) if a.target in EMBEDDED_TARGETS else a.target

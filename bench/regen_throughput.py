@@ -1,9 +1,9 @@
 """Regeneration throughput of the regenerate stage's engines side by side on the same prompts: the
 transformers backend with plain ``generate`` and with static KV cache + compiled decoding (issue 14 item 3;
-goal >= 30k generated tokens/s for SmolLM2 on one H100/H200), and :class:`pipelines.engines.VLLMEngine`
+goal >= 30k generated tokens/s for SmolLM2 on one H100/H200), and :class:`pipelines.data.engines.VLLMEngine`
 (issue 25 item 4; goal >= 50k tokens/s), each with ``--engines``.
 
-Both variants are :class:`pipelines.engines.TransformersEngine` (the regenerate stage's engine, greedy,
+Both variants are :class:`pipelines.data.engines.TransformersEngine` (the regenerate stage's engine, greedy,
 prompts sorted into length buckets of ``--batch-size``): ``static_cache=False`` is HF ``generate`` with
 its dynamic cache; ``static_cache=True`` uses ``cache_implementation="static"``, which on CUDA compiles
 the decoding step (CUDA graphs). The static engine runs the prompts twice: the first pass includes the
@@ -63,7 +63,7 @@ def _agreement(a: list[str], b: list[str]) -> float:
 
 def main() -> None:
     from pipelines.assets import ensure_target
-    from pipelines.engines import TransformersEngine
+    from pipelines.data.engines import TransformersEngine
     from pipelines.recipe import RegenerateConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,7 +108,7 @@ def main() -> None:
             print(f"static_{label}", json.dumps(res[f"static_{label}"]), flush=True)
         del static
     if "vllm" in engines:
-        from pipelines.engines import VLLMEngine
+        from pipelines.data.engines import VLLMEngine
 
         t0 = time.perf_counter()
         extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}

@@ -144,7 +144,7 @@ def regeneration(lines: list[str], vllm: dict | None, static: dict | None) -> No
     ratio = f", {v['tokens_per_s'] / ref['tokens_per_s']:.2f}x the transformers static-cache engine's " \
             f"{ref['tokens_per_s']:.0f} tok/s" if ref else ""
     lines += [(f"{_env(vllm)}; `bash bench/device/run_regen_throughput.sh vllm regen_throughput_vllm "
-              f"{vllm['prompts']}` (`pipelines.engines.VLLMEngine`, the regenerate stage's engine): {vllm['prompts']} "
+              f"{vllm['prompts']}` (`pipelines.data.engines.VLLMEngine`, the regenerate stage's engine): {vllm['prompts']} "
               f"ShareGPT first turns, <= {vllm['max_new_tokens']} new tokens, greedy: {v['generated_tokens']} tokens "
               f"in {v['wall_s']:.1f} s = **{v['tokens_per_s']:.0f} tok/s**{ratio}; engine start "
               f"{v['engine_start_s']:.0f} s (not counted); vLLM max_num_seqs {v.get('scheduler_max_num_seqs', '-')}. "
@@ -206,8 +206,8 @@ def parity(lines: list[str], data: dict | None) -> None:
 
 
 def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict | None) -> None:
-    """Item 7: ``pipelines.k_schedule.build_k_schedule`` over the GPU rows (measured tokens/s per K and c)."""
-    from pipelines.k_schedule import build_k_schedule
+    """Item 7: ``pipelines.evaluate.k_schedule.build_k_schedule`` over the GPU rows (measured tokens/s per K and c)."""
+    from pipelines.evaluate.k_schedule import build_k_schedule
 
     lines += ["## GPU vLLM: K schedule from the GPU rows (issue 25 item 7)", ""]
     cases = []

@@ -67,7 +67,7 @@ def scaling_eval(lines: list[str]) -> None:
         head = (o["head"], o.get("run", 1))
         vllm = x.al(head, o["eval_set"], o["K"])
         lines += [(f"Cross-check (`--offline-k {o['K']}`): peagle's reference decoder "
-                   f"(`pipelines.evaluate.offline_acceptance`) gives {x.name(head)} AL {o['acceptance_length']:.4f} on "
+                   f"(`pipelines.evaluate.measure.offline_acceptance`) gives {x.name(head)} AL {o['acceptance_length']:.4f} on "
                    f"the same {o['eval_set']} prompts at K={o['K']} ({o['num_drafts']} drafts), vLLM {f(vllm, 4)}: "
                    + ("the same; vLLM serves the head exactly as trained, so the low acceptance is the head's, not "
                       "the serving contract's." if vllm is not None and abs(vllm - o["acceptance_length"]) < 1e-6

@@ -6,7 +6,7 @@ evaluates every head with vLLM on the CPU box (``bench.eval_gpu_heads``). Traini
 (``bench.scale_train``: the recipe with ``--set`` overrides, the train stage's plan, drafter and trainer). Data (the mix of
 ``configs/smollm2-135m-scale.yaml``): multi-turn ShareGPT (every user turn up to ``--max-turns``,
 answered turn by turn by the target) and self-instruct prompts the target writes itself (Magpie,
-``pipelines.selfinstruct``), 1 : 5, interleaved in a seeded order.
+``pipelines.data.selfinstruct``), 1 : 5, interleaved in a seeded order.
 
 Every subcommand resumes from what ``--keep`` (default ``~/keep``) already holds, so a call that runs
 out of time loses at most one chunk or one checkpoint interval:
@@ -74,7 +74,7 @@ def _dtype() -> str:
 
 def _engine(args, *, batch_size: int):
     from pipelines.assets import ensure_target
-    from pipelines.engines import TransformersEngine
+    from pipelines.data.engines import TransformersEngine
 
     return TransformersEngine(ensure_target("smollm2-135m-instruct", dtype=_dtype()).path, dtype=_dtype(),
                               max_model_len=args.max_model_len, name="smollm2-135m-instruct", batch_size=batch_size,
@@ -85,9 +85,9 @@ def _engine(args, *, batch_size: int):
 
 
 def prompts(args) -> None:
-    """Self-instruct user prompts (``pipelines.selfinstruct.generate_prompts``) -> ``keep/selfinstruct.jsonl.xz``."""
+    """Self-instruct user prompts (``pipelines.data.selfinstruct.generate_prompts``) -> ``keep/selfinstruct.jsonl.xz``."""
+    from pipelines.data.selfinstruct import generate_prompts, summary
     from pipelines.recipe import load_recipe
-    from pipelines.selfinstruct import generate_prompts, summary
 
     keep = keep_dir(args.keep)
     out = keep / "selfinstruct.jsonl.xz"
@@ -147,8 +147,8 @@ def regenerated(keep: Path) -> list[dict]:
 
 def regenerate(args) -> None:
     """Answer the first ``--size`` rows of the mixed order, ``CHUNK_CONVERSATIONS`` at a time, until the budget."""
+    from pipelines.data.regenerate import regenerate_conversations
     from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import regenerate_conversations
 
     keep = keep_dir(args.keep)
     order = _mixed_order(args)[: args.size]

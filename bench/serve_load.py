@@ -63,7 +63,7 @@ def sharegpt_json(work_dir: Path, *, num_rows: int = 2000) -> Path:
     """The first ``num_rows`` complete conversations of the packaged ShareGPT V3 as a JSON array
     (the layout ``vllm bench serve --dataset-name sharegpt`` reads)."""
     from pipelines.assets import sharegpt_path
-    from pipelines.jsonl import as_jsonl
+    from pipelines.data.jsonl import as_jsonl
 
     out = work_dir / f"sharegpt-v3-first{num_rows}.json"
     if not out.is_file():

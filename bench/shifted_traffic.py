@@ -52,7 +52,7 @@ def chat_prompts(num_prompts: int, seed: int) -> list[str]:
     recipe's first ``sharegpt`` source filter does not match, in a seeded random order."""
     import random
 
-    from pipelines.prompts import load_conversations
+    from pipelines.data.prompts import load_conversations
     from pipelines.recipe import SourceConfig, load_recipe
 
     demo = load_recipe(DEMO_RECIPE)

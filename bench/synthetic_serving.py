@@ -3,12 +3,12 @@ synthetic rejection sampling.
 
 A random-weight target of a public model's shape (``load_format="dummy"``: nothing is downloaded or carried)
 and heads of matching shape (EAGLE-3: 1 layer, drafting K tokens in K forwards; P-EAGLE: 4 layers, K tokens in
-one forward) are served by the product's vLLM engine worker (:func:`pipelines.evaluate.run_engine_subprocess`,
+one forward) are served by the product's vLLM engine worker (:func:`pipelines.evaluate.measure.run_engine_subprocess`,
 the evaluate stage's), with ``rejection_sample_method: "synthetic"`` and per-position unconditional acceptance
 rates from an acceptance profile (:data:`PROFILES`). Acceptance is then fixed by the profile, so tokens/s
 measures what drafting and verification cost at that acceptance: P-EAGLE over EAGLE-3 and over no
 speculation at each (K, concurrency), with each step split into target forward, sampling and drafting
-(:mod:`pipelines.step_costs`).
+(:mod:`pipelines.evaluate.step_costs`).
 
 Profiles: per method, the unconditional acceptance of draft position i (1-based) is ``r**i``, with ``r``
 solved so that AL at the profile's K equals its measured AL (:func:`geometric_rates`):
@@ -122,7 +122,7 @@ def _ours(path: str | None) -> tuple[list[float], str]:
 
 
 def main() -> None:
-    from pipelines.evaluate import EngineSpec, run_engine_subprocess
+    from pipelines.evaluate.measure import EngineSpec, run_engine_subprocess
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="llama-3.1-8b", choices=sorted(TARGET_CONFIGS))

@@ -11,7 +11,7 @@ the two explanations on one set of sequences:
   (``peagle_core.objectives.base.TargetHead``);
 * ``chain``: per anchor, whether depths 0..d were all right (the decoder accepts position d+1 only then);
   the fraction over anchors is what ``acceptance per position`` would be if drafting happened at every anchor;
-* ``decoder``: ``pipelines.evaluate.offline_acceptance`` (equal to vLLM's counters, ``bench.eval_gpu_heads
+* ``decoder``: ``pipelines.evaluate.measure.offline_acceptance`` (equal to vLLM's counters, ``bench.eval_gpu_heads
   --offline-k``) on the same prompt ids.
 
 Teacher-forced accuracies close to the decoder's acceptance mean the head decodes as it was trained and the
@@ -42,14 +42,14 @@ def main(argv: list[str] | None = None) -> None:
     from pipelines.assets import DEFAULT_TARGET, ensure_target
     from pipelines.capture import load_target
     from pipelines.capture.forward import capture_tokenized
-    from pipelines.eval_prompts import load_eval_prompts
-    from pipelines.evaluate import offline_acceptance
+    from pipelines.evaluate.measure import offline_acceptance
+    from pipelines.evaluate.prompts import load_eval_prompts
     from pipelines.recipe import CaptureConfig, SourceConfig
     from pipelines.train import load_target_lm_head
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head", required=True, help="exported P-EAGLE head directory")
-    p.add_argument("--set", default="humaneval", help="eval source kind (pipelines.eval_prompts)")
+    p.add_argument("--set", default="humaneval", help="eval source kind (pipelines.evaluate.prompts)")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=5)

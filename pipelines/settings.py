@@ -19,7 +19,7 @@ Layout of ``PEAGLE_HOME``::
     data/  hf-datasets/            normalized prompt files, datasets' Arrow cache
     runs/<recipe name>/            one pipeline run: stage outputs, ray_results/, summary.json
     serve/heads/<model>/vN-<sha>/  heads cached on each Serve replica's node
-    locks/                         promotion locks of stores other than a local sqlite one (pipelines.promotion)
+    locks/                         promotion locks of stores other than a local sqlite one (pipelines.registry.promotion)
     traffic/<model id>/            the opt-in traffic log of Serve (Parquet shards, pipelines.traffic)
 """
 
@@ -51,7 +51,7 @@ def local_num_cpus() -> int:
     """Logical CPUs of a local Ray cluster peagle starts (``ray.init(address="local")``, ``peagle ray start``):
     2x the cores, so Ray Data read tasks, the train controller and a stage's actors never wait on each other
     on a 2-core box. It is also what a CPU compute stage may reserve: a running Serve endpoint stays up
-    beside a stage only where the cluster has this many CPUs free (``pipelines.stages.serve.delete_app_on_cpu``)."""
+    beside a stage only where the cluster has this many CPUs free (``pipelines.serve.rollout.delete_apps_on_cpu``)."""
     return 2 * (os.cpu_count() or 1)
 
 

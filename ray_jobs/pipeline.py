@@ -12,7 +12,7 @@ version, endpoint URL + curl line); the Serve app stays up after the job ends.
 """
 
 from pipelines.cli.run import stage_job
-from pipelines.stages import STAGES
+from pipelines.pipeline import STAGES
 
 if __name__ == "__main__":  # vLLM spawns processes: no work at import time
     stage_job(STAGES, prog="ray_jobs.pipeline")

@@ -27,7 +27,7 @@ One job per file:
 * ``target.py``: resolving and loading the target (or only its final norm), backend checks.
 * ``actors.py``: the Ray Data model-stage actors and the stages' resources.
 * ``materialize.py``: :func:`run_capture`, resumable shards, token counts and meta on disk.
-* ``stream.py``: :func:`capture_stream`. ``dataset.py``: :func:`captured_dataset` (shards read back).
+* ``stream.py``: :func:`capture_stream`.
 
 Backends (``capture.backend``):
 
@@ -45,7 +45,6 @@ Shape legend: N tokens of one sample, Ht target hidden.
 """
 
 from pipelines.capture.actors import CaptureActor, CaptureShardActor
-from pipelines.capture.dataset import captured_dataset
 from pipelines.capture.forward import capture_batch, capture_tokenized, length_batches
 from pipelines.capture.materialize import CaptureResult, run_capture
 from pipelines.capture.rows import (
@@ -55,7 +54,7 @@ from pipelines.capture.rows import (
     tokenized_to_arrow,
 )
 from pipelines.capture.stream import capture_stream
-from pipelines.capture.target import load_final_norm, load_target, resolve_target
+from pipelines.capture.target import load_final_norm, load_target
 from pipelines.capture.tokenize import (
     DROP_REASONS,
     ConversationError,
@@ -79,14 +78,12 @@ __all__ = [
     "capture_stream",
     "capture_tokenized",
     "capture_tokenized_vllm",
-    "captured_dataset",
     "conversation_rows",
     "count_assistant_tokens",
     "length_batches",
     "load_final_norm",
     "load_target",
     "prepare_samples",
-    "resolve_target",
     "run_capture",
     "samples_to_columns",
     "tokenize_conversation",

@@ -36,9 +36,10 @@ from peagle_core import shards
 from peagle_core.samples import INPUT_IDS, LOSS_MASK
 from peagle_core.storage import bytes_per_token, format_bytes
 from peagle_core.vocab import TOKEN_COUNTS_NAME, save_token_counts
+from pipelines.assets import resolve_target
 from pipelines.capture.actors import CaptureShardActor, actor_num_gpus, tokenize_num_cpus
 from pipelines.capture.rows import SAMPLE_ID, conversation_rows
-from pipelines.capture.target import check_backend, resolve_target
+from pipelines.capture.target import check_backend
 from pipelines.capture.tokenize import DROP_REASONS, count_assistant_tokens, tokenize_shard_tasks
 
 if TYPE_CHECKING:

@@ -49,7 +49,7 @@ def conversation_rows(conversations: Iterable[Mapping[str, Any]] | Any) -> list[
     out = []
     for i, r in enumerate(rows):
         if "messages" not in r or "id" not in r:
-            raise ValueError(f"conversation row {i} lacks 'id'/'messages'; load prompts with pipelines.prompts")
+            raise ValueError(f"conversation row {i} lacks 'id'/'messages'; load prompts with pipelines.data.prompts")
         rid = str(r["id"])
         sid = rid if not seen[rid] else f"{rid}#{seen[rid]}"
         seen[rid] += 1

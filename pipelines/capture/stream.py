@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from peagle_core.samples import dtype_name
+from pipelines.assets import resolve_target
 from pipelines.capture.actors import CaptureActor, actor_num_gpus, tokenize_num_cpus
 from pipelines.capture.rows import conversation_rows
-from pipelines.capture.target import check_backend, resolve_target
+from pipelines.capture.target import check_backend
 from pipelines.capture.tokenize import tokenize_conversations
 
 if TYPE_CHECKING:

@@ -4,30 +4,13 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from pipelines.recipe import CaptureConfig, TargetConfig
-
-
-def resolve_target(target_cfg: TargetConfig) -> tuple[Any, dict[str, Any]]:
-    """``(TargetAsset, config.json dict)`` of the target (materialized once under PEAGLE_HOME); for a
-    multimodal config the text model's section (``text_config``)."""
-    from pipelines.assets import ensure_target
-
-    asset = ensure_target(target_cfg.model, target_cfg.dtype)
-    return asset, text_config(asset.path)
-
-
-def text_config(path: str | Path) -> dict[str, Any]:
-    """The ``config.json`` dict of the HF directory ``path``; for a multimodal config the text model's
-    section (``text_config``)."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    return config.get("text_config", config) if "num_hidden_layers" not in config else config
+    from pipelines.recipe import CaptureConfig
 
 
 def load_target(path: str | Path, dtype: str = "float32", num_threads: int | None = None):

@@ -46,9 +46,9 @@ import numpy as np
 import torch
 
 from peagle_core.samples import AUX, FINAL_HIDDEN, INPUT_IDS, LOSS_MASK, validate_sample
+from pipelines.assets import text_config
 from pipelines.capture.forward import _check_tokenized, storage_dtype
 from pipelines.capture.rows import SAMPLE_ID
-from pipelines.capture.target import text_config
 
 if TYPE_CHECKING:
     from pipelines.recipe import CaptureConfig
@@ -274,7 +274,7 @@ class VLLMCaptureEngine:
     """One vLLM engine over the target that returns hidden states instead of text (module docstring).
 
     Created once per capture actor. ``engine_kwargs`` go to ``vllm.LLM`` (through
-    :class:`pipelines.engines.VLLMEngine`, which defaults ``gpu_memory_utilization`` to 0.5): on CPU
+    :class:`pipelines.data.engines.VLLMEngine`, which defaults ``gpu_memory_utilization`` to 0.5): on CPU
     the pipeline passes ``pipelines.stages.base.engine_settings(recipe).vllm_kwargs`` (eager,
     a quarter of the memory). Context = ``max_length_tokens + 1`` (the prompt and the one sampled token).
 
@@ -304,7 +304,7 @@ class VLLMCaptureEngine:
 
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()  # an earlier engine here may have frozen it
 
-        from pipelines.engines import VLLMEngine
+        from pipelines.data.engines import VLLMEngine
 
         engine = VLLMEngine(
             target_path, dtype=target_dtype, max_model_len=max_length_tokens + 1, enable_prefix_caching=False,

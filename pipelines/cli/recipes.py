@@ -70,7 +70,7 @@ def assets(
 
 
 def _sources(r: recipe_mod.Recipe, home: Path | None, as_json: bool) -> list[dict[str, Any]]:
-    from pipelines.prompts import load_conversations, source_file
+    from pipelines.data.prompts import load_conversations, source_file
 
     rows, seen = [], set()
     for section, sources in (("data", r.data.sources), ("evaluation", r.evaluation.sources)):
@@ -118,7 +118,8 @@ def validate_config(
 ) -> None:
     """Validate recipe files against the schema and the pre-flight's checks that hold on any machine
     (optionally against this machine and the real target)."""
-    from pipelines.preflight import Machine, not_runnable, preflight, raise_for_errors
+    from pipelines.pipeline import not_runnable, preflight
+    from pipelines.preflight import Machine, raise_for_errors
 
     bad = 0
     for f in files:

@@ -73,7 +73,7 @@ def list_cmd(
     """List registered head versions with aliases and acceptance lengths."""
     from rich.table import Table
 
-    from pipelines.register import list_versions
+    from pipelines.registry.register import list_versions
 
     rows = list_versions(model_name, tracking_uri=tracking_uri)
     if as_json:
@@ -103,9 +103,9 @@ def promote_cmd(
 ) -> None:
     """Run the promotion gate on a version (or force it) and print the decision; exit 1 when the
     gate keeps the champion."""
-    from pipelines.promotion import maybe_promote, promote
     from pipelines.recipe import RegistryConfig
-    from pipelines.register import CHALLENGER, get_client
+    from pipelines.registry.promotion import maybe_promote, promote
+    from pipelines.registry.register import CHALLENGER, get_client
 
     defaults = RegistryConfig()
     if force:
@@ -129,7 +129,7 @@ def rollback_cmd(
     tracking_uri: URIOpt = None,
 ) -> None:
     """Move champion back to the previous champion."""
-    from pipelines.promotion import rollback
+    from pipelines.registry.promotion import rollback
 
     mv = rollback(model_name, tracking_uri=tracking_uri)
     typer.echo(f"champion=v{mv.version}")
@@ -143,6 +143,6 @@ def download_cmd(
     tracking_uri: URIOpt = None,
 ) -> None:
     """Download a head by alias and verify its checksums and contract."""
-    from pipelines.register import download
+    from pipelines.registry.register import download
 
     typer.echo(str(download(ref, dst, tracking_uri=tracking_uri)))

@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from pipelines.cli.common import SetOpt, fail_cleanly
-from pipelines.stages import STAGES
+from pipelines.pipeline import STAGES
 
 StageChoice = Enum("StageChoice", {s: s for s in STAGES}, type=str)
 

@@ -34,6 +34,7 @@ from pipelines.recipe.stages import (
     RegenerateConfig,
     RegistryConfig,
     ServeConfig,
+    ServeDeployment,
     TrainingConfig,
 )
 from pipelines.recipe.target import TargetConfig, check_aux_layer_ids
@@ -54,6 +55,7 @@ __all__ = [
     "Section",
     "SelfInstructConfig",
     "ServeConfig",
+    "ServeDeployment",
     "SourceConfig",
     "SourceKind",
     "TargetConfig",

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipelines.recipe.base import OnBadRow, Section
+from pipelines.recipe.base import KEY_NEUTRAL_WHEN_NONE, OnBadRow, Section
 from pipelines.recipe.traffic import TrafficSourceConfig
 
 SourceKind = Literal["sharegpt", "humaneval", "sharegpt_file", "openai_jsonl", "mtbench", "self_instruct", "traffic"]
@@ -19,7 +19,7 @@ FILE_KINDS = ("sharegpt_file", "openai_jsonl")
 
 class SelfInstructConfig(Section):
     """Prompts written by the target itself (Magpie, arXiv 2406.08464): the aligned target sees only
-    its chat template up to the opening of a user turn and completes it (``pipelines.selfinstruct``)."""
+    its chat template up to the opening of a user turn and completes it (``pipelines.data.selfinstruct``)."""
 
     num_prompts: int = Field(1000, ge=1, description="Completions requested from the target; at most this many "
                              "prompts are kept after the length filters and duplicate removal.")
@@ -73,21 +73,21 @@ class SourceConfig(Section):
         "(re.search; add (?i) for case-insensitive), e.g. to match the traffic a head will serve. Applied "
         "before num_samples.",
     )
-    weight: float | None = Field(
+    weight: Annotated[float | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, gt=0.0,
         description="Relative share of data.num_samples drawn from this source (e.g. 3 and 1: 75% / 25%; "
         "deterministic, data.seed). Set it on every source or on none; None everywhere = concatenate the sources "
         "and draw data.num_samples from the union. Applied after this source's filter_regex and num_samples.",
     )
-    turns: int | None = Field(
+    turns: Annotated[int | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, ge=1, le=2,
         description="mtbench only: 1 (default) = each question's first turn; 2 = also its second turn, asked "
         "after the target's own answer to the first (evaluation only: the engine answers turn 1 first).",
     )
-    self_instruct: SelfInstructConfig | None = Field(
+    self_instruct: Annotated[SelfInstructConfig | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="self_instruct only: generation, filter and dedup settings (defaults when omitted)."
     )
-    traffic: TrafficSourceConfig | None = Field(
+    traffic: Annotated[TrafficSourceConfig | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="traffic only: time split, dedup and greedy-answer settings (defaults when omitted)."
     )
 
@@ -127,6 +127,16 @@ class SourceConfig(Section):
 
     def resolved_path(self) -> Path | None:
         return Path(os.path.expandvars(self.path)).expanduser() if self.path else None
+
+    def eval_set_name(self) -> str:
+        """Name of this source's prompt set when it is an evaluation source (rows carry it as ``eval_set``):
+        the user file's stem, else the kind (``mtbench-2turn`` for MT-Bench with ``turns: 2``); a traffic
+        log: ``traffic``, or ``traffic-<directory name>`` with a path."""
+        if self.kind == "traffic":
+            return f"traffic-{Path(self.path.rstrip('/')).name}" if self.path else "traffic"
+        if self.path:
+            return Path(self.path).stem
+        return "mtbench-2turn" if self.kind == "mtbench" and self.turns == 2 else self.kind
 
 
 class DataConfig(Section):

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from peagle_core.drafter_config import DrafterConfig
 from pipelines import settings
-from pipelines.recipe.base import Section
+from pipelines.recipe.base import KEY_NEUTRAL_WHEN_NONE, Section
 from pipelines.recipe.data import SourceConfig
 from pipelines.recipe.target import TargetConfig
 from pipelines.recipe.traffic import TrafficLogConfig
+from pipelines.registry.refs import HeadRef
 
 if TYPE_CHECKING:
     from peagle_core.objectives import ObjectiveConfig
@@ -37,8 +38,8 @@ class RegenerateConfig(Section):
     )
     max_turns: int | None = Field(None, ge=1, description="Regenerate at most this many assistant turns per "
                                   "conversation (later turns are cut); None = all.")
-    static_cache: bool | None = Field(None, description="backend=transformers: static KV cache, compiled decoding "
-                                      "on CUDA, length-bucketed batches (pipelines.engines.TransformersEngine); "
+    static_cache: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(None, description="backend=transformers: static KV cache, compiled decoding "
+                                      "on CUDA, length-bucketed batches (pipelines.data.engines.TransformersEngine); "
                                       "None/false = plain generate.")
 
 
@@ -180,10 +181,8 @@ class TrainingConfig(Section):
         ref = ref.strip()
         if not ref:
             raise ValueError("training.init_from is empty: give models:/NAME@ALIAS, a head directory, or null")
-        if ref.startswith("models:/"):
-            from pipelines.register import parse_model_ref
-
-            parse_model_ref(ref)  # ValueError: neither NAME@ALIAS nor NAME/VERSION
+        if HeadRef.is_ref(ref):
+            HeadRef.parse(ref)  # ValueError: neither NAME@ALIAS nor NAME/VERSION
         return ref
 
     @model_validator(mode="after")
@@ -228,17 +227,17 @@ class EvalConfig(Section):
     include_offline_decoder: bool = Field(
         True, description="Also measure with the pure-torch reference speculative decoder."
     )
-    step_costs: bool | None = Field(
+    step_costs: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="Also split each engine's decoding step into target forward, sampling and drafting "
-        "(ms per step, pipelines.step_costs) at every concurrency: one more wave per concurrency after the timed "
+        "(ms per step, pipelines.evaluate.step_costs) at every concurrency: one more wave per concurrency after the timed "
         "sweep, with synchronized phases (the sweep's tokens/s are measured without them). vLLM's V1 model runner "
         "only: rows of a Model Runner V2 engine say 'unavailable'. None (default) = off.",
     )
-    compare_champion: bool | None = Field(
+    compare_champion: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="Also measure the registry's current champion (models:/<registry model>@champion, pinned "
         "to its version and head_sha256 when the run starts; part of the evaluate stage's key) in the same evaluate "
         "run: same prompts, K sweep, concurrency sweep and engine settings, its rows labelled method 'champion' "
-        "(pipelines.evaluate.CHAMPION_LABEL). The promotion gate then compares the challenger with the AL the "
+        "(pipelines.evaluate.measure.CHAMPION_LABEL). The promotion gate then compares the challenger with the AL the "
         "champion got in this run on the gate eval set instead of the AL recorded when the champion was "
         "registered. None (default) = on when training.init_from is a registry reference (models:/...), off "
         "otherwise. No champion yet: only the challenger is measured and the gate promotes it.",
@@ -249,7 +248,7 @@ class EvalConfig(Section):
         registry reference)."""
         if self.compare_champion is not None:
             return self.compare_champion
-        return training.init_from is not None and training.init_from.startswith("models:/")
+        return training.init_from is not None and HeadRef.is_ref(training.init_from)
 
     @field_validator("num_speculative_tokens_sweep", "concurrency_sweep")
     @classmethod
@@ -280,8 +279,8 @@ class RegistryConfig(Section):
         0.0, description="Challenger is promoted when its acceptance length beats the champion's by this many "
         "tokens (AL units)."
     )
-    gate_eval_set: str | None = Field(
-        None, description="Eval set (a name pipelines.eval_prompts.eval_set_name gives an evaluation source: "
+    gate_eval_set: Annotated[str | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, description="Eval set (the name SourceConfig.eval_set_name gives an evaluation source: "
         "humaneval, mtbench, traffic, a file's stem, ...) on which the gate compares ALs; it is also the set of "
         "the registered AL tags and of the K schedule. None = the first traffic source of evaluation.sources "
         "(the held-out traffic slice) when there is one, else the first source (resolved_gate_eval_set).",
@@ -293,9 +292,7 @@ class RegistryConfig(Section):
         Raises:
             ValueError: ``gate_eval_set`` names none of ``evaluation.sources``' sets (the names are listed).
         """
-        from pipelines.eval_prompts import eval_set_name
-
-        names = [eval_set_name(s) for s in evaluation.sources]
+        names = [s.eval_set_name() for s in evaluation.sources]
         if self.gate_eval_set is not None:
             if self.gate_eval_set not in names:
                 raise ValueError(f"registry.gate_eval_set={self.gate_eval_set!r} is not an eval set of "
@@ -313,38 +310,33 @@ class RegistryConfig(Section):
         return settings.model_name(target.model, self.model_name)
 
 
-def check_autoscaling(min_replicas: int, max_replicas: int, target_ongoing_requests: float,
-                      max_ongoing_requests: int, *, prefix: str = "") -> None:
-    """Ray Serve autoscaling bounds of one deployment (``serving`` recipe section, ``ServeAppArgs``).
+class ServeDeployment(Section):
+    """One Serve deployment of target + head: served K, replicas and their autoscaling, the API key, the K schedule
+    and the traffic log. The one home of these fields: the recipe's ``serving`` section (:class:`ServeConfig`)
+    and a Serve app's arguments (``pipelines.serve.ServeAppArgs``) both derive from it."""
 
-    Raises:
-        ValueError: ``min_replicas > max_replicas``; ``target_ongoing_requests > max_ongoing_requests`` (a
-            replica never reaches the target, so autoscaling would never trigger). ``prefix`` names the section.
-    """
-    if min_replicas > max_replicas:
-        raise ValueError(f"{prefix}min_replicas={min_replicas} > max_replicas={max_replicas}")
-    if target_ongoing_requests > max_ongoing_requests:
-        raise ValueError(f"{prefix}target_ongoing_requests={target_ongoing_requests} > max_ongoing_requests="
-                         f"{max_ongoing_requests}: autoscaling would never trigger; lower the target")
+    _error_prefix: ClassVar[str] = ""  # names the section in errors ("serving." in a recipe)
 
-
-class ServeConfig(Section):
-    """Ray Serve LLM deployment of target + head (parallel drafting)."""
-
-    num_speculative_tokens: int = Field(5, ge=1, description="K served (may exceed the trained K).")
-    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound (replicas).")
-    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound (replicas).")
+    num_speculative_tokens: int = Field(5, ge=1, description="K served (draft tokens per step; may exceed the trained "
+                                        "K) when no K schedule is served.")
+    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound of LLM replicas.")
+    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of LLM replicas.")
     target_ongoing_requests: int = Field(4, ge=1, description="Autoscaling target of in-flight requests per replica.")
-    max_ongoing_requests: int = Field(16, ge=1, description="Hard cap of in-flight requests per replica.")
-    api_key_env: str | None = Field(None, description="Env var holding the API key clients must send; None = open.")
-    host: str = Field("127.0.0.1", description="HTTP bind address.")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-    head_alias: str = Field("champion", description="Registry alias of the head to serve.")
-    k_schedule: Literal["auto", "off"] | None = Field(
+    max_ongoing_requests: int = Field(16, ge=1, description="Hard cap of in-flight requests per LLM replica.")
+    api_key_env: str | None = Field(
+        None, description="Env var holding the API key clients must send (Authorization: Bearer KEY); None = open "
+        "endpoint. Must be set on the driver and on every node (e.g. a Kubernetes Secret on all pods).",
+    )
+    k_schedule: Annotated[Literal["auto", "off"] | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="auto (None, the default): pass the served version's measured K schedule (tag "
-        "k_schedule: batch-size ranges -> K, pipelines.k_schedule) to vLLM as "
-        "num_speculative_tokens_per_batch_size, num_speculative_tokens = its largest K; a version without the tag "
-        "is served at num_speculative_tokens. off: always the fixed num_speculative_tokens.",
+        "k_schedule: batch-size ranges -> K, pipelines.evaluate.k_schedule) to vLLM as "
+        "num_speculative_tokens_per_batch_size, num_speculative_tokens = its largest K; a local head directory or a "
+        "version without the tag is served at num_speculative_tokens. off: always the fixed num_speculative_tokens.",
+    )
+    traffic_log: Annotated[TrafficLogConfig | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, description="Opt-in log of served chat completions (messages, served answer, model version, K, "
+        "per-request acceptance) to Parquet shards, read back by source kind traffic (pipelines.traffic, "
+        "pipelines.data.traffic_source; docs/traffic.md, personal data included); None = no log.",
     )
 
     @field_validator("k_schedule", mode="before")
@@ -352,14 +344,26 @@ class ServeConfig(Section):
     def _yaml_off(cls, value):
         """YAML 1.1 reads a bare ``off``/``on`` as a boolean."""
         return ("auto" if value else "off") if isinstance(value, bool) else value
-    traffic_log: TrafficLogConfig | None = Field(
-        None, description="Opt-in log of served chat completions (messages, served answer, model version, K, "
-        "per-request acceptance) to Parquet shards, read back by source kind traffic (pipelines.traffic; "
-        "docs/traffic.md, personal data included); None = no log.",
-    )
 
     @model_validator(mode="after")
     def _bounds(self):
-        check_autoscaling(self.min_replicas, self.max_replicas, self.target_ongoing_requests,
-                          self.max_ongoing_requests, prefix="serving.")
+        """Ray Serve autoscaling bounds: ``min_replicas <= max_replicas``; ``target_ongoing_requests <=
+        max_ongoing_requests`` (else a replica never reaches the target and autoscaling never triggers)."""
+        prefix = self._error_prefix
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"{prefix}min_replicas={self.min_replicas} > max_replicas={self.max_replicas}")
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(f"{prefix}target_ongoing_requests={self.target_ongoing_requests} > max_ongoing_requests="
+                             f"{self.max_ongoing_requests}: autoscaling would never trigger; lower the target")
         return self
+
+
+class ServeConfig(ServeDeployment):
+    """Ray Serve LLM deployment of target + head (parallel drafting): :class:`ServeDeployment` plus where the
+    endpoint listens and which registry alias it serves."""
+
+    _error_prefix: ClassVar[str] = "serving."
+
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    head_alias: str = Field("champion", description="Registry alias of the head to serve.")

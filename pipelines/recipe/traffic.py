@@ -53,10 +53,10 @@ class TrafficLogConfig(Section):
 
 
 class TrafficSourceConfig(Section):
-    """A traffic log read as prompts (source kind ``traffic``, ``pipelines.traffic.load_traffic``).
+    """A traffic log read as prompts (source kind ``traffic``, ``pipelines.data.traffic_source.load_traffic``).
 
     Rows are sorted by completion time; rows after ``until`` are ignored; prompts are deduplicated
-    (first, i.e. oldest, occurrence kept: ``pipelines.selfinstruct.deduplicate``); the newest
+    (first, i.e. oldest, occurrence kept: ``pipelines.data.selfinstruct.deduplicate``); the newest
     ``heldout_fraction`` of what is left is the held-out slice. Greedy served answers (the request sent
     ``temperature: 0``) are kept as the assistant turn and skip regeneration; sampled ones are
     regenerated.

@@ -8,7 +8,7 @@ replicas running vLLM with::
                         "num_speculative_tokens": K, "parallel_drafting": True}
 
 and, when the served version carries a measured K schedule (``k_schedule: auto``, the default;
-:mod:`pipelines.k_schedule`), ``"num_speculative_tokens_per_batch_size": [[1, 2, K1], [3, 8, K4], ...]``
+:mod:`pipelines.evaluate.k_schedule`), ``"num_speculative_tokens_per_batch_size": [[1, 2, K1], [3, 8, K4], ...]``
 with ``num_speculative_tokens`` = the schedule's largest K (:func:`speculative_config`).
 
 behind Ray's ``OpenAiIngress`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
@@ -49,25 +49,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipelines import settings
 from pipelines.assets import EMBEDDED_TARGETS
-from pipelines.recipe.stages import check_autoscaling
-from pipelines.recipe.traffic import TrafficLogConfig
-from pipelines.serve.heads import HeadDownloadCallback, PinnedHead, fetch_head, is_registry_ref, pin_head
+from pipelines.recipe.stages import ServeDeployment
+from pipelines.registry.refs import HeadRef
+from pipelines.serve.heads import PIN_FIX, HeadDownloadCallback, fetch_head
 
 log = logging.getLogger(__name__)
 
 
-class ServeAppArgs(BaseModel):
+class ServeAppArgs(ServeDeployment):
     """``args`` of the Serve YAML (``import_path: pipelines.serve:build_app``).
 
-    Defaults mirror ``pipelines.recipe.ServeConfig`` for the replica / autoscaling fields; see
-    :meth:`from_recipe` to derive the args from a recipe.
+    The deployment fields (served K, replicas and autoscaling, API key, K schedule, traffic log) are
+    ``pipelines.recipe.ServeDeployment``'s, the same class the recipe's ``serving`` section derives from;
+    :meth:`from_recipe` copies them from a recipe. The fields here are the app's own. ``k_schedule`` also takes
+    an explicit schedule; None (a recipe's default) means ``auto``.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     model_id: str | None = Field(None, description="Model name clients send; None = the target's basename.")
     target: str = Field(
@@ -87,12 +87,9 @@ class ServeAppArgs(BaseModel):
         None, description="MLflow tracking URI of the registry; None = $MLFLOW_TRACKING_URI or "
         "sqlite:///$PEAGLE_HOME/mlflow.db (resolved on the driver and passed to every replica).",
     )
-    num_speculative_tokens: int = Field(5, ge=1, description="K served (draft tokens per step) without a K schedule.")
     k_schedule: Literal["auto", "off"] | list[tuple[int, int, int]] = Field(
-        "auto", description="K per batch size for vLLM's num_speculative_tokens_per_batch_size: 'auto' = the "
-        "registered version's measured schedule (tag k_schedule, pipelines.k_schedule; none for a local head "
-        "directory or an untagged version: fixed num_speculative_tokens), 'off' = fixed num_speculative_tokens, or "
-        "an explicit [[batch_min, batch_max, K], ...] (inclusive ranges from 1, K >= 0).",
+        "auto", description="As ServeDeployment.k_schedule (None = auto), or an explicit [[batch_min, batch_max, K], "
+        "...] for vLLM's num_speculative_tokens_per_batch_size (inclusive ranges from 1, K >= 0).",
     )
     parallel_drafting: bool = Field(True, description="P-EAGLE parallel drafting (False: sequential EAGLE-3).")
     accelerator: Literal["cpu", "gpu"] = Field("cpu", description="Ray Serve LLM accelerator_config kind.")
@@ -102,20 +99,12 @@ class ServeAppArgs(BaseModel):
         description="Extra vLLM engine kwargs (max_model_len, gpu_memory_utilization, tensor_parallel_size, "
         "enforce_eager, ...). 'model', 'dtype' and 'speculative_config' are set from the fields above.",
     )
-    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound of LLM replicas.")
-    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of LLM replicas.")
-    target_ongoing_requests: int = Field(4, ge=1, description="Autoscaling target of in-flight requests per replica.")
-    max_ongoing_requests: int = Field(16, ge=1, description="Hard cap of in-flight requests per LLM replica.")
     replica_num_cpus: float = Field(
         1.0, ge=0, description="CPUs reserved by the LLMServer actor itself (the engine bundle adds its own)."
     )
     ingress_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each ingress replica.")
     ingress_max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of ingress replicas.")
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="In-flight requests per ingress replica.")
-    api_key_env: str | None = Field(
-        None, description="Env var holding the API key (Authorization: Bearer KEY); None = open endpoint. "
-        "Must be set on the driver and on every node (e.g. a Kubernetes Secret on all pods).",
-    )
     head_cache_dir: str | None = Field(
         None, description="Where replicas keep downloaded heads; None = $PEAGLE_HOME/serve/heads."
     )
@@ -123,28 +112,24 @@ class ServeAppArgs(BaseModel):
         8 << 20, ge=1024, description="Largest request body the ingress reads (bytes); larger ones get 413."
     )
     log_engine_metrics: bool = Field(True, description="Export vLLM metrics (spec-decode counters included).")
-    traffic_log: TrafficLogConfig | None = Field(
-        None, description="Opt-in log of served chat completions to Parquet shards (pipelines.traffic; "
-        "docs/traffic.md: personal data); None = no log.",
-    )
 
     @field_validator("k_schedule", mode="before")
     @classmethod
     def _valid_schedule(cls, value):
+        if value is None:  # a recipe's default
+            return "auto"
         if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as a boolean
             return "auto" if value else "off"
         if isinstance(value, list | tuple):
-            from pipelines.k_schedule import validate_k_schedule
+            from pipelines.evaluate.k_schedule import validate_k_schedule
 
             return validate_k_schedule(value)
         return value
 
     @model_validator(mode="after")
     def _check(self):
-        check_autoscaling(self.min_replicas, self.max_replicas, self.target_ongoing_requests,
-                          self.max_ongoing_requests)
         if isinstance(self.k_schedule, list) and self.parallel_drafting:
-            from pipelines.k_schedule import check_parallel_drafting
+            from pipelines.evaluate.k_schedule import check_parallel_drafting
 
             check_parallel_drafting(self.k_schedule)
         bad = {"model", "served_model_name", "speculative_config", "dtype"} & set(self.engine_kwargs)
@@ -162,18 +147,14 @@ class ServeAppArgs(BaseModel):
 
     @classmethod
     def from_recipe(cls, recipe, **overrides: Any) -> ServeAppArgs:
-        """Args from a ``pipelines.recipe.Recipe`` (target, serving and registry sections)."""
+        """Args from a ``pipelines.recipe.Recipe``: the serving section's deployment fields as they are, plus the
+        target, the head (``models:/<registry model>@<serving.head_alias>``), the registry and the method."""
         s, r = recipe.serving, recipe.registry
         name = r.resolved_model_name(recipe.target)
-        kw: dict[str, Any] = {
-            "target": recipe.target.model, "target_dtype": recipe.target.dtype,
-            "head": f"models:/{name}@{s.head_alias}", "tracking_uri": r.tracking_uri,
-            "num_speculative_tokens": s.num_speculative_tokens, "min_replicas": s.min_replicas,
-            "max_replicas": s.max_replicas, "target_ongoing_requests": s.target_ongoing_requests,
-            "max_ongoing_requests": s.max_ongoing_requests, "api_key_env": s.api_key_env,
-            "parallel_drafting": recipe.training.method == "peagle", "k_schedule": s.k_schedule or "auto",
-            "traffic_log": s.traffic_log,
-        }
+        kw: dict[str, Any] = {f: getattr(s, f) for f in ServeDeployment.model_fields}
+        kw |= {"target": recipe.target.model, "target_dtype": recipe.target.dtype,
+               "head": str(HeadRef(name, alias=s.head_alias)), "tracking_uri": r.tracking_uri,
+               "parallel_drafting": recipe.training.method == "peagle"}
         kw.update(overrides)
         return cls(**kw)
 
@@ -203,43 +184,43 @@ def speculative_config(args: ServeAppArgs, model: str) -> dict[str, Any] | None:
     ``num_speculative_tokens_per_batch_size`` and ``num_speculative_tokens`` = its largest K (vLLM clamps
     every scheduled K to it); None for a schedule that is K=0 everywhere (no speculation measured
     fastest at every concurrency: plain decoding). Otherwise (``off``, or ``auto`` left unresolved): the
-    fixed ``args.num_speculative_tokens``. Built by :func:`pipelines.k_schedule.vllm_speculative_config`.
+    fixed ``args.num_speculative_tokens``. Built by :func:`pipelines.evaluate.k_schedule.vllm_speculative_config`.
     """
-    from pipelines.k_schedule import vllm_speculative_config
+    from pipelines.evaluate.k_schedule import vllm_speculative_config
 
     return vllm_speculative_config(model, num_speculative_tokens=args.num_speculative_tokens,
                                    parallel_drafting=args.parallel_drafting,
                                    k_schedule=args.k_schedule if isinstance(args.k_schedule, list) else None)
 
 
-def resolve_k_schedule(args: ServeAppArgs, head: PinnedHead | str | None) -> list[tuple[int, int, int]] | None:
+def resolve_k_schedule(args: ServeAppArgs, head: HeadRef | str | None) -> list[tuple[int, int, int]] | None:
     """The schedule to serve: ``args.k_schedule`` when a list; for ``auto`` and a pinned registry version,
     that version's ``k_schedule`` tag (asks the registry); else None (fixed K).
 
     Raises:
         ValueError: the version's tag is not a valid schedule.
     """
-    from pipelines.k_schedule import schedule_from_tags
+    from pipelines.evaluate.k_schedule import schedule_from_tags
 
     if isinstance(args.k_schedule, list):
         return args.k_schedule
-    if args.k_schedule != "auto" or not isinstance(head, PinnedHead):
+    if args.k_schedule != "auto" or not isinstance(head, HeadRef):
         return None
-    from pipelines.register import get_client
+    from pipelines.registry.client import get_client
 
     tags = get_client(args.tracking_uri).get_model_version(head.name, head.version).tags
     schedule = schedule_from_tags(tags)
     if schedule is None:
-        log.info("%s carries no K schedule: serving the fixed K=%d", head.ref, args.num_speculative_tokens)
+        log.info("%s carries no K schedule: serving the fixed K=%d", head, args.num_speculative_tokens)
     elif not any(K for _, _, K in schedule):
         log.warning("%s: its K schedule %s is K=0 everywhere (no speculation measured fastest at every "
-                    "concurrency): serving without speculation (k_schedule: off serves the fixed K)", head.ref,
+                    "concurrency): serving without speculation (k_schedule: off serves the fixed K)", head,
                     schedule)
     return schedule
 
 
 def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dict | None,
-                     head: PinnedHead | str | None):
+                     head: HeadRef | str | None):
     """The ``ray.serve.llm.LLMConfig`` of the target (+ head: a pinned version or a local directory)
     with explicit autoscaling."""
     from ray.serve.llm import LLMConfig
@@ -248,7 +229,7 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
     callback: dict[str, Any] = {}
     spec = None
     if head is not None:
-        ref, sha256 = (head.ref, head.sha256) if isinstance(head, PinnedHead) else (head, None)
+        ref, sha256 = (str(head), head.head_sha256) if isinstance(head, HeadRef) else (head, None)
         spec = speculative_config(args, ref)  # None: a K schedule that is 0 everywhere (plain decoding)
     if spec is not None:
         engine_kwargs["speculative_config"] = spec
@@ -331,12 +312,12 @@ def resolve_backend(args: dict[str, Any] | ServeAppArgs) -> Backend:
                          "node) or set api_key_env to null for an open endpoint")
     args = args.model_copy(update={"tracking_uri": settings.tracking_uri(args.tracking_uri)})
     target_path, target_config = _target_path_and_config(args)
-    head: PinnedHead | str | None = None
+    head: HeadRef | str | None = None
     ref, sha256 = None, None
     if args.head is not None:
-        head = pin_head(args.head, args.tracking_uri) if is_registry_ref(args.head) else str(
+        head = HeadRef.parse(args.head).resolve(args.tracking_uri, fix=PIN_FIX) if HeadRef.is_ref(args.head) else str(
             Path(args.head).expanduser().resolve())
-        ref, sha256 = (head.ref, head.sha256) if isinstance(head, PinnedHead) else (head, None)
+        ref, sha256 = (str(head), head.head_sha256) if isinstance(head, HeadRef) else (head, None)
         # Pre-flight on the driver: download + validate before deploying anything.
         fetch_head(ref, head_sha256=sha256, cache_dir=args.head_cache_dir, tracking_uri=args.tracking_uri,
                    target_config=target_config, parallel_drafting=args.parallel_drafting)
@@ -347,7 +328,7 @@ def resolve_backend(args: dict[str, Any] | ServeAppArgs) -> Backend:
               "num_speculative_tokens": (llm_config.engine_kwargs.get("speculative_config") or {}).get(
                   "num_speculative_tokens"),
               "k_schedule": json.dumps(args.k_schedule) if isinstance(args.k_schedule, list) else None}
-    label = f"v{head.version}" if isinstance(head, PinnedHead) else ("dir" if head else "nohead")
+    label = f"v{head.version}" if isinstance(head, HeadRef) else ("dir" if head else "nohead")
     content = json.dumps({"llm_config": llm_config.model_dump(mode="json", exclude={"callback_config"}),
                           "head": ref, "sha256": sha256}, sort_keys=True, default=str)
     log.info("peagle serve: model_id=%s target=%s head=%s K=%s", llm_config.model_id, target_path, ref,

@@ -3,9 +3,9 @@
 Ray Serve LLM downloads the target on each node but never a draft head (``engine_kwargs.
 speculative_config`` goes to vLLM unchecked). So:
 
-1. The driver (:func:`pipelines.serve.build_app`) pins ``models:/NAME@ALIAS`` to a
-   :class:`PinnedHead` -- the alias's current version and that version's ``head_sha256`` tag (the
-   sha256 of the head's ``peagle_checksums.json``) -- so every replica of a deployment serves the same
+1. The driver (:func:`pipelines.serve.build_app`) pins ``models:/NAME@ALIAS`` to a pinned
+   :class:`~pipelines.registry.refs.HeadRef` -- the alias's current version and that version's ``head_sha256``
+   tag (the sha256 of the head's ``peagle_checksums.json``) -- so every replica of a deployment serves the same
    files even if ``champion`` moves during a rollout (a new champion is served by re-deploying).
 2. :class:`HeadDownloadCallback` (Ray Serve LLM ``callback_config``; ``on_before_node_init`` runs in
    every ``LLMServer`` replica, a restarted one included, before vLLM's engine config is built) calls
@@ -31,11 +31,10 @@ import shutil
 import socket
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines import settings
-from pipelines.register import HEAD_SHA256_TAG
+from pipelines.registry.refs import HEAD_SHA256_TAG, HeadRef
 
 try:  # light module (stdlib only); Ray Serve LLM calls its hooks inside each LLMServer replica.
     from ray.llm._internal.common.callbacks.base import CallbackBase
@@ -45,78 +44,22 @@ except ImportError:  # pragma: no cover - ray without the llm package
 log = logging.getLogger(__name__)
 
 FETCH_LOG = "fetches.jsonl"  # per registered model in the node cache: one line per fetch_head
+PIN_FIX = "register a head and promote it (`peagle registry promote NAME --force`), or set head to a local directory / null"
 
 
-def is_registry_ref(head: str) -> bool:
-    return head.startswith("models:/")
-
-
-@dataclass(frozen=True)
-class PinnedHead:
-    """One registered head version and its content hash (``None``: the version carries no tag)."""
-
-    name: str
-    version: str
-    sha256: str | None
-
-    @property
-    def ref(self) -> str:
-        return f"models:/{self.name}/{self.version}"
-
-    def cache_dir(self, root: Path) -> Path:
-        """``root/NAME/vVERSION-<sha12>``: the hash in the key keeps versions of two registries apart."""
-        return root / self.name / (f"v{self.version}-{self.sha256[:12]}" if self.sha256 else f"v{self.version}")
-
-
-def _split_ref(head: str) -> tuple[str, str, str]:
-    """``models:/NAME@ALIAS`` -> (NAME, "@", ALIAS); ``models:/NAME/VERSION`` -> (NAME, "/", VERSION).
-
-    Raises:
-        ValueError: neither form.
-    """
-    ref = head.removeprefix("models:/")
-    for sep in ("@", "/"):
-        name, found, sel = ref.rpartition(sep)
-        if found and name and sel:
-            return name, sep, sel
-    raise ValueError(f"head={head!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+def cache_dir_of(root: Path, head: HeadRef) -> Path:
+    """``root/NAME/vVERSION-<sha12>`` of a pinned head: the hash in the key keeps versions of two registries apart."""
+    return root / head.name / (f"v{head.version}-{head.head_sha256[:12]}" if head.head_sha256 else f"v{head.version}")
 
 
 def pin_head_ref(head: str, tracking_uri: str | None = None) -> str:
     """``models:/NAME@ALIAS`` -> ``models:/NAME/VERSION`` (the alias's current version; asks the registry).
 
     Raises:
-        ValueError: the alias does not exist (with the command that sets it).
+        ValueError: a malformed reference, or the alias does not exist (with the command that sets it).
     """
-    from mlflow.exceptions import MlflowException
-
-    from pipelines.register import get_client
-
-    name, sep, alias = _split_ref(head)
-    if sep == "/":
-        return head
-    try:
-        mv = get_client(tracking_uri).get_model_version_by_alias(name, alias)
-    except MlflowException as e:
-        raise ValueError(
-            f"head={head!r}: registered model {name!r} has no alias {alias!r} in "
-            f"{tracking_uri or 'the default registry'} ({e.message}); register a head and promote it "
-            "(`peagle registry promote NAME --force`), or set head to a local directory / null"
-        ) from None
-    return f"models:/{name}/{mv.version}"
-
-
-def pin_head(head: str, tracking_uri: str | None = None) -> PinnedHead:
-    """The version ``head`` names now (alias resolved) and its ``head_sha256`` tag; asks the registry.
-
-    Raises:
-        ValueError: unknown alias or a malformed reference.
-    """
-    from pipelines.register import get_client
-
-    name, _, version = _split_ref(pin_head_ref(head, tracking_uri))
-    tags = get_client(tracking_uri).get_model_version(name, version).tags or {}
-    return PinnedHead(name, version, tags.get(HEAD_SHA256_TAG))
+    ref = HeadRef.parse(head)
+    return head if ref.pinned else str(ref.resolve(tracking_uri, fix=PIN_FIX))
 
 
 @contextmanager
@@ -201,38 +144,39 @@ def fetch_head(
     from pipelines.preflight import installed_vllm_version
 
     vllm_version = installed_vllm_version()
-    if not is_registry_ref(head):
+    if not HeadRef.is_ref(head):
         local = Path(head).expanduser()
         validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting,
                       vllm_version=vllm_version)
         return local
-    from pipelines.register import download
+    from pipelines.registry.register import download
 
     t0 = time.monotonic()
     root = Path(cache_dir) if cache_dir else settings.serve_heads_dir()
-    name, sep, version = _split_ref(head)
-    known = PinnedHead(name, version, head_sha256) if sep == "/" and head_sha256 else None
-    with _node_lock(root, name):
-        asked_registry = known is None or not _cached(known.cache_dir(root), known.sha256)
+    ref = HeadRef.parse(head)
+    known = HeadRef(ref.name, version=ref.version, head_sha256=head_sha256) if ref.pinned and head_sha256 else None
+    with _node_lock(root, ref.name):
+        asked_registry = known is None or not _cached(cache_dir_of(root, known), known.head_sha256)
         if not asked_registry:
-            pinned, dst, source = known, known.cache_dir(root), "cache"
+            pinned, source = known, "cache"
         else:
-            pinned = pin_head(head, tracking_uri)
+            pinned = ref.resolve(tracking_uri, fix=PIN_FIX)
             if known is not None and pinned != known:
-                raise HeadContractError(f"{head}: the registry tags it {HEAD_SHA256_TAG}={pinned.sha256}, the "
+                raise HeadContractError(f"{head}: the registry tags it {HEAD_SHA256_TAG}={pinned.head_sha256}, the "
                                         f"deployment pinned {head_sha256}; re-deploy to pin the current version")
-            dst, source = pinned.cache_dir(root), "cache"
-            if not _cached(dst, pinned.sha256):
-                download(f"{name}/{pinned.version}", dst, target_config=target_config,
+            source = "cache"
+            if not _cached(cache_dir_of(root, pinned), pinned.head_sha256):
+                download(pinned, cache_dir_of(root, pinned), target_config=target_config,
                          parallel_drafting=parallel_drafting, tracking_uri=tracking_uri)
-                _check_registered_hash(dst, pinned.sha256)
+                _check_registered_hash(cache_dir_of(root, pinned), pinned.head_sha256)
                 source = "registry"
+        dst = cache_dir_of(root, pinned)
         validate_head(dst, target_config=target_config, parallel_drafting=parallel_drafting,
                       check_checksums=False, vllm_version=vllm_version)  # checksums verified just above
         seconds = round(time.monotonic() - t0, 3)
-        _record_fetch(root / name, version=pinned.version, dir=str(dst), source=source,
+        _record_fetch(root / ref.name, version=pinned.version, dir=str(dst), source=source,
                       asked_registry=asked_registry, seconds=seconds)
-    log.info("draft head %s from the %s: %s (%.2fs)", pinned.ref, "node cache" if source == "cache" else "registry",
+    log.info("draft head %s from the %s: %s (%.2fs)", pinned, "node cache" if source == "cache" else "registry",
              dst, seconds)
     return dst
 
@@ -262,5 +206,4 @@ class HeadDownloadCallback(CallbackBase):
         log.info("draft head %s -> %s (validated); speculative_config=%s", kw["head"], local, spec)
 
 
-__all__ = ["FETCH_LOG", "HeadDownloadCallback", "PinnedHead", "fetch_head", "is_registry_ref", "pin_head",
-           "pin_head_ref"]
+__all__ = ["FETCH_LOG", "HeadDownloadCallback", "cache_dir_of", "fetch_head", "pin_head_ref"]

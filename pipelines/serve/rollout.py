@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,17 +119,47 @@ def roll(args, *, ready_timeout_s: float = 900.0, drain_timeout_s: float = 600.0
         drained = _drain(previous, timeout_s=drain_timeout_s, poll_s=poll_s)
     for old in stale:
         log.info("peagle serve: deleting the old backend app %s", old)
-        _serve().delete(old)
+        ray_serve().delete(old)
     seconds = time.monotonic() - t0
     log.info("peagle serve: %s now serves %s (was %s) after %.1fs", settings.SERVE_APP_NAME, name, previous, seconds)
     return RollResult(backend=name, previous=previous if previous in stale else None, changed=True,
                       served=backend.served, seconds=seconds, drained=drained)
 
 
-def _serve():
+def ray_serve():
+    """``ray.serve``, its logger kept quiet (importing it sets the logger to INFO)."""
     from ray import serve
 
+    from pipelines.console import quiet_loggers
+
+    quiet_loggers()
     return serve
+
+
+def delete_apps_on_cpu(say: Callable[[str], None]) -> None:
+    """Before a compute stage on a CPU cluster: delete the running endpoint (gateway and backend apps) unless
+    the cluster has :func:`pipelines.settings.local_num_cpus` CPUs free beside it, what a CPU stage may
+    reserve. A demo endpoint holds ~2 CPUs of a laptop cluster (2x the cores, logical); a cluster started
+    with more (``peagle ray start --num-cpus``) keeps serving through a refresh run. ``say``s which it did."""
+    try:
+        serve = ray_serve()
+        import ray
+
+        statuses = app_statuses()
+        apps = [a for a in (settings.SERVE_APP_NAME,) if a in statuses] + backend_apps(statuses)
+    except Exception as e:  # noqa: BLE001 - no Serve controller is fine
+        log.debug("no Serve app to delete: %s", e)
+        return
+    if not apps:
+        return
+    free, need = ray.available_resources().get("CPU", 0.0), settings.local_num_cpus()
+    if free >= need:
+        say(f"keeping the Serve apps {apps} up: {free:g} CPUs free beside them (a CPU stage reserves <= {need})")
+        return
+    for app in apps:
+        say(f"deleting the running Serve app {app!r} to free CPUs for compute stages ({free:g} free, a CPU "
+            f"stage reserves <= {need}; start Ray with more logical CPUs to keep it serving)")
+        serve.delete(app)
 
 
 def _deploy_backend(backend, *, ready_timeout_s: float, poll_s: float) -> str:
@@ -140,7 +171,7 @@ def _deploy_backend(backend, *, ready_timeout_s: float, poll_s: float) -> str:
     """
     from ray.serve.llm import build_llm_deployment
 
-    serve, name = _serve(), backend.app_name
+    serve, name = ray_serve(), backend.app_name
     if name not in app_statuses():
         log.info("peagle serve: deploying the backend app %s (head %s)", name, backend.head_ref)
         serve.run_many([serve.RunTarget(build_llm_deployment(backend.llm_config), name=name, route_prefix=None)],
@@ -199,7 +230,7 @@ def _route_gateway(backend, deployment: str, *, timeout_s: float, poll_s: float)
     from pipelines.serve import build_ingress
     from pipelines.serve.gateway import Route
 
-    serve = _serve()
+    serve = ray_serve()
     route = Route(app=backend.app_name, deployment=deployment,
                   model_card=to_model_metadata(backend.model_id, backend.llm_config).model_dump(mode="json"),
                   served=backend.served)

@@ -1,24 +1,12 @@
-"""The pipeline's stages, in order: one :class:`~pipelines.stages.base.Stage` subclass per file.
-
-::
+"""The pipeline's stages as objects: :class:`~pipelines.stages.base.Stage` (the interface) and one thin
+subclass per stage, which wires its package's work into the pipeline and holds no logic of its own::
 
     regenerate ─► capture ─► train ─► evaluate ─► register ─► serve
+    (data/)       (capture/)  (train/)  (evaluate/)  (registry/)  (serve/)
 
-Each file wires one stage module (``pipelines.<stage>``) into the pipeline: the recipe sections it
-reads (its key), its run, its validity check and its typed output. ``pipelines.pipeline.PipelineRun``
-runs them in this order.
+Each file says which recipe sections key the stage, calls its package's plain functions, checks its
+outputs and returns its typed output. The order is ``pipelines.pipeline.STAGE_TYPES``. The files import
+their packages inside methods, so the stage list (and ``peagle --help``) imports no torch, Ray or MLflow.
+
+Nothing is imported here: import each module by its own name.
 """
-
-from __future__ import annotations
-
-from pipelines.stages.base import Stage
-from pipelines.stages.capture import CaptureStage
-from pipelines.stages.evaluate import EvaluateStage
-from pipelines.stages.regenerate import RegenerateStage
-from pipelines.stages.register import RegisterStage
-from pipelines.stages.serve import ServeStage
-from pipelines.stages.train import TrainStage
-
-STAGE_TYPES: tuple[type[Stage], ...] = (RegenerateStage, CaptureStage, TrainStage, EvaluateStage, RegisterStage,
-                                        ServeStage)
-STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_TYPES)

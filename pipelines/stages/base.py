@@ -1,14 +1,17 @@
 """What every pipeline stage is: its recipe sections, its run, its validity check, its typed output.
 
-A stage is a :class:`Stage` subclass (one per file in ``pipelines/stages/``) that declares
+A stage is a :class:`Stage` subclass (one per file in ``pipelines/stages/``, each wiring the work of one package,
+e.g. ``pipelines/stages/train.py`` of ``pipelines/train/``; ``pipelines.pipeline.STAGE_TYPES`` lists them in
+order) that declares
 
 - ``name`` and ``Output`` (a :class:`StageOutput` dataclass: what the next stages read; written to
   ``<run dir>/<name>/stage.json`` as ``{"name", "status", "seconds", "key", "outputs"}``),
 - :meth:`Stage.sections`: the recipe sections it reads; its *key* is sha256 of those plus the key of
   the stage before it (:func:`stage_key`), so a changed upstream section re-runs everything after it,
-- :meth:`Stage.run` (the work, calling the plain function of ``pipelines.<stage>``),
+- :meth:`Stage.run` (the work, calling the plain functions of its package),
 - :meth:`Stage.is_valid` (are the recorded outputs still there and usable),
 - :meth:`Stage.summary` (its part of the pipeline summary, optional),
+- :meth:`Stage.before_other_stage_runs` (free what its running outputs hold before another stage runs, optional),
 - :meth:`Stage.preflight` (the recipe choices it cannot honour, anywhere or on this machine: the pre-flight
   of :mod:`pipelines.preflight`, from :meth:`Stage.requirements`, :meth:`Stage.num_gpus` and its own checks).
 
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 from peagle_core.atomic import atomic_write_text
 from pipelines.preflight import Machine, Problem, Severity
+from pipelines.recipe.base import is_key_neutral_when_none
 
 if TYPE_CHECKING:
     from pipelines.recipe import Recipe
@@ -100,19 +104,9 @@ def digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-# Recipe fields added after the stage keys were fixed, per section class: left out of a key while
-# None (their default), so a recipe that does not use them keeps its key and its run directory.
-KEY_NEUTRAL_WHEN_NONE: dict[str, tuple[str, ...]] = {
-    "SourceConfig": ("weight", "turns", "self_instruct", "traffic"),
-    "RegenerateConfig": ("static_cache",),
-    "ServeConfig": ("k_schedule", "traffic_log"),
-    "EvalConfig": ("compare_champion", "step_costs"),
-    "RegistryConfig": ("gate_eval_set",),
-}
-
-
 def stage_key(name: str, upstream_key: str, sections: tuple) -> str:
-    """Key of stage ``name``: its recipe ``sections`` (pydantic models dumped as JSON) + the upstream key."""
+    """Key of stage ``name``: its recipe ``sections`` (pydantic models dumped as JSON, without the fields marked
+    ``KEY_NEUTRAL_WHEN_NONE`` that are None) + the upstream key."""
     dumped = [_key_dump(s) for s in sections]
     return digest(name, upstream_key, dumped)
 
@@ -126,12 +120,12 @@ def _key_dump(section: Any) -> Any:
 
 
 def _drop_neutral(model: Any, dumped: Any) -> None:
-    """Remove :data:`KEY_NEUTRAL_WHEN_NONE` fields that are None from ``dumped`` (``model``'s dump), nested."""
+    """Remove the fields marked ``pipelines.recipe.base.KEY_NEUTRAL_WHEN_NONE`` that are None from ``dumped``
+    (``model``'s dump), nested."""
     if hasattr(type(model), "model_fields") and isinstance(dumped, dict):
-        neutral = KEY_NEUTRAL_WHEN_NONE.get(type(model).__name__, ())
-        for fname in type(model).model_fields:
+        for fname, info in type(model).model_fields.items():
             value = getattr(model, fname)
-            if fname in neutral and value is None:
+            if value is None and is_key_neutral_when_none(info):
                 dumped.pop(fname, None)
             elif fname in dumped:
                 _drop_neutral(value, dumped[fname])
@@ -291,12 +285,11 @@ class Stage(ABC):
     def is_valid(self, out: StageOutput) -> bool:
         """Whether a recorded output is still usable (files there, head validates, ...); may raise."""
 
-    def before_run(self) -> None:
-        """Called before :meth:`run` (not when skipped): a compute stage frees the CPUs a running
-        demo Serve app holds."""
-        from pipelines.stages.serve import delete_app_on_cpu
-
-        delete_app_on_cpu(self.ctx)
+    @classmethod
+    def before_other_stage_runs(cls, ctx: RunContext, name: str) -> None:
+        """Called before stage ``name`` (another stage) runs, not when it is skipped: free what this stage's
+        running outputs hold that ``name`` may need. Default nothing; the serve stage deletes an endpoint that
+        holds the CPUs of a small cluster."""
 
     def summary(self, out: StageOutput) -> tuple[str, dict[str, Any]] | None:
         """``(section, JSON-able dict)`` for ``summary.json``, or None."""

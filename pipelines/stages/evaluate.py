@@ -1,7 +1,7 @@
-"""Stage ``evaluate``: the trained head's acceptance length (AL) and tokens/s with real vLLM (``pipelines.evaluate``).
+"""Stage ``evaluate``: the trained head's acceptance length (AL) and tokens/s with real vLLM (``pipelines.evaluate.measure``).
 
 Measures every method x K x concurrency of the ``evaluation`` section on every eval source
-(``pipelines.eval_prompts``: one eval set per source); the gate set
+(``pipelines.evaluate.prompts``: one eval set per source); the gate set
 (``RegistryConfig.resolved_gate_eval_set``: ``registry.gate_eval_set``, else the held-out traffic set
 when there is one, else the first set) is where the promotion gate compares ALs, listed first. Writes
 ``evaluate/<eval_set>/`` (``table.json``, ``table.md``, plots) per set and ``evaluate/table.json`` /
@@ -11,12 +11,12 @@ Champion vs challenger (``EvalConfig.compares_champion``: ``evaluation.compare_c
 for a warm start from the registry): the registry's ``champion`` of the recipe's model is resolved once
 per pipeline run, when the stage is built, to a version and its ``head_sha256`` (both in this stage's
 key: a re-run against the same champion is skipped, a promotion re-keys it), downloaded to
-``evaluate/champion_head/`` and measured by the same ``pipelines.evaluate.evaluate`` call as the
+``evaluate/champion_head/`` and measured by the same ``pipelines.evaluate.measure.evaluate`` call as the
 trained head on every set (rows ``method: champion``). The register stage's gate then uses the
 champion's AL from this table. MT-Bench with
 ``turns: 2`` needs the target's answers to the first turns: a transformers engine of the target
 writes them in this process (greedy) and is freed before vLLM starts. The trained method's K schedule
-on the gate set (``pipelines.k_schedule``: batch-size ranges -> best measured K, K=0 where no
+on the gate set (``pipelines.evaluate.k_schedule``: batch-size ranges -> best measured K, K=0 where no
 speculation was faster) goes into ``table.json`` and the output; register writes it on the model
 version. Key: evaluation section (plus the gate set when it is not the first set, and the champion
 version and head_sha256 when comparing).
@@ -24,17 +24,13 @@ version and head_sha256 when comparing).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_core.atomic import atomic_write_text
 from pipelines.preflight import Machine, Problem, Severity
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, write_json
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput
 from pipelines.stages.train import TrainOutput
 
 CHAMPION_HEAD_DIR = "champion_head"  # under the stage directory: the champion's head, downloaded
@@ -44,13 +40,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EvaluateOutput(StageOutput):
-    """``rows``: the eval table of every eval set (``pipelines.evaluate`` rows, tagged ``eval_set``);
+    """``rows``: the eval table of every eval set (``pipelines.evaluate.measure`` rows, tagged ``eval_set``);
     ``eval_set``: the gate set (the first eval source); ``best_K``: the gate set's
     ``{method: {concurrency: K}}`` (JSON keys are strings after a reload); ``plots``:
     ``{"<eval_set>/<plot>": PNG path}``; ``eval_sets``: every set, gate first (None in records
     written before there were several: their rows are all the gate set's); ``k_schedule``: the trained
     method's vLLM schedule ``[[batch_min, batch_max, K], ...]`` on the gate set
-    (``pipelines.k_schedule.build_k_schedule``; None in records written before it existed);
+    (``pipelines.evaluate.k_schedule.build_k_schedule``; None in records written before it existed);
     ``champion``: the registry champion measured beside the trained head (rows ``method: champion``),
     ``{"model", "version", "head_sha256", "method"}``, or ``{"model", "version": None}`` when the
     comparison was on but there was no champion; None when the comparison was off."""
@@ -73,6 +69,20 @@ class EvaluateOutput(StageOutput):
         name = eval_set or self.eval_set
         return [x for x in self.rows if x.get("eval_set", self.eval_set) == name]
 
+    def measured_champion(self, *, gate_K: int, concurrency: int):
+        """The champion as this run measured it on its gate set (``pipelines.registry.promotion.MeasuredChampion``:
+        version and AL at ``gate_K`` and ``concurrency``), or None when the stage did not compare (the gate then
+        reads the champion's registered AL)."""
+        from pipelines.evaluate.measure import CHAMPION_LABEL
+        from pipelines.registry.promotion import MeasuredChampion
+
+        if self.champion is None:
+            return None
+        version = self.champion.get("version")
+        al = self.al_by_K(CHAMPION_LABEL, concurrency, eval_set=self.eval_set).get(gate_K) if version is not None \
+            else None
+        return MeasuredChampion(version=str(version) if version is not None else None, al=al, eval_set=self.eval_set)
+
     def al_by_K(self, method: str, concurrency: int, eval_set: str | None = None) -> dict[int, float]:
         """AL per K of ``method`` at ``concurrency`` on ``eval_set`` (default: the gate set)."""
         return {int(x["K"]): float(x["acceptance_length"]) for x in self.set_rows(eval_set)
@@ -88,7 +98,7 @@ class EvaluateStage(Stage):
         super().__init__(ctx)
         self._compares = ctx.recipe.evaluation.compares_champion(ctx.recipe.training)
         # the champion pinned once per run (version + head_sha256): the key and the download agree
-        self._champion = resolve_champion(ctx.model_name, tracking_uri=ctx.tracking_uri) if self._compares else None
+        self._champion = self._pin_champion() if self._compares else None
 
     @staticmethod
     def requirements(recipe) -> tuple[str, ...]:
@@ -102,14 +112,12 @@ class EvaluateStage(Stage):
     def preflight(cls, recipe, machine: Machine) -> list[Problem]:
         """Also: the trained method is measured, eval set names are distinct, user files of
         ``evaluation.sources`` are there."""
-        from pipelines.eval_prompts import eval_set_name
-
         problems = super().preflight(recipe, machine)
         methods, method = recipe.evaluation.methods, recipe.training.method
         if method not in methods:
             problems.append(cls.problem(Severity.INVALID, f"evaluation.methods={methods} does not measure the trained "
                                         f"head (training.method={method!r}); add it", "evaluation.methods"))
-        names = [eval_set_name(s) for s in recipe.evaluation.sources]
+        names = [s.eval_set_name() for s in recipe.evaluation.sources]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             problems.append(cls.problem(
@@ -118,11 +126,9 @@ class EvaluateStage(Stage):
         return problems + cls.source_problems("evaluation.sources", recipe.evaluation.sources, machine)
 
     def sections(self, recipe):
-        from pipelines.eval_prompts import eval_set_name
-
         parts: list[Any] = [recipe.evaluation]
         gate = recipe.registry.resolved_gate_eval_set(recipe.evaluation)
-        if gate != eval_set_name(recipe.evaluation.sources[0]):  # the gate set orders the table, picks the schedule
+        if gate != recipe.evaluation.sources[0].eval_set_name():  # the gate set orders the table, picks the schedule
             parts.append({"gate_eval_set": gate})
         if self._compares:
             parts.append({"champion": self._champion.key() if self._champion is not None
@@ -132,10 +138,10 @@ class EvaluateStage(Stage):
     def run(self) -> EvaluateOutput:
         from transformers import AutoTokenizer
 
-        from pipelines import evaluate as ev
-        from pipelines.capture import resolve_target
-        from pipelines.eval_prompts import load_eval_prompts
-        from pipelines.k_schedule import schedule_or_none
+        from pipelines.assets import resolve_target
+        from pipelines.evaluate import measure as ev
+        from pipelines.evaluate.prompts import first_turn_engine, load_eval_prompts
+        from pipelines.evaluate.report import write_sets_table
 
         r = self.recipe
         head = self.ctx.upstream(TrainOutput).head_dir
@@ -144,7 +150,8 @@ class EvaluateStage(Stage):
         asset, _ = resolve_target(r.target)
         tok = AutoTokenizer.from_pretrained(str(asset.path))
         max_len = max(1024, r.data.max_length_tokens)
-        with self._turn_one_engine(asset.path, max_len) as engine:
+        with first_turn_engine(r.evaluation.sources, asset.path, dtype=r.target.dtype, max_model_len=max_len,
+                               name=r.target.model) as engine:
             sets = load_eval_prompts(r.evaluation.sources, tok, num_prompts=r.evaluation.num_prompts,
                                      seed=r.data.seed, max_prompt_tokens=max_len - r.evaluation.max_tokens,
                                      engine=engine, max_tokens=r.evaluation.max_tokens)
@@ -155,22 +162,31 @@ class EvaluateStage(Stage):
             reports[eval_set] = ev.evaluate(target=asset.path, prompts=sets[eval_set],
                                             heads={r.training.method: head}, cfg=r.evaluation, eval_set=eval_set,
                                             engine_kwargs=engine_kwargs, out_dir=self.dir / eval_set, **champion_kw)
-        schedule = schedule_or_none(reports[gate].rows, r.training.method)
-        k_schedule = [list(e) for e in schedule] if schedule is not None else None
-        rows = [row for rep in reports.values() for row in rep.rows]
-        markdown = "".join(f"## {name}{' (gate)' if name == gate else ''}\n\n{rep.markdown}\n"
-                           for name, rep in reports.items())
-        write_json(self.dir / "table.json", {"gate_eval_set": gate, "eval_sets": list(reports), "rows": rows,
-                                             "best_K": {name: rep.best_K for name, rep in reports.items()},
-                                             "k_schedule": {"eval_set": gate, "method": r.training.method,
-                                                            "schedule": k_schedule},
-                                             "champion": champion})
-        atomic_write_text(self.dir / "table.md", markdown)
-        self.ctx.say(f"table {self.dir / 'table.md'}" if not self.ctx.verbose else "\n" + markdown)
-        plots = {f"{name}/{k}": str(v) for name, rep in reports.items() for k, v in rep.plots.items()}
-        return EvaluateOutput(table=str(self.dir / "table.json"), rows=rows, eval_set=gate,
-                              best_K=reports[gate].best_K, eval_sets=list(reports), plots=plots,
-                              k_schedule=k_schedule, champion=champion)
+        table = write_sets_table(reports, gate=gate, method=r.training.method, champion=champion, out_dir=self.dir)
+        self.ctx.say(f"table {self.dir / 'table.md'}" if not self.ctx.verbose else "\n" + table.markdown)
+        return EvaluateOutput(table=str(self.dir / "table.json"), rows=table.rows, eval_set=gate,
+                              best_K=reports[gate].best_K, eval_sets=list(reports), plots=table.plots,
+                              k_schedule=table.schedule, champion=champion)
+
+    def _pin_champion(self):
+        """The registry's ``champion`` of the recipe's model pinned to its version and ``head_sha256`` (a
+        ``pipelines.train.warm_start.InitHead``: ``fetch_init_head`` downloads it), or None when no version
+        holds the alias (or the model is not registered yet).
+
+        Raises:
+            pipelines.registry.client.TrackingUnreachableError: an ``http(s)://`` tracking server that does not
+                answer.
+        """
+        from pipelines.registry.client import tracking_guard
+        from pipelines.registry.promotion import CHAMPION
+        from pipelines.registry.refs import HeadRef
+        from pipelines.train.warm_start import InitHead
+
+        champion = HeadRef(self.ctx.model_name, alias=CHAMPION)
+        with tracking_guard(self.ctx.tracking_uri, hint="evaluation.compare_champion needs the registry: start it, "
+                            "or set evaluation.compare_champion: false") as uri:
+            pinned = champion.resolve(uri, missing_ok=True)
+        return InitHead.from_registry(str(champion), pinned) if pinned is not None else None
 
     def _fetch_champion(self) -> tuple[str | None, dict[str, Any] | None]:
         """``(local head dir, EvaluateOutput.champion)`` of the pinned champion: ``(None, None)`` when not
@@ -185,89 +201,29 @@ class EvaluateStage(Stage):
         if self._champion is None:
             self.ctx.say(f"no champion of {self.ctx.model_name} yet: measuring the trained head only")
             return None, {"model": self.ctx.model_name, "version": None}
-        import json
 
-        from peagle_core.contract import CONFIG_FILE, head_mask_token_id
+        from pipelines.registry.register import head_method
         from pipelines.train.warm_start import fetch_init_head
 
         init = fetch_init_head(self._champion, self.dir / CHAMPION_HEAD_DIR, tracking_uri=self.ctx.tracking_uri)
-        config = json.loads((Path(init.head_dir) / CONFIG_FILE).read_text())
-        method = "peagle" if head_mask_token_id(config) is not None else "eagle3"  # as register infers it
+        method = head_method(init.head_dir)
         self.ctx.say(f"champion {init.describe()} ({method}) measured beside the trained head")
         return init.head_dir, {**init.key(), "method": method}
-
-    @contextlib.contextmanager
-    def _turn_one_engine(self, target_path: Path, max_len: int) -> Iterator[Any]:
-        """A transformers engine of the target while eval prompts load, when an MT-Bench source has
-        ``turns: 2`` (it answers the first turns); else None. Freed on exit, before vLLM starts."""
-        if not any(s.kind == "mtbench" and s.turns == 2 for s in self.recipe.evaluation.sources):
-            yield None
-            return
-        import torch
-
-        from pipelines.engines import make_engine
-
-        engine = make_engine("transformers", target_path, dtype=self.recipe.target.dtype, max_model_len=max_len,
-                             name=self.recipe.target.model)
-        try:
-            yield engine
-        finally:
-            del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
 
     def is_valid(self, out: EvaluateOutput) -> bool:
         return Path(out.table).is_file() and bool(out.rows)
 
     def summary(self, out: EvaluateOutput) -> tuple[str, dict[str, Any]]:
-        from pipelines.evaluate import CHAMPION_LABEL
+        from pipelines.evaluate.measure import CHAMPION_LABEL
+        from pipelines.evaluate.report import headline
 
-        by_set = {name: headline(out.set_rows(name), self.recipe) for name in out.set_names()}
-        s = headline(out.set_rows(), self.recipe) | {
+        method, c = self.recipe.training.method, min(self.recipe.evaluation.concurrency_sweep)
+        by_set = {name: headline(out.set_rows(name), method, c) for name in out.set_names()}
+        s = headline(out.set_rows(), method, c) | {
             "eval_set": out.eval_set,
             "by_eval_set": {name: {k: h[k] for k in ("none_tokens_per_s", "per_K")} for name, h in by_set.items()},
         }
         if out.champion is not None:  # the champion's AL per K on each set, beside the trained head's
-            c = min(self.recipe.evaluation.concurrency_sweep)
             s["champion"] = out.champion | {"al_by_K": {name: out.al_by_K(CHAMPION_LABEL, c, eval_set=name)
                                                         for name in out.set_names()}}
         return "eval", s
-
-
-def resolve_champion(model_name: str, *, tracking_uri: str | None = None):
-    """The ``champion`` of ``model_name`` pinned to its version and ``head_sha256`` tag, as a
-    ``pipelines.train.warm_start.InitHead`` (``fetch_init_head`` downloads it), or None when no version
-    holds the alias (or the model is not registered yet).
-
-    Raises:
-        pipelines.register.TrackingUnreachableError: an ``http(s)://`` tracking server that does not answer.
-    """
-    from pipelines.promotion import CHAMPION, current_champion
-    from pipelines.register import HEAD_SHA256_TAG, get_client, tracking_guard, version_tag
-    from pipelines.train.warm_start import REGISTRY_PREFIX, InitHead
-
-    with tracking_guard(tracking_uri, hint="evaluation.compare_champion needs the registry: start it, or set "
-                        "evaluation.compare_champion: false") as uri:
-        mv = current_champion(get_client(uri), model_name)
-    if mv is None:
-        return None
-    return InitHead(ref=f"{REGISTRY_PREFIX}{model_name}@{CHAMPION}", model_name=model_name, version=str(mv.version),
-                    head_sha256=version_tag(mv, HEAD_SHA256_TAG))
-
-
-def headline(rows: list[dict], recipe) -> dict[str, Any]:
-    """AL per K of the trained head and its tokens/s against no speculation at the lowest concurrency
-    (``rows`` of one eval set)."""
-    c = min(recipe.evaluation.concurrency_sweep)
-    method = recipe.training.method
-    base = next((x for x in rows if x["method"] == "none" and int(x.get("concurrency", 1)) == c), None)
-    per_K = {}
-    for x in rows:
-        if x["method"] == method and int(x.get("concurrency", 1)) == c:
-            speedup = (x["tokens_per_s"] / base["tokens_per_s"]
-                       if base and base.get("tokens_per_s") and x.get("tokens_per_s") else None)
-            per_K[int(x["K"])] = {"acceptance_length": x.get("acceptance_length"),
-                                  "tokens_per_s": x.get("tokens_per_s"), "speedup": speedup}
-    return {"method": method, "concurrency": c,
-            "none_tokens_per_s": base.get("tokens_per_s") if base else None, "per_K": per_K}

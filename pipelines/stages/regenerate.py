@@ -1,7 +1,7 @@
-"""Stage ``regenerate``: the recipe's prompt sources -> the target's own answers (``pipelines.regenerate``).
+"""Stage ``regenerate``: the recipe's prompt sources -> the target's own answers (``pipelines.data.regenerate``).
 
-Loads and mixes the prompt sources (``pipelines.prompt_dataset``; a self_instruct source's prompts are
-written first by the target, ``pipelines.selfinstruct.SelfInstructWriter``), then writes
+Loads and mixes the prompt sources (``pipelines.data.prompt_dataset``; a self_instruct source's prompts are
+written first by the target, ``pipelines.data.selfinstruct.SelfInstructWriter``), then writes
 ``regenerate/conversations.jsonl`` (train split) and ``regenerate/heldout_ids.json`` (the held-out
 prompt ids). With ``regenerate.enabled: false`` the sources' own answers are written as is.
 Key: target (minus ``aux_layer_ids``, which do not change the text), data, regenerate.
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RegenerateOutput(StageOutput):
     """``path``: the conversations JSONL; engine statistics when ``regenerated``; ``self_instruct``: the
-    counts of each self_instruct source's prompt writer, in source order (``pipelines.selfinstruct``:
+    counts of each self_instruct source's prompt writer, in source order (``pipelines.data.selfinstruct``:
     generated, filtered, deduplicated, kept, ...), None without such a source."""
 
     path: str
@@ -56,7 +56,7 @@ class RegenerateStage(Stage):
     def preflight(cls, recipe, machine: Machine) -> list[Problem]:
         """Also: the engine of ``regenerate.backend`` (when regenerating: it also writes self_instruct prompts)
         and the user files of ``data.sources``."""
-        from pipelines.engines import ENGINES
+        from pipelines.data.engines import ENGINES
 
         problems = super().preflight(recipe, machine)
         r = recipe.regenerate
@@ -72,10 +72,10 @@ class RegenerateStage(Stage):
         return (recipe.target.model_dump(mode="json", exclude={"aux_layer_ids"}), recipe.data, recipe.regenerate)
 
     def run(self) -> RegenerateOutput:
-        from pipelines.prompt_dataset import load_prompt_dataset
-        from pipelines.prompts import train_eval_split
-        from pipelines.regenerate import drop_summary, run_regenerate
-        from pipelines.selfinstruct import SelfInstructWriter, summary
+        from pipelines.data.prompt_dataset import load_prompt_dataset
+        from pipelines.data.prompts import train_eval_split
+        from pipelines.data.regenerate import drop_summary, run_regenerate
+        from pipelines.data.selfinstruct import SelfInstructWriter, summary
 
         r = self.recipe
         # the writer starts an engine only for a self_instruct source (one per such source)

@@ -1,5 +1,5 @@
-"""Stage ``register``: log the run to MLflow, register the head, run the promotion gate (``pipelines.register``,
-``pipelines.promotion``).
+"""Stage ``register``: log the run to MLflow, register the head, run the promotion gate (``pipelines.registry.register``,
+``pipelines.registry.promotion``).
 
 One MLflow run per pipeline run (experiment ``peagle``: resolved recipe, training curves, eval
 table, stage timings, data-manifest hash); the head becomes a new model version (alias
@@ -7,21 +7,20 @@ table, stage timings, data-manifest hash); the head becomes a new model version 
 ``registry.gate_num_speculative_tokens`` on the gate eval set (``RegistryConfig.resolved_gate_eval_set``)
 beats the champion's. When the evaluate stage measured the champion beside the trained head
 (``evaluation.compare_champion``), that same-run AL is the champion's
-(``pipelines.promotion.MeasuredChampion``), not the AL tagged on it when it was registered (maybe on
+(``pipelines.registry.promotion.MeasuredChampion``), not the AL tagged on it when it was registered (maybe on
 another set, with other engine settings); the decision's reason names both ALs. The version also
-carries the evaluate stage's K schedule (tag ``pipelines.k_schedule.K_SCHEDULE_TAG``, JSON), which
+carries the evaluate stage's K schedule (tag ``pipelines.evaluate.k_schedule.K_SCHEDULE_TAG``, JSON), which
 Serve passes to vLLM. Key: registry section (``gate_eval_set`` only when set).
 
 Re-runs and outages (issue 15): before logging anything the stage looks up the version and run tagged
-with its key (``pipelines.register.find_registered``) and reuses them, and re-reads the gate's recorded
+with its key (``pipelines.registry.register.find_registered``) and reuses them, and re-reads the gate's recorded
 decision instead of deciding again, so an interrupted register (version created, ``stage.json`` never
 written) re-run still leaves exactly one version. With an ``http(s)://`` store that does not answer, it
-fails in seconds with one line naming the URI (``pipelines.register.tracking_guard``).
+fails in seconds with one line naming the URI (``pipelines.registry.register.tracking_guard``).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.evaluate import EvaluateOutput
 from pipelines.stages.train import TrainOutput
 
-# the end of the stage's error line when the tracking server is down (pipelines.register.tracking_guard)
+# the end of the stage's error line when the tracking server is down (pipelines.registry.register.tracking_guard)
 RERUN_HINT = ("start it (or point registry.tracking_uri / $MLFLOW_TRACKING_URI at a live one) and re-run the "
               "register stage: it reuses the version and run this stage key already has (tag peagle.pipeline_key), "
               "so a re-run registers nothing twice; earlier stages' outputs are kept")
@@ -79,10 +78,10 @@ class RegisterStage(Stage):
         return (recipe.registry,)
 
     def run(self) -> RegisterOutput:
-        from pipelines import register as reg
-        from pipelines.capture import resolve_target
-        from pipelines.k_schedule import K_SCHEDULE_TAG, schedule_or_none, schedule_to_tag
-        from pipelines.promotion import maybe_promote, recorded_decision
+        from pipelines.assets import resolve_target
+        from pipelines.evaluate.k_schedule import K_SCHEDULE_TAG, schedule_or_none, schedule_to_tag
+        from pipelines.registry import register as reg
+        from pipelines.registry.promotion import maybe_promote, recorded_decision
 
         r, uri, name = self.recipe, self.ctx.tracking_uri, self.ctx.model_name
         train, ev = self.ctx.upstream(TrainOutput), self.ctx.upstream(EvaluateOutput)
@@ -93,7 +92,7 @@ class RegisterStage(Stage):
                              "evaluate (peagle run --stage evaluate --force)")
         # the gate compares ALs on one eval set: the gate set's rows only (best_K is the gate set's too)
         al_by_K = ev.al_by_K(method, min(r.evaluation.concurrency_sweep), eval_set=ev.eval_set)
-        measured = measured_champion(ev, gate_K=gate_K, concurrency=min(r.evaluation.concurrency_sweep))
+        measured = ev.measured_champion(gate_K=gate_K, concurrency=min(r.evaluation.concurrency_sweep))
         # records written before evaluate stored the schedule: the same function on the same gate-set rows
         schedule = ev.k_schedule if ev.k_schedule is not None else schedule_or_none(ev.set_rows(), method)
         schedule_tag = {K_SCHEDULE_TAG: schedule_to_tag(schedule)} if schedule is not None else {}
@@ -128,7 +127,8 @@ class RegisterStage(Stage):
     def _log_run(self, train: TrainOutput, ev: EvaluateOutput, run_id: str | None = None) -> str:
         """The pipeline's MLflow run: recipe, curves, eval table, data manifest, stage timings (``run_id``:
         continue the run an interrupted register of this key left)."""
-        from pipelines import register as reg
+        from pipelines.registry import register as reg
+        from pipelines.registry.runs import log_metrics_now
 
         r, uri = self.recipe, self.ctx.tracking_uri
         champion = {f"peagle.champion_{k}": str(ev.champion.get(k) or "") for k in ("version", "head_sha256")
@@ -142,16 +142,12 @@ class RegisterStage(Stage):
             tags={"peagle.recipe": r.name, "peagle.pipeline_key": self.ctx.key(self.name),
                   "peagle.train_mlflow_run": str(train.mlflow_run_id or ""), **champion},
             tracking_uri=uri)
-        timings = {f"stage_seconds.{n}": rec.seconds for n, rec in self.ctx.records.items() if rec.status == "ran"}
-        if timings:
-            from mlflow.entities import Metric
-
-            now = int(time.time() * 1000)
-            reg.get_client(uri).log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in timings.items()])
+        log_metrics_now(run_id, {f"stage_seconds.{n}": rec.seconds for n, rec in self.ctx.records.items()
+                                     if rec.status == "ran"}, tracking_uri=uri)
         return run_id
 
     def is_valid(self, out: RegisterOutput) -> bool:
-        from pipelines import register as reg
+        from pipelines.registry import register as reg
 
         with reg.tracking_guard(out.tracking_uri, hint=RERUN_HINT):  # fails in seconds, not minutes of retries
             mv = reg.get_client(out.tracking_uri).get_model_version(out.model_name, out.version)
@@ -161,17 +157,3 @@ class RegisterStage(Stage):
         return "mlflow", {"tracking_uri": out.tracking_uri, "run_id": out.run_id, "model_name": out.model_name,
                           "version": out.version, "promoted": out.promoted, "champion_version": out.champion_version,
                           "reason": out.reason}
-
-
-def measured_champion(ev: EvaluateOutput, *, gate_K: int, concurrency: int):
-    """The champion as ``ev`` measured it on its gate set (``pipelines.promotion.MeasuredChampion``: version and
-    AL at ``gate_K`` and ``concurrency``), or None when the evaluate stage did not compare (the gate then
-    reads the champion's registered AL)."""
-    from pipelines.evaluate import CHAMPION_LABEL
-    from pipelines.promotion import MeasuredChampion
-
-    if ev.champion is None:
-        return None
-    version = ev.champion.get("version")
-    al = ev.al_by_K(CHAMPION_LABEL, concurrency, eval_set=ev.eval_set).get(gate_K) if version is not None else None
-    return MeasuredChampion(version=str(version) if version is not None else None, al=al, eval_set=ev.eval_set)

@@ -9,10 +9,7 @@ at now. Key: serving section.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,8 @@ class ServeOutput(StageOutput):
 
     def curl(self) -> str:
         """A copy-paste chat request against the endpoint."""
+        from pipelines.serve.client import curl_line
+
         return curl_line(self.url, self.model_id, self.api_key_env)
 
 
@@ -71,15 +70,23 @@ class ServeStage(Stage):
     def sections(recipe):
         return (recipe.serving,)
 
-    def before_run(self) -> None:
-        """Serve replaces its own app: nothing to free."""
+    @classmethod
+    def before_other_stage_runs(cls, ctx: RunContext, name: str) -> None:
+        """A compute stage on a CPU cluster: delete the endpoint unless the cluster has CPUs free beside it
+        (:func:`pipelines.serve.rollout.delete_apps_on_cpu`). Serve replaces its own app: nothing to free."""
+        if not ctx.engine.use_gpu:
+            from pipelines.serve.rollout import delete_apps_on_cpu
+
+            delete_apps_on_cpu(ctx.say)
 
     def run(self) -> ServeOutput:
+        from pipelines.registry.refs import HeadRef
         from pipelines.serve import ServeAppArgs, resolve_k_schedule
-        from pipelines.serve.heads import pin_head
-        from pipelines.serve.rollout import roll
+        from pipelines.serve.client import chat_once
+        from pipelines.serve.heads import PIN_FIX
+        from pipelines.serve.rollout import ray_serve, roll
 
-        serve = _ray_serve()
+        serve = ray_serve()
 
         r, s, eng = self.recipe, self.recipe.serving, self.ctx.engine
         registered = self.ctx.upstream(RegisterOutput).version
@@ -95,7 +102,7 @@ class ServeStage(Stage):
         url = f"http://{s.host}:{s.port}"
         answer = chat_once(url, args.resolved_model_id(), api_key_env=s.api_key_env)
         served = rolled.served["head"]  # the version roll pinned (the alias may have moved since)
-        schedule = resolve_k_schedule(args, pin_head(served, self.ctx.tracking_uri))
+        schedule = resolve_k_schedule(args, HeadRef.parse(served).resolve(self.ctx.tracking_uri, fix=PIN_FIX))
         K = f"K={s.num_speculative_tokens}" if schedule is None else f"K schedule {schedule}" + (
             "" if any(k for _, _, k in schedule) else ": no speculation")
         self.ctx.say(f"{url} serves {args.resolved_model_id()} + {served} ({K}); smoke answer: {answer!r}")
@@ -103,87 +110,16 @@ class ServeStage(Stage):
                            smoke_answer=answer, api_key_env=s.api_key_env)
 
     def is_valid(self, out: ServeOutput) -> bool:
+        from pipelines.registry.refs import HeadRef
         from pipelines.serve.heads import pin_head_ref
-        from pipelines.serve.rollout import RUNNING, app_statuses, backend_apps
+        from pipelines.serve.rollout import RUNNING, app_statuses, backend_apps, ray_serve
 
-        _ray_serve()
+        ray_serve()
         statuses = app_statuses()
-        current = pin_head_ref(f"models:/{self.ctx.model_name}@{self.recipe.serving.head_alias}",
+        current = pin_head_ref(str(HeadRef(self.ctx.model_name, alias=self.recipe.serving.head_alias)),
                                self.ctx.tracking_uri)
         return (statuses.get(settings.SERVE_APP_NAME) == RUNNING and out.head == current
                 and any(statuses[b] == RUNNING for b in backend_apps(statuses)))
 
     def summary(self, out: ServeOutput) -> tuple[str, dict[str, Any]]:
         return "endpoint", {"url": out.url, "model_id": out.model_id, "head": out.head, "curl": out.curl()}
-
-
-def delete_app_on_cpu(ctx: RunContext) -> None:
-    """Before a compute stage on a CPU cluster: delete the running endpoint (gateway and backend apps) unless
-    the cluster has :func:`pipelines.settings.local_num_cpus` CPUs free beside it, what a CPU stage may
-    reserve. A demo endpoint holds ~2 CPUs of a laptop cluster (2x the cores, logical); a cluster started
-    with more (``peagle ray start --num-cpus``) keeps serving through a refresh run. Says which it did."""
-    if ctx.engine.use_gpu:
-        return
-    try:
-        serve = _ray_serve()
-        import ray
-
-        from pipelines.serve.rollout import app_statuses, backend_apps
-
-        statuses = app_statuses()
-        apps = [a for a in (settings.SERVE_APP_NAME,) if a in statuses] + backend_apps(statuses)
-    except Exception as e:  # noqa: BLE001 - no Serve controller is fine
-        log.debug("no Serve app to delete: %s", e)
-        return
-    if not apps:
-        return
-    free, need = ray.available_resources().get("CPU", 0.0), settings.local_num_cpus()
-    if free >= need:
-        ctx.say(f"keeping the Serve apps {apps} up: {free:g} CPUs free beside them (a CPU stage reserves <= {need})")
-        return
-    for app in apps:
-        ctx.say(f"deleting the running Serve app {app!r} to free CPUs for compute stages ({free:g} free, a CPU "
-                f"stage reserves <= {need}; start Ray with more logical CPUs to keep it serving)")
-        serve.delete(app)
-
-
-def _ray_serve():
-    """``ray.serve``, its logger kept quiet (importing it sets the logger to INFO)."""
-    from ray import serve
-
-    from pipelines.console import quiet_loggers
-
-    quiet_loggers()
-    return serve
-
-
-def curl_line(url: str, model_id: str, api_key_env: str | None = None) -> str:
-    """``curl`` of one chat request (the API key read from ``$api_key_env`` when set)."""
-    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Write a Python function that "
-                                                        "reverses a string."}], "max_tokens": 64, "temperature": 0})
-    auth = f" -H \"Authorization: Bearer ${api_key_env}\"" if api_key_env else ""
-    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
-
-
-def chat_once(url: str, model_id: str, *, api_key_env: str | None = None, timeout_s: float = 300.0) -> str:
-    """One greedy chat request to the OpenAI endpoint (retried until ``timeout_s``); returns the answer.
-
-    Raises:
-        RuntimeError: no successful answer within ``timeout_s``.
-    """
-    import httpx
-
-    headers = {"Authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
-    body = {"model": model_id, "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 16,
-            "temperature": 0}
-    deadline, last = time.time() + timeout_s, None
-    while time.time() < deadline:
-        try:
-            r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
-            if r.status_code == 200:
-                return r.json()["choices"][0]["message"]["content"]
-            last = f"HTTP {r.status_code}: {r.text[:300]}"
-        except httpx.HTTPError as e:
-            last = repr(e)
-        time.sleep(3)
-    raise RuntimeError(f"{url} did not answer a chat request within {timeout_s:.0f}s (last: {last})")

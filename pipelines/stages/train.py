@@ -66,10 +66,10 @@ class TrainStage(Stage):
 
     @staticmethod
     def requirements(recipe) -> tuple[str, ...]:
-        from pipelines.train.warm_start import REGISTRY_PREFIX
+        from pipelines.registry.refs import HeadRef
 
         init = recipe.training.init_from
-        return ("mlflow",) if init is not None and init.startswith(REGISTRY_PREFIX) else ()
+        return ("mlflow",) if init is not None and HeadRef.is_ref(init) else ()
 
     @staticmethod
     def num_gpus(recipe) -> tuple[int, str]:
@@ -133,7 +133,7 @@ class TrainStage(Stage):
         else:  # each worker reads its slice of the seeded per-epoch order: a resume is sample-exact
             plan = plan_from_capture(r.training, r.drafter, r.target, cap.capture_dir, init_head=init)
             data = OrderedCapture(str(cap.capture_dir))
-        from pipelines.stages.train_progress import train_progress
+        from pipelines.train.progress import format_metrics, train_progress
 
         tracking_uri = self.ctx.tracking_uri
         if not_installed("mlflow"):
@@ -147,7 +147,7 @@ class TrainStage(Stage):
         history = (res.return_value or {}).get("history") or []
         last = history[-1] if history else {}
         resumed = f" (resumed from {res.resumed_from_step})" if res.resumed_from_step else ""
-        self.ctx.say(f"{res.step} steps{resumed}, last {_fmt_metrics(last)}; head {res.head_dir}")
+        self.ctx.say(f"{res.step} steps{resumed}, last {format_metrics(last)}; head {res.head_dir}")
         return TrainOutput(
             head_dir=str(res.head_dir), step=res.step, resumed_from_step=res.resumed_from_step,
             checkpoint=res.checkpoint_path, mlflow_run_id=res.mlflow_run_id, history=history,
@@ -174,14 +174,9 @@ class TrainStage(Stage):
             s["init_from"] = out.init_from
         if out.streaming and self._stream_num_tokens is not None:
             from peagle_core.storage import bytes_per_token
-            from pipelines.capture import resolve_target
+            from pipelines.assets import resolve_target
 
             hidden_size = int(resolve_target(self.recipe.target)[1]["hidden_size"])
             s["materialized_capture_bytes_estimate"] = self._stream_num_tokens * bytes_per_token(
                 hidden_size, self.recipe.capture.dtype)
         return "train", s
-
-
-def _fmt_metrics(m: dict) -> str:
-    keys = [k for k in m if k in ("loss", "acc_depth0", "acc_depth1", "acc_depth4", "lr") or k.startswith("acc_d")]
-    return ", ".join(f"{k}={m[k]:.4g}" for k in keys[:8] if isinstance(m.get(k), (int, float))) or "-"

@@ -2,7 +2,7 @@
 
 A log is a directory of Parquet shards ``traffic-<UTC time>-<host>-<pid>-<seq>.parquet``, each written
 whole by :class:`pipelines.traffic.writer.TrafficLogWriter` (a hidden temporary file renamed: readers
-never see half a shard), every row in :func:`_schema`. :func:`read_log` reads every shard under a
+never see half a shard), every row in :func:`schema`. :func:`read_log` reads every shard under a
 directory (recursively) into one table; shards of an older schema get null columns.
 
 Paths: a local directory or any ``pyarrow.fs`` URI (``s3://``, ``gs://``, ``file://``); the default
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 SHARD_PREFIX, SHARD_SUFFIX = "traffic-", ".parquet"
 
 
-def _schema() -> pa.Schema:
+def schema() -> pa.Schema:
     import pyarrow as pa
 
     return pa.schema([
@@ -85,7 +85,7 @@ def list_shards(fs, root: str) -> list:
 
 
 def read_log(uri: str | os.PathLike) -> pa.Table:
-    """Every row of the shards under ``uri`` (recursively; hidden temporaries skipped), in :func:`_schema`.
+    """Every row of the shards under ``uri`` (recursively; hidden temporaries skipped), in :func:`schema`.
 
     Raises:
         ValueError: no shard there (names the directory and how to fill it).
@@ -101,14 +101,14 @@ def read_log(uri: str | os.PathLike) -> pa.Table:
     if not files:
         raise ValueError(f"no traffic log shards under {uri}: serve with serving.traffic_log set (and send "
                          "requests), or point the traffic source's path at the log directory")
-    schema = _schema()
+    want = schema()
 
     def conform(t: pa.Table) -> pa.Table:  # shards of an older schema: missing columns are null
         cols = [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
-                for f in schema]
-        return pa.Table.from_arrays(cols, schema=schema)
+                for f in want]
+        return pa.Table.from_arrays(cols, schema=want)
 
     return pa.concat_tables([conform(pq.read_table(f, filesystem=fs)) for f in files])
 
 
-__all__ = ["SHARD_PREFIX", "SHARD_SUFFIX", "list_shards", "open_log_dir", "read_log", "resolve_log_uri"]
+__all__ = ["SHARD_PREFIX", "SHARD_SUFFIX", "list_shards", "open_log_dir", "read_log", "resolve_log_uri", "schema"]

@@ -5,7 +5,7 @@ The Serve middleware :class:`pipelines.serve.traffic.TrafficLog` copies a sample
 the bytes of its response as they pass (the response to the client is never held back) and, once the
 response is complete, hands them to :meth:`TrafficLogWriter.submit` -- a ``put_nowait`` on a bounded
 queue. A daemon thread parses them (JSON, or the SSE events of a stream: :meth:`Exchange.to_row`) into
-rows of :func:`pipelines.traffic.shards._schema` and writes a shard every ``rows_per_shard`` rows or
+rows of :func:`pipelines.traffic.shards.schema` and writes a shard every ``rows_per_shard`` rows or
 ``flush_interval_s`` seconds (names and storage: :mod:`pipelines.traffic.shards`). Nothing of this
 raises into the caller: a full queue, a row that does not parse or does not fit the schema, a shard
 that cannot be written (full disk, unwritable directory, lost object store) is dropped and counted in
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from pipelines.traffic.shards import SHARD_PREFIX, SHARD_SUFFIX, _schema, list_shards, open_log_dir
+from pipelines.traffic.shards import SHARD_PREFIX, SHARD_SUFFIX, list_shards, open_log_dir, schema
 
 if TYPE_CHECKING:
     from pipelines.recipe.traffic import TrafficLogConfig
@@ -69,7 +69,7 @@ class Exchange:
     meta: dict[str, Any] = field(default_factory=dict)  # model, head, num_speculative_tokens
 
     def to_row(self) -> dict[str, Any]:
-        """The log row (:func:`_schema` keys).
+        """The log row (:func:`schema` keys).
 
         Raises:
             ValueError: the request or response is not a chat completion this module understands.
@@ -276,11 +276,11 @@ class TrafficLogWriter:
                 pending = []
 
     def _table(self, rows: list[dict[str, Any]]):
-        """The rows that fit :func:`_schema` as a table; the others dropped (``dropped_bad_row``)."""
+        """The rows that fit :func:`schema` as a table; the others dropped (``dropped_bad_row``)."""
         import pyarrow as pa
 
         if self._schema is None:
-            self._schema = _schema()
+            self._schema = schema()
         try:
             return pa.Table.from_pylist(rows, schema=self._schema)
         except (pa.ArrowException, TypeError, ValueError, OverflowError):

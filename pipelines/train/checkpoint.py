@@ -20,6 +20,8 @@ import json
 import logging
 import os
 import random
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,7 +43,7 @@ _REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE)
 __all__ = [
     "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SCHEDULER_FILE", "STATE_FILE", "Checkpointer", "Restored",
     "ShardedCheckpointer", "checkpoint_name", "latest_checkpoint", "make_checkpointer", "optimizer_digest",
-    "rng_state", "set_rng_state",
+    "rng_state", "save_checkpoint_dir", "set_rng_state",
 ]
 
 
@@ -54,6 +56,29 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest complete ``checkpoint_*`` directory under ``root`` (one with ``trainer_state.json``), else None."""
     found = sorted(p for p in Path(root).glob("checkpoint_*") if (p / STATE_FILE).is_file())
     return found[-1] if found else None
+
+
+def save_checkpoint_dir(root: str | os.PathLike, step: int, write: Callable[[Path], Any], *,
+                        num_to_keep: int | None = None) -> Path:
+    """``<root>/checkpoint_<step>`` (:func:`checkpoint_name`) written crash-safely by ``write(directory)`` (into a
+    temporary sibling, fsynced and renamed into place: ``peagle_core.atomic.replace_dir``), then the oldest
+    checkpoints beyond ``num_to_keep`` removed (None: all kept). Under Ray, Ray Train does the same for a run
+    (``ray.train.CheckpointConfig(num_to_keep)``); this is the one home of it without Ray."""
+    from peagle_core.atomic import replace_dir, temp_dir_for
+
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = temp_dir_for(final)
+    try:
+        write(tmp)
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if num_to_keep:
+        for old in sorted(root.glob("checkpoint_*"))[:-num_to_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def optimizer_digest(state_dict: dict) -> float:

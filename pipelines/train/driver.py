@@ -68,8 +68,8 @@ def run_train(
     """Train the drafter of ``plan`` with Ray Train V2 and export the head to ``<out_dir>/head``.
 
     Args:
-        plan: from ``pipelines.train.plan`` (``plan_from_capture`` / ``plan_from_conversations`` /
-            ``plan_from_dataset``); ``training.num_workers`` workers, one GPU each with ``training.use_gpu``.
+        plan: from ``pipelines.train.plan`` (``plan_from_capture`` / ``plan_from_conversations``);
+            ``training.num_workers`` workers, one GPU each with ``training.use_gpu``.
         data: a materialized capture, :class:`~pipelines.train.order.OrderedCapture` (each worker reads its
             slice of the seeded per-epoch order: sample-exact resume), or a ``ray.data.Dataset`` of captured
             rows (the streaming ``capture_stream``), split over workers by Ray Train (``get_dataset_shard``).

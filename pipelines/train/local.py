@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from peagle_core.atomic import recover_dirs_in, replace_dir, temp_dir_for
+from peagle_core.atomic import recover_dirs_in
 from peagle_core.batch import pack_samples
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.objectives import Objective
 from pipelines.recipe import TrainingConfig
-from pipelines.train.checkpoint import checkpoint_name, latest_checkpoint
+from pipelines.train.checkpoint import latest_checkpoint, save_checkpoint_dir
 from pipelines.train.data import PackFn, Sample, estimate_steps_per_epoch, sample_len
 from pipelines.train.loop import TrainCallback, Trainer, TrainState
 from pipelines.train.order import SAMPLE_LOG_DIR, EpochRecord, epoch_summary, write_epoch_summary
@@ -37,22 +36,6 @@ class TrainResult:
     history: list[dict]
     resumed_from_step: int | None
     state: TrainState
-
-
-def _save_rotating(trainer: Trainer, root: Path, step: int, metrics: dict, num_to_keep: int | None) -> None:
-    """``<root>/checkpoint_<step>`` written crash-safely (temp sibling, fsync, rename:
-    ``peagle_core.atomic.replace_dir``); the oldest beyond ``num_to_keep`` removed."""
-    final = root / checkpoint_name(step)
-    tmp = temp_dir_for(final)
-    try:
-        trainer.save_checkpoint(tmp, extra_state={"metrics": metrics})
-        replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if num_to_keep:
-        for old in sorted(root.glob("checkpoint_*"))[:-num_to_keep]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def train_in_process(
@@ -87,7 +70,8 @@ def train_in_process(
         checkpoint_dir: checkpoints go to ``<checkpoint_dir>/checkpoint_<step>``; with ``resume`` the
             latest one is loaded first. Each epoch's count and digest of the sample ids trained go to
             ``<checkpoint_dir>/sample_ids/epoch_XXXX.json``.
-        num_to_keep: most recent checkpoints kept (``None``: all).
+        num_to_keep: most recent checkpoints kept (``None``: all): ``pipelines.train.checkpoint.save_checkpoint_dir``,
+            the same directories (``checkpoint_name``) Ray Train keeps under Ray.
         device: default CUDA if available else CPU.
         on_log: ``f(step, metrics)`` per metric window (default: a progress log line).
         callbacks: :class:`~pipelines.train.loop.TrainCallback` s, called after each checkpoint.
@@ -106,7 +90,8 @@ def train_in_process(
         recover_dirs_in(root)  # a checkpoint a killed run left moved aside counts for resume
 
     def write_checkpoint(step: int, metrics: dict) -> None:
-        _save_rotating(trainer, root, step, metrics, num_to_keep)
+        save_checkpoint_dir(root, step, lambda d: trainer.save_checkpoint(d, extra_state={"metrics": metrics}),
+                            num_to_keep=num_to_keep)
 
     def on_epoch_end(record: EpochRecord) -> None:
         write_epoch_summary(root / SAMPLE_LOG_DIR, epoch_summary([record], seed=int(config.seed or 0)))

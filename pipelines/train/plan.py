@@ -6,14 +6,12 @@ A :class:`TrainPlan` holds the resolved target, the drafter architecture and the
 the epoch length that packing gives and the run's total steps. The pipeline builds it, reports its
 sizes, and hands it whole to ``run_train``, which ships it to every worker.
 
-Three sources, one builder each:
+Two sources, one builder each:
 
 * :func:`plan_from_capture`: a materialized capture (manifest lengths, ``token_counts.safetensors``;
   its ``capture_meta.json`` is checked against the drafter first);
 * :func:`plan_from_conversations`: streaming capture (nothing on disk): the conversations are
-  tokenized once (no target forward) for lengths and counts;
-* :func:`plan_from_dataset`: any Ray Dataset of captured rows, scanned once (``input_ids``/``loss_mask``
-  columns only).
+  tokenized once (no target forward) for lengths and counts.
 
 A warm start (``training.init_from``, :mod:`pipelines.train.warm_start`) is checked here against the
 drafter, before any data is read, and gives the plan its ``d2t``/``t2d`` (no token counts needed).
@@ -34,19 +32,21 @@ import torch
 from peagle_core import shards
 from peagle_core.drafter_config import DrafterConfig
 from peagle_core.objectives import ObjectiveConfig
-from peagle_core.samples import INPUT_IDS, LOSS_MASK
+from peagle_core.samples import INPUT_IDS
 from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts, vocab_mapping_from_counts
-from pipelines.capture import count_assistant_tokens, resolve_target, tokenize_rows
+from pipelines.assets import resolve_target
+from pipelines.capture import count_assistant_tokens, tokenize_rows
 from pipelines.recipe import DrafterSpec, TargetConfig, TrainingConfig
+from pipelines.registry.refs import HeadRef
 from pipelines.train.data import estimate_steps_per_epoch
-from pipelines.train.warm_start import InitHead, check_init_head, is_registry_ref, resolve_init_from
+from pipelines.train.warm_start import InitHead, check_init_head, resolve_init_from
 
 log = logging.getLogger(__name__)
 
 PARALLEL_STRATEGIES = get_args(TrainingConfig.model_fields["parallel_strategy"].annotation)  # the recipe's Literal
 
 __all__ = [
-    "TrainPlan", "check_capture", "plan_from_capture", "plan_from_conversations", "plan_from_dataset",
+    "TrainPlan", "check_capture", "plan_from_capture", "plan_from_conversations",
     "total_steps",
 ]
 
@@ -173,34 +173,6 @@ def plan_from_conversations(training: TrainingConfig, drafter: DrafterSpec, targ
     return sizes.plan([len(s[INPUT_IDS]) for s in samples], counts, always_keep_token_ids)
 
 
-def plan_from_dataset(training: TrainingConfig, drafter: DrafterSpec, target: TargetConfig, dataset: Any, *,
-                      always_keep_token_ids: Iterable[int] = (), init_head: InitHead | None = None) -> TrainPlan:
-    """The plan of training on a Ray Dataset of captured rows: one pass over its ``input_ids`` (and, for a
-    pruned draft vocabulary counted from the data, ``loss_mask``) columns, skipped when ``max_steps`` bounds
-    the run and the vocabulary is whole or comes from the warm-start head.
-
-    Raises:
-        ValueError: a bad configuration (before the dataset is read), or an empty dataset.
-    """
-    sizes = _Sizing(training, drafter, target, init_head)
-    lengths: list[int] = []
-    counts = None
-    if sizes.needs_counts or not training.max_steps:
-        rows = dataset.select_columns([INPUT_IDS, LOSS_MASK] if sizes.needs_counts else [INPUT_IDS]).iter_rows()
-
-        def counted(rows: Iterable[dict]) -> Iterable[dict]:
-            for row in rows:
-                lengths.append(len(row[INPUT_IDS]))
-                yield row
-
-        if sizes.needs_counts:
-            counts = count_assistant_tokens(counted(rows), sizes.drafter.vocab_size)
-        else:
-            for _ in counted(rows):
-                pass
-    return sizes.plan(lengths, counts, always_keep_token_ids)
-
-
 class _Sizing:
     """The part of a plan that needs no data: the target, the drafter and objective configs, the warm-start
     head, the checks (all before any data is read); :meth:`plan` adds the vocabulary and the step counts.
@@ -240,7 +212,7 @@ class _Sizing:
             raise ValueError(f"init_head resolves {init_head.ref!r} but training.init_from={ref!r}")
         if ref is None or init_head is not None:
             return init_head
-        if is_registry_ref(ref):
+        if HeadRef.is_ref(ref):
             raise ValueError(f"training.init_from={ref!r} is a registry head: download it first "
                              "(pipelines.train.warm_start.resolve_init_from, fetch_init_head; the train stage does)")
         return resolve_init_from(ref)

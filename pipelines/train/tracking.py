@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines import settings
-from pipelines.mlflow_params import flatten
+from pipelines.registry.params import flatten
 
 log = logging.getLogger(__name__)
 

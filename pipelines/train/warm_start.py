@@ -5,12 +5,12 @@ The steps, each before any training compute:
 
 1. :func:`resolve_init_from` turns the recipe's reference into an :class:`InitHead`: a registry reference
    (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``) into the model version it points to *now* and that
-   version's ``head_sha256`` tag (``pipelines.register.HEAD_SHA256_TAG``), a local head directory into
+   version's ``head_sha256`` tag (:class:`pipelines.registry.refs.HeadRef`, its one parser and resolver), a local head directory into
    the digest of its files (``peagle_core.contract.head_digest``). A bad reference raises ValueError
    here. The train stage does this once per pipeline run and keys on :meth:`InitHead.key` (the version
    and digest, not the alias: ``@champion`` means another head after each promotion).
 2. :func:`fetch_init_head` downloads that pinned version (``NAME/VERSION``, not the alias, which may
-   have moved since) through ``pipelines.register.download`` (checksums verified, contract validated)
+   have moved since) through ``pipelines.registry.register.download`` (checksums verified, contract validated)
    and checks its digest against the tag.
 3. The plan (``pipelines.train.plan``) checks the head against the drafter it will train
    (:func:`check_init_head`: ``peagle_core.warm_start.check_head_matches``: hidden size, layers, vocab and
@@ -39,13 +39,11 @@ from peagle_core.contract import EMBED, WEIGHTS_FILE, HeadContractError, head_di
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_config import DrafterConfig
 from peagle_core.warm_start import check_head_matches, load_head_weights
+from pipelines.registry.refs import PREFIX, HeadRef
 
 log = logging.getLogger(__name__)
 
-REGISTRY_PREFIX = "models:/"
-
-__all__ = ["REGISTRY_PREFIX", "InitHead", "check_init_head", "fetch_init_head", "is_registry_ref", "load_init_weights",
-           "local_head_path", "resolve_init_from"]
+__all__ = ["InitHead", "check_init_head", "fetch_init_head", "load_init_weights", "local_head_path", "resolve_init_from"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,41 +54,46 @@ class InitHead:
         ref: the reference as the recipe writes it.
         head_sha256: sha256 of the head's ``peagle_checksums.json`` (the registry's ``head_sha256`` tag;
             None for a registry version without that tag).
-        model_name, version: the registered model and the version ``ref`` resolved to (None for a local head).
+        registry: the registered version ``ref`` resolved to (a pinned ``HeadRef``; None for a local head).
         head_dir: the local head directory (a local ``ref``, or once :func:`fetch_init_head` downloaded it).
     """
 
     ref: str
     head_sha256: str | None
-    model_name: str | None = None
-    version: str | None = None
+    registry: HeadRef | None = None
     head_dir: str | None = None
+
+    @classmethod
+    def from_registry(cls, ref: str, pinned: HeadRef) -> InitHead:
+        """The head of a registry reference ``ref`` (as written) resolved to ``pinned``."""
+        return cls(ref=ref, head_sha256=pinned.head_sha256, registry=pinned)
+
+    @property
+    def model_name(self) -> str | None:
+        return self.registry.name if self.registry is not None else None
+
+    @property
+    def version(self) -> str | None:
+        return self.registry.version if self.registry is not None else None
 
     @property
     def pinned_ref(self) -> str:
         """``models:/NAME/VERSION`` (the version ``ref`` resolved to), or the local directory."""
-        if self.model_name is not None:
-            return f"{REGISTRY_PREFIX}{self.model_name}/{self.version}"
-        return str(self.head_dir)
+        return str(self.registry) if self.registry is not None else str(self.head_dir)
 
     def key(self) -> dict[str, Any]:
         """What identifies the head in the train stage's key and the exported head's provenance: the model
         version and digest of a registry head, the digest of a local one (not its path)."""
-        if self.model_name is not None:
-            return {"model": self.model_name, "version": self.version, "head_sha256": self.head_sha256}
+        if self.registry is not None:
+            return {"model": self.registry.name, "version": self.registry.version, "head_sha256": self.head_sha256}
         return {"head_sha256": self.head_sha256}
 
     def describe(self) -> str:
         """One line for progress messages: ``models:/NAME/3 (NAME@champion, sha256 1a2b3c4d5e6f)``."""
         sha = (self.head_sha256 or "untagged")[:12]
-        if self.model_name is not None:
-            return f"{self.pinned_ref} ({self.ref.removeprefix(REGISTRY_PREFIX)}, sha256 {sha})"
+        if self.registry is not None:
+            return f"{self.pinned_ref} ({self.ref.removeprefix(PREFIX)}, sha256 {sha})"
         return f"{self.head_dir} (sha256 {sha})"
-
-
-def is_registry_ref(ref: str) -> bool:
-    """Whether ``ref`` names a registered model (``models:/...``); anything else is a local directory."""
-    return ref.startswith(REGISTRY_PREFIX)
 
 
 def local_head_path(ref: str) -> Path:
@@ -108,28 +111,16 @@ def resolve_init_from(ref: str, *, tracking_uri: str | None = None) -> InitHead:
     Raises:
         ValueError: naming ``ref``: a malformed registry reference, a model/alias/version the registry does
             not have, a local path that is not a directory, or a local head whose checksums fail.
-        pipelines.register.TrackingUnreachableError: an ``http(s)://`` tracking server that does not answer.
+        pipelines.registry.register.TrackingUnreachableError: an ``http(s)://`` tracking server that does not answer.
     """
-    if is_registry_ref(ref):
-        from mlflow.exceptions import MlflowException
+    if HeadRef.is_ref(ref):
+        from pipelines.registry.client import tracking_guard
 
-        from pipelines.register import HEAD_SHA256_TAG, get_client, parse_model_ref, tracking_guard
-
-        name, selector = parse_model_ref(ref)
         with tracking_guard(tracking_uri, hint=f"training.init_from={ref!r} needs the registry: start it, or point "
                             "init_from at a local head directory") as uri:
-            client = get_client(uri)
-            try:
-                if selector.startswith("@"):
-                    mv = client.get_model_version_by_alias(name, selector[1:])
-                else:
-                    mv = client.get_model_version(name, selector[1:])
-            except MlflowException as e:
-                raise ValueError(f"training.init_from={ref!r}: the registry at {uri} has no such model version "
-                                 f"({e.message}); register a head first (peagle registry list shows them) or fix "
-                                 "the name/alias") from None
-        return InitHead(ref=ref, model_name=name, version=str(mv.version),
-                        head_sha256=(mv.tags or {}).get(HEAD_SHA256_TAG))
+            pinned = HeadRef.parse(ref).resolve(uri, field="training.init_from", fix="register a head first (peagle "
+                                                "registry list shows them) or fix the name/alias")
+        return InitHead.from_registry(ref, pinned)
     path = local_head_path(ref)
     if not path.is_dir():
         raise ValueError(f"training.init_from={ref!r}: {path} is not a directory; give a head directory "
@@ -156,13 +147,13 @@ def fetch_init_head(init: InitHead, dst: str | os.PathLike, *, tracking_uri: str
     """
     if init.head_dir is not None:
         return init
-    from pipelines.register import download
+    from pipelines.registry.register import download
 
     out = Path(dst)
     if init.head_sha256 and _digest_or_none(out) == init.head_sha256:
         log.info("warm-start head %s already in %s", init.pinned_ref, out)
     else:
-        download(init.pinned_ref, out, tracking_uri=tracking_uri)
+        download(init.registry, out, tracking_uri=tracking_uri)
     got = head_digest(out)
     if init.head_sha256 and got != init.head_sha256:
         raise ValueError(f"training.init_from={init.ref!r}: {init.pinned_ref} downloaded with sha256 {got[:12]}… but "

@@ -21,7 +21,8 @@ from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts
 from pipelines import capture
 from pipelines.capture import materialize
 from pipelines.capture.actors import CaptureShardActor
-from pipelines.prompts import load_conversations
+from pipelines.capture.rows import samples_to_columns
+from pipelines.data.prompts import load_conversations
 from pipelines.recipe import CaptureConfig, DataConfig, SourceConfig, TargetConfig, load_recipe
 from pipelines.stages.base import engine_settings
 from tests.conftest import CONFIGS
@@ -29,6 +30,29 @@ from tests.unit.test_capture import CrashBeforeThirdShard
 
 pytestmark = pytest.mark.integration
 MAX_LEN = 256
+
+
+def _read_shard_rows(batch, capture_dir: str, verify: bool) -> dict:
+    """Ray Data ``map_batches`` function: the ``shard`` names of ``batch`` -> their samples as columns."""
+    samples = []
+    for name in list(batch["shard"]):
+        samples.extend(shards.read_shard(Path(capture_dir) / str(name), verify=verify).samples())
+    return samples_to_columns(samples)
+
+
+def captured_dataset(capture_dir: str | Path, *, verify: bool = True):
+    """A materialized capture as a Ray Dataset of sample rows (same schema as
+    :func:`~pipelines.capture.stream.capture_stream`), one shard per read task, checksums verified on read.
+
+    Raises:
+        ShardError: no manifest (unfinished capture: re-run it). Corrupt shards raise on read, naming the file.
+    """
+    import ray
+
+    capture_dir = Path(capture_dir)
+    names = list(dict.fromkeys(shards.load_manifest(capture_dir).column("shard").to_pylist()))
+    ds = ray.data.from_items([{"shard": n} for n in names], override_num_blocks=max(1, len(names)))
+    return ds.map_batches(_read_shard_rows, batch_size=1, fn_kwargs={"capture_dir": str(capture_dir), "verify": verify})
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +220,7 @@ def test_streaming_and_read_back_match(reference, convos):
         np.testing.assert_array_equal(r["loss_mask"], w["loss_mask"])
         np.testing.assert_allclose(r["aux"], w["aux"], rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(r["final_hidden"], w["final_hidden"], rtol=1e-5, atol=1e-4)
-    back = capture.captured_dataset(ref_dir).take_all()  # Ray Data does not keep block order by default
+    back = captured_dataset(ref_dir).take_all()  # Ray Data does not keep block order by default
     assert sorted(r["sample_id"] for r in back) == sorted(want)
     for r in back:
         np.testing.assert_array_equal(r["aux"], want[r["sample_id"]]["aux"])
@@ -213,7 +237,7 @@ def test_corrupt_shard_fails_read_naming_file(reference, tmp_path):
     with pytest.raises(shards.ShardError, match="shard-00002.safetensors"):
         list(shards.iter_samples(out))
     with pytest.raises(Exception, match="shard-00002.safetensors"):
-        capture.captured_dataset(out).take_all()
+        captured_dataset(out).take_all()
     assert json.loads((out / shards.META_NAME).read_text())["num_shards"] == 4
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import eval_report
-from pipelines import evaluate as ev
-from pipelines.eval_prompts import load_eval_prompts
+from pipelines.evaluate import measure as ev
+from pipelines.evaluate import report as eval_report
+from pipelines.evaluate.prompts import load_eval_prompts
 from pipelines.recipe import EvalConfig, SourceConfig
 
 pytestmark = pytest.mark.integration

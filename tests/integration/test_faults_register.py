@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import mlflow_client
-from pipelines import register as reg
 from pipelines.recipe import load_recipe
+from pipelines.registry import client as mlflow_client
+from pipelines.registry import register as reg
 from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.evaluate import EvaluateOutput
 from pipelines.stages.register import RegisterStage
@@ -77,14 +77,14 @@ def _keyed(client, name: str, key: str) -> tuple[list, list]:
 
 @pytest.fixture
 def server(tmp_path, monkeypatch):
-    import pipelines.capture
+    import pipelines.assets
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     for k in mlflow_client.BOUNDED_HTTP_ENV:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(pipelines.capture, "resolve_target", lambda target_cfg: (None, TARGET))
+    monkeypatch.setattr(pipelines.assets, "resolve_target", lambda target_cfg: (None, TARGET))
     s = MlflowServer(tmp_path / "mlflow-server")
     s.start()
     yield s

@@ -55,8 +55,8 @@ def target():
 
 
 def _register(head: Path, uri: str, target_config: dict) -> str:
-    from pipelines import register as reg
-    from pipelines.promotion import maybe_promote
+    from pipelines.registry import register as reg
+    from pipelines.registry.promotion import maybe_promote
 
     mv = reg.register_head(head, model_name=REGISTERED, eval_al=1.0, K=3, eval_set="humaneval",
                            target_config=target_config, tracking_uri=uri)
@@ -75,28 +75,29 @@ def test_node_cache_answers_without_the_registry(tmp_path, target, monkeypatch):
     from mlflow.exceptions import MlflowException
 
     from peagle_core.contract import WEIGHTS_FILE
-    from pipelines.serve.heads import fetch_head, pin_head
+    from pipelines.registry.refs import HeadRef
+    from pipelines.serve.heads import cache_dir_of, fetch_head
 
     uri, cache = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "heads"
     _register(random_head(tmp_path / "head", target[1]), uri, target[1])
-    pinned = pin_head(f"models:/{REGISTERED}@champion", uri)
-    assert pinned.ref == f"models:/{REGISTERED}/1" and len(pinned.sha256) == 64
-    kw = {"head_sha256": pinned.sha256, "cache_dir": cache, "target_config": target[1]}
-    first = fetch_head(pinned.ref, tracking_uri=uri, **kw)
-    assert first == pinned.cache_dir(cache)
+    pinned = HeadRef.parse(f"models:/{REGISTERED}@champion").resolve(uri)
+    assert str(pinned) == f"models:/{REGISTERED}/1" and len(pinned.head_sha256) == 64
+    kw = {"head_sha256": pinned.head_sha256, "cache_dir": cache, "target_config": target[1]}
+    first = fetch_head(str(pinned), tracking_uri=uri, **kw)
+    assert first == cache_dir_of(cache, pinned)
     for k, v in FAST_MLFLOW_FAILURE.items():
         monkeypatch.setenv(k, v)
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert fetch_head(pinned.ref, tracking_uri=dead, **kw) == first
+    assert fetch_head(str(pinned), tracking_uri=dead, **kw) == first
     assert [(e["source"], e["asked_registry"]) for e in _fetch_log(cache)] == [("registry", True), ("cache", False)]
     # A corrupted file is never served: with the registry it is fetched again, without it the fetch fails.
     data = bytearray((first / WEIGHTS_FILE).read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     (first / WEIGHTS_FILE).write_bytes(bytes(data))
     with pytest.raises(MlflowException):
-        fetch_head(pinned.ref, tracking_uri=dead, **kw)
+        fetch_head(str(pinned), tracking_uri=dead, **kw)
     assert not first.exists()
-    assert fetch_head(pinned.ref, tracking_uri=uri, **kw) == first
+    assert fetch_head(str(pinned), tracking_uri=uri, **kw) == first
     assert [e["source"] for e in _fetch_log(cache)] == ["registry", "cache", "registry"]
 
 

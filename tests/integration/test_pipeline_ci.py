@@ -16,7 +16,7 @@ serves with ``serving.traffic_log`` on): code requests answered by the CI head b
 evaluate run, gates, and rolls Serve to the new champion, while a client keeps sending chat requests
 from before the submission to after the roll: none may fail. The cluster has more logical CPUs than the
 default (``LOOP_CPUS``), so the compute stages run beside the endpoint instead of deleting it
-(``pipelines.stages.serve.delete_app_on_cpu``)."""
+(``pipelines.serve.rollout.delete_apps_on_cpu``)."""
 
 import json
 import os
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "configs/smollm2-135m-ci.yaml"
 REFRESH_RECIPE = "configs/smollm2-135m-ci-refresh.yaml"
-# Logical CPUs of the test cluster: twice what delete_app_on_cpu asks to find free beside the endpoint.
+# Logical CPUs of the test cluster: twice what delete_apps_on_cpu asks to find free beside the endpoint.
 LOOP_CPUS = 2 * settings.local_num_cpus()
 # Like the Makefile's demo target: the commit travels as an env var (the upload has no .git).
 RUNTIME_ENV = {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info",
@@ -92,7 +92,7 @@ def base(head, tmp_path_factory):
 def test_pipeline_job_end_to_end(head, base):
     from peagle_core.contract import validate_head
     from peagle_core.shards import load_manifest
-    from pipelines.register import get_client
+    from pipelines.registry.register import get_client
 
     tmp_path, port, rc, log, seconds = base
     print(log[-6000:])
@@ -171,9 +171,8 @@ CODE_TASKS = [
 def test_refresh_loop_end_to_end(head, base):
     """Issue 16's loop on the CI recipe: traffic log -> challenger -> same-run gate -> blue/green roll, with a
     client sending requests through all of it (0 may fail)."""
-    from pipelines.eval_prompts import eval_set_name
     from pipelines.recipe import SourceConfig
-    from pipelines.register import get_client
+    from pipelines.registry.register import get_client
     from pipelines.traffic.shards import read_log
     from tests.integration.serve_helpers import ChatLoad, chat_request
 
@@ -227,7 +226,7 @@ def test_refresh_loop_end_to_end(head, base):
 
     # 3. The gate: champion and challenger measured in the same evaluate run, on the held-out traffic slice.
     rows = json.loads((tmp / "refresh" / "evaluate" / "table.json").read_text())["rows"]
-    traffic_set = eval_set_name(SourceConfig.model_validate(src))  # traffic-<dir> for a log with a path
+    traffic_set = SourceConfig.model_validate(src).eval_set_name()  # traffic-<dir> for a log with a path
     al = {r["method"]: r["acceptance_length"] for r in rows if r["eval_set"] == traffic_set and r["K"] == 3}
     print(f"held-out traffic slice, K=3: champion v{champion_before} AL {al.get('champion')}, "
           f"challenger AL {al.get('peagle')}; gate: {summary['mlflow']['reason']}")

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from pipelines.prompt_dataset import load_prompt_dataset
-from pipelines.prompts import load_conversations
+from pipelines.data.prompt_dataset import load_prompt_dataset
+from pipelines.data.prompts import load_conversations
+from pipelines.data.regenerate import run_regenerate
+from pipelines.data.selfinstruct import COUNT_KEYS, SelfInstructWriter
 from pipelines.recipe import DataConfig, RegenerateConfig, SelfInstructConfig, SourceConfig, TargetConfig
-from pipelines.regenerate import run_regenerate
-from pipelines.selfinstruct import COUNT_KEYS, SelfInstructWriter
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,9 @@ import torch
 from peagle_core.contract import HeadContractError, export_head
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_config import DrafterConfig
-from pipelines import promotion, settings
-from pipelines import register as reg
+from pipelines import settings
+from pipelines.registry import promotion
+from pipelines.registry import register as reg
 
 pytestmark = pytest.mark.integration
 

@@ -35,8 +35,8 @@ def target():
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory, target):
-    from pipelines import register as reg
-    from pipelines.promotion import maybe_promote
+    from pipelines.registry import register as reg
+    from pipelines.registry.promotion import maybe_promote
 
     tmp = tmp_path_factory.mktemp("registry")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
@@ -133,8 +133,8 @@ def test_auth_and_malformed_json(endpoint):
 
 def test_incompatible_head_refused_before_serving(tmp_path, target, registry):
     """A head for another target (hidden 36) and an EAGLE-3 head asked to parallel-draft never deploy."""
-    from pipelines import register as reg
-    from pipelines.promotion import promote
+    from pipelines.registry import register as reg
+    from pipelines.registry.promotion import promote
     from pipelines.serve import build_app
 
     os.environ.setdefault(KEY_ENV, KEY)

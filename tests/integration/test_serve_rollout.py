@@ -31,8 +31,8 @@ def head_ref(version: int) -> str:
 
 
 def register_and_promote(registry, head_dir: Path, target_config: dict) -> int:  # noqa: F811
-    from pipelines import register as reg
-    from pipelines.promotion import promote
+    from pipelines.registry import register as reg
+    from pipelines.registry.promotion import promote
 
     uri, _ = registry
     mv = reg.register_head(head_dir, model_name=REGISTERED, eval_al=1.0, K=3, eval_set="humaneval",

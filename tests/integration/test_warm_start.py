@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from peagle_core.contract import WEIGHTS_FILE, export_head, head_digest, validate_head
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.vocab import vocab_mapping_from_counts
-from pipelines import promotion
-from pipelines import register as reg
 from pipelines.pipeline import PipelineRun
 from pipelines.recipe import CaptureConfig, DataConfig, TargetConfig, load_recipe
+from pipelines.registry import promotion
+from pipelines.registry import register as reg
 from pipelines.stages.base import STAGE_FILE, StageRecord, write_json
 from pipelines.stages.capture import CaptureOutput
 from tests.conftest import CONFIGS
@@ -59,7 +59,7 @@ def recipe(uri: str, init_from: str, *extra: str):
 def register_champion(path, uri: str, *, seed: int, **spec_kw) -> str:
     """A random head that fits the recipe's drafter (its own draft vocabulary), registered and promoted;
     returns its version."""
-    from pipelines.capture import resolve_target
+    from pipelines.assets import resolve_target
 
     r = recipe(uri, str(path))  # only its drafter and target sections are used
     hf_config = resolve_target(r.target)[1]

@@ -31,6 +31,18 @@ def make_drafter(mask_token_id: int | None = MASK_ID, **kw) -> Eagle3Drafter:
     return Eagle3Drafter(cfg).eval()
 
 
+def plan_without_data(training, drafter, target, *, init_head=None):
+    """A ``TrainPlan`` from the recipe sections alone, what the product's plan builders decide before they read
+    any data (``pipelines.train.plan._Sizing``): the run's horizon is ``training.max_steps`` and the draft
+    vocabulary is whole or the warm-start head's (nothing to count). Raises what the builders raise for a bad
+    configuration or a warm-start head that does not fit."""
+    from pipelines.train.plan import _Sizing
+
+    sizes = _Sizing(training, drafter, target, init_head)
+    assert training.max_steps and not sizes.needs_counts, "a plan without data needs max_steps and no counting"
+    return sizes.plan([], None, ())
+
+
 @pytest.fixture
 def tiny_drafter() -> Eagle3Drafter:
     return make_drafter()

@@ -1,4 +1,4 @@
-"""pipelines.regenerate and pipelines.engines without Ray or vLLM: turn-by-turn conditioning, provenance,
+"""pipelines.data.regenerate and pipelines.data.engines without Ray or vLLM: turn-by-turn conditioning, provenance,
 the transformers engine."""
 
 from collections import Counter
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pipelines import engines, regenerate
+from pipelines.data import engines, regenerate
 from pipelines.recipe import RegenerateConfig
 from tests.unit.conftest import tiny_target_config
 from tests.unit.test_capture import tiny_tokenizer

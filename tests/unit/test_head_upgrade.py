@@ -28,7 +28,8 @@ def test_callers_check_heads_for_the_installed_vllm(caller, old_head, monkeypatc
     """evaluate and serve validate a head for the vLLM installed where it is loaded (one helper asks
     importlib.metadata): an old head loads in 0.32 and is refused, with the command that fixes it, by 0.26."""
     from peagle_core.contract import HeadContractError, upgrade_head
-    from pipelines import evaluate, preflight
+    from pipelines import preflight
+    from pipelines.evaluate import measure as evaluate
     from pipelines.serve import heads
 
     def check():

@@ -1,9 +1,9 @@
-"""The K schedule (pipelines.k_schedule): measured rows -> vLLM's num_speculative_tokens_per_batch_size, the
+"""The K schedule (pipelines.evaluate.k_schedule): measured rows -> vLLM's num_speculative_tokens_per_batch_size, the
 version tag, and the speculative_config Serve and evaluate build from it. Hand-computed expectations."""
 
 import pytest
 
-from pipelines import k_schedule as ks
+from pipelines.evaluate import k_schedule as ks
 
 pytestmark = pytest.mark.unit
 
@@ -180,9 +180,9 @@ def test_serve_args_from_recipe_map_the_k_schedule_option():
 def test_resolve_reads_the_version_tag(tmp_path):
     """``auto`` against a real (sqlite) MLflow registry: a tagged version gives its schedule, an untagged
     one and ``off`` give None (fixed K)."""
-    from pipelines.register import get_client
+    from pipelines.registry.refs import HeadRef
+    from pipelines.registry.register import get_client
     from pipelines.serve import ServeAppArgs, resolve_k_schedule
-    from pipelines.serve.heads import PinnedHead
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = get_client(uri)
@@ -190,15 +190,15 @@ def test_resolve_reads_the_version_tag(tmp_path):
     tagged = client.create_model_version("peagle-x", source=str(tmp_path), tags={ks.K_SCHEDULE_TAG: "[[1,2,5],[3,64,0]]"})
     plain = client.create_model_version("peagle-x", source=str(tmp_path))
     args = ServeAppArgs(tracking_uri=uri)
-    assert resolve_k_schedule(args, PinnedHead("peagle-x", tagged.version, None)) == [(1, 2, 5), (3, 64, 0)]
-    assert resolve_k_schedule(args, PinnedHead("peagle-x", plain.version, None)) is None
+    assert resolve_k_schedule(args, HeadRef("peagle-x", version=tagged.version)) == [(1, 2, 5), (3, 64, 0)]
+    assert resolve_k_schedule(args, HeadRef("peagle-x", version=plain.version)) is None
     off = args.model_copy(update={"k_schedule": "off"})
-    assert resolve_k_schedule(off, PinnedHead("peagle-x", tagged.version, None)) is None
+    assert resolve_k_schedule(off, HeadRef("peagle-x", version=tagged.version)) is None
     assert resolve_k_schedule(args, "/a/local/head") is None
 
 
 def test_evaluate_engine_spec_builds_the_same_config():
-    from pipelines.k_schedule import vllm_speculative_config
+    from pipelines.evaluate.k_schedule import vllm_speculative_config
 
     spec = vllm_speculative_config("h", num_speculative_tokens=5, parallel_drafting=True, k_schedule=[[1, 4, 5], [5, 9, 0]])
     assert spec["num_speculative_tokens"] == 5 and spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 5], [5, 9, 0]]

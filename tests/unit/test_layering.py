@@ -1,5 +1,7 @@
-"""Layering of peagle_core, read from the modules' own import statements (``ast``, nothing imported):
-no import cycle among peagle_core modules, and no import of the layers above it or of Ray/MLflow.
+"""Layering, read from the modules' own import statements (``ast``, nothing imported): no import cycle
+among peagle_core modules nor among pipelines modules, peagle_core imports none of the layers above it
+nor Ray/MLflow, and pipelines imports neither ray_jobs nor bench nor tests (``ray_jobs → pipelines →
+peagle_core``).
 
 Every ``import`` / ``from ... import`` counts, wherever it is (module level, inside a function,
 under ``TYPE_CHECKING``), absolute or relative. ``from pkg import name`` is an edge to the module
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("pipelines", "ray_jobs", "ray", "mlflow")  # top-level packages peagle_core must not import
+ABOVE_PIPELINES = ("ray_jobs", "bench", "tests")  # top-level packages pipelines must not import
 
 
 def module_files(package_dir: Path) -> dict[str, Path]:
@@ -100,6 +103,24 @@ def test_peagle_core_has_no_import_cycle():
     assert "peagle_core.objectives.base" in modules and len(modules) > 10  # the walk found the package
     cycle = find_cycle(import_graph(modules))
     assert cycle is None, "import cycle in peagle_core: " + " -> ".join(cycle)
+
+
+def test_pipelines_has_no_import_cycle():
+    """Every import of every pipelines module counts, a function-level one too: a cycle hidden in a function
+    is a cycle. The message names the modules of the cycle in order."""
+    modules = module_files(ROOT / "pipelines")
+    assert {"pipelines.pipeline", "pipelines.registry.refs", "pipelines.stages.base"} <= set(modules)
+    cycle = find_cycle(import_graph(modules))
+    assert cycle is None, "import cycle in pipelines: " + " -> ".join(cycle)
+
+
+def test_pipelines_imports_nothing_above_it():
+    bad = []
+    for mod, path in module_files(ROOT / "pipelines").items():
+        for name, line in imported_names(mod, path):
+            if name.split(".")[0] in ABOVE_PIPELINES:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not bad, "pipelines must import no ray_jobs / bench / tests:\n" + "\n".join(sorted(set(bad)))
 
 
 def test_peagle_core_imports_nothing_above_it():

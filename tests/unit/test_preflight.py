@@ -9,7 +9,8 @@ from typing import Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
-from pipelines.preflight import Machine, Problem, Severity, installed_vllm_version, not_runnable, preflight
+from pipelines.pipeline import not_runnable, preflight
+from pipelines.preflight import Machine, Problem, Severity, installed_vllm_version
 from pipelines.recipe import CaptureConfig, Recipe, RegenerateConfig, TrainingConfig, load_recipe
 from tests.conftest import CONFIGS, REPO
 
@@ -104,7 +105,7 @@ def test_code_paths_cover_every_schema_choice():
     """The dispatch tables the pre-flight checks a choice against list exactly the schema's values: a value
     the schema allows but no code implements would be an INVALID problem, never a late error."""
     from peagle_core.objectives import available_objectives
-    from pipelines.engines import ENGINES
+    from pipelines.data.engines import ENGINES
     from pipelines.stages.capture import CAPTURE_BACKENDS
     from pipelines.train.plan import PARALLEL_STRATEGIES
 
@@ -118,7 +119,7 @@ def test_code_paths_cover_every_schema_choice():
 
 
 def test_a_choice_no_code_implements_is_invalid(monkeypatch):
-    from pipelines import engines
+    from pipelines.data import engines
 
     monkeypatch.setattr(engines, "ENGINES", {"transformers": ()})  # as if the vllm engine were removed
     problems = preflight(load_recipe(CONFIGS / "smollm2-135m-ci.yaml"), machine=Machine.ideal())

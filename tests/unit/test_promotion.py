@@ -8,8 +8,10 @@ import time
 
 import pytest
 
-from pipelines import mlflow_client, promotion, settings
-from pipelines import register as reg
+from pipelines import settings
+from pipelines.registry import client as mlflow_client
+from pipelines.registry import promotion
+from pipelines.registry import register as reg
 
 pytestmark = pytest.mark.unit
 

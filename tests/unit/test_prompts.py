@@ -9,9 +9,10 @@ from collections import Counter
 
 import pytest
 
-from pipelines.jsonl import json_array_to_jsonl
-from pipelines.prompt_dataset import load_prompt_dataset, weighted_quotas
-from pipelines.prompts import BadRow, load_conversations, normalize_row, sample, train_eval_split
+from pipelines.data.jsonl import json_array_to_jsonl
+from pipelines.data.prompt_dataset import load_prompt_dataset, weighted_quotas
+from pipelines.data.prompts import load_conversations, sample, train_eval_split
+from pipelines.data.rows import BadRow, normalize_row
 from pipelines.recipe import DataConfig, SourceConfig
 
 pytestmark = pytest.mark.unit
@@ -97,7 +98,7 @@ ROWS = [
 
 def test_load_openai_jsonl_skip_counts_and_logs(tmp_path, tmp_peagle_home, caplog):
     f = _write_jsonl(tmp_path / "chats.jsonl", ROWS)
-    with caplog.at_level(logging.WARNING, logger="pipelines.prompts"):
+    with caplog.at_level(logging.WARNING, logger="pipelines.data.prompts"):
         ds = load_conversations(SourceConfig(kind="openai_jsonl", path=str(f)), "skip", tmp_peagle_home)
     assert ds.column_names == ["id", "messages", "source"]
     assert ds["id"] == ["openai_jsonl:chats.jsonl-0", "openai_jsonl:chats.jsonl-2", "openai_jsonl:chats.jsonl-5"]
@@ -121,7 +122,7 @@ def test_load_sharegpt_json_array_and_truncated_file(tmp_path, tmp_peagle_home, 
     assert ds["id"] == ["a", "c"]
     cut = tmp_path / "cut.json"
     cut.write_text(full.read_text()[:-30])
-    with caplog.at_level(logging.WARNING, logger="pipelines.jsonl"):
+    with caplog.at_level(logging.WARNING, logger="pipelines.data.jsonl"):
         ds = load_conversations(SourceConfig(kind="sharegpt_file", path=str(cut)), "skip", tmp_peagle_home)
     assert ds["id"] == ["a"]
     assert "cut off" in caplog.text
@@ -135,7 +136,7 @@ def test_the_packaged_sharegpt_files_cut_is_information_not_a_warning(tmp_path, 
     cut = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
     cut.write_text(json.dumps(rows, indent=1)[:-30])
     monkeypatch.setattr(assets, "sharegpt_path", lambda: cut)
-    with caplog.at_level(logging.INFO, logger="pipelines.jsonl"):
+    with caplog.at_level(logging.INFO, logger="pipelines.data.jsonl"):
         ds = load_conversations(SourceConfig(kind="sharegpt"), "skip", tmp_peagle_home)
     assert ds["id"] == ["a"]
     assert [r.levelno for r in caplog.records if "cut off" in r.getMessage()] == [logging.INFO]
@@ -217,7 +218,7 @@ def test_load_counts_trimmed_rows_drops_duplicates_and_makes_ids_unique(tmp_path
             sg(("human", "other"), id="a")]  # repeated id, different conversation
     f = tmp_path / "sg.json"
     f.write_text(json.dumps(rows))
-    with caplog.at_level(logging.INFO, logger="pipelines.prompts"):
+    with caplog.at_level(logging.INFO, logger="pipelines.data.prompts"):
         ds = load_conversations(SourceConfig(kind="sharegpt_file", path=str(f)), "fail", tmp_peagle_home)
     assert ds.column_names == ["id", "messages", "source"]
     assert ds["id"] == ["a", "b", "a~1"]
@@ -278,7 +279,7 @@ def test_weighted_mix_shares_determinism_and_caps(tmp_path, tmp_peagle_home, cap
     assert ds["id"] == load_prompt_dataset(data(1, 3, 20), tmp_peagle_home)["id"]
     assert ds["id"] != load_prompt_dataset(data(1, 3, 20, seed=1), tmp_peagle_home)["id"]
     assert count(load_prompt_dataset(data(2, 1, None), tmp_peagle_home)) == {"openai_jsonl": 40, "sharegpt_file": 20}
-    with caplog.at_level(logging.WARNING, logger="pipelines.prompt_dataset"):
+    with caplog.at_level(logging.WARNING, logger="pipelines.data.prompt_dataset"):
         capped = load_prompt_dataset(data(1, 1, 50), tmp_peagle_home)
     assert count(capped) == {"openai_jsonl": 25, "sharegpt_file": 20} and "fewer than its weighted share" in caplog.text
 
@@ -307,7 +308,7 @@ class _AnswerEngine:
         self.prompts = []
 
     def generate(self, prompts, cfg, seeds):
-        from pipelines.engines import Generation
+        from pipelines.data.engines import Generation
 
         self.prompts += prompts
         assert cfg.temperature == 0 and cfg.max_tokens_per_turn == 7
@@ -315,10 +316,10 @@ class _AnswerEngine:
 
 
 def test_eval_prompts_mtbench_one_and_two_turns(tmp_peagle_home, tiny_chat_tokenizer):
-    from pipelines.eval_prompts import eval_set_name, load_eval_prompts, mtbench_two_turns
+    from pipelines.evaluate.prompts import load_eval_prompts, mtbench_two_turns
 
     one, two = SourceConfig(kind="mtbench"), SourceConfig(kind="mtbench", turns=2)
-    assert (eval_set_name(one), eval_set_name(two), eval_set_name(SourceConfig(kind="humaneval"))) == (
+    assert (one.eval_set_name(), two.eval_set_name(), SourceConfig(kind="humaneval").eval_set_name()) == (
         "mtbench", "mtbench-2turn", "humaneval")
     sets = load_eval_prompts([SourceConfig(kind="humaneval"), one], tiny_chat_tokenizer, num_prompts=5, seed=1)
     assert list(sets) == ["humaneval", "mtbench"] and [len(v) for v in sets.values()] == [5, 5]

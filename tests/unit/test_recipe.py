@@ -194,7 +194,7 @@ def test_validate_against_target_layers_and_declared_sizes(tiny_chat_tokenizer):
 
 
 def test_provenance_git_sha_from_env_wins_over_git(monkeypatch, tmp_path):
-    from pipelines.provenance import provenance
+    from pipelines.registry.provenance import provenance
 
     monkeypatch.delenv("PEAGLE_GIT_SHA", raising=False)
     assert provenance(repo_dir=tmp_path)["git_sha"] is None  # an uploaded working dir: no .git

@@ -9,13 +9,12 @@ import types
 
 import pytest
 
-from pipelines import promotion
-from pipelines import register as reg
 from pipelines.pipeline import PipelineRun
 from pipelines.recipe import load_recipe
+from pipelines.registry import promotion
+from pipelines.registry import register as reg
 from pipelines.stages.base import StageRecord
 from pipelines.stages.evaluate import EvaluateOutput
-from pipelines.stages.register import measured_champion
 from pipelines.stages.train import TrainOutput
 from tests.conftest import CONFIGS
 
@@ -173,11 +172,11 @@ def test_register_reads_the_champion_from_the_gate_set_rows():
             row("peagle", 3, 1.4, "humaneval"), row("champion", 3, 2.2, "humaneval")]
     ev = EvaluateOutput(table="t.json", rows=rows, eval_set="traffic", eval_sets=["traffic", "humaneval"],
                         champion={"model": NAME, "version": "4", "head_sha256": "a" * 64, "method": "peagle"})
-    assert measured_champion(ev, gate_K=3, concurrency=1) == promotion.MeasuredChampion("4", 1.5, "traffic")
+    assert ev.measured_champion(gate_K=3, concurrency=1) == promotion.MeasuredChampion("4", 1.5, "traffic")
     assert ev.al_by_K("peagle", 1) == {3: 1.8}  # the trained head's rows exclude the champion's
-    assert measured_champion(dataclasses.replace(ev, champion=None), gate_K=3, concurrency=1) is None
+    assert dataclasses.replace(ev, champion=None).measured_champion(gate_K=3, concurrency=1) is None
     none = dataclasses.replace(ev, champion={"model": NAME, "version": None})
-    assert measured_champion(none, gate_K=3, concurrency=1) == promotion.MeasuredChampion(None, None, "traffic")
+    assert none.measured_champion(gate_K=3, concurrency=1) == promotion.MeasuredChampion(None, None, "traffic")
     again = EvaluateOutput.from_json(json.loads(json.dumps(ev.to_json())))
     assert again == ev and "champion" not in dataclasses.replace(ev, champion=None).to_json()
 
@@ -186,7 +185,7 @@ def test_register_reads_the_champion_from_the_gate_set_rows():
 
 
 def test_evaluate_measures_the_champion_like_the_trained_head(monkeypatch):
-    from pipelines import evaluate as ev
+    from pipelines.evaluate import measure as ev
 
     specs = []
 
@@ -212,7 +211,7 @@ def test_evaluate_measures_the_champion_like_the_trained_head(monkeypatch):
     assert report.al_by_K(ev.CHAMPION_LABEL, 1) == {2: 1.5, 3: 1.5}
     assert set(report.best_K) == {"peagle", "champion"}
     assert {r["speedup"] for r in champ} == {1.5}  # over the one no-speculation baseline
-    from pipelines.mlflow_runs import eval_metric_name
+    from pipelines.registry.runs import eval_metric_name
 
     assert eval_metric_name(champ[0], "acceptance_length", "traffic") == "eval.champion.K2.c1.acceptance_length"
 
@@ -220,9 +219,10 @@ def test_evaluate_measures_the_champion_like_the_trained_head(monkeypatch):
 def test_evaluate_stage_measures_the_pinned_champion_on_every_set(uri, tmp_path, monkeypatch):
     import transformers
 
-    from pipelines import capture, eval_prompts
-    from pipelines import evaluate as ev
-    from pipelines.eval_report import EvalReport
+    from pipelines import assets
+    from pipelines.evaluate import measure as ev
+    from pipelines.evaluate import prompts as eval_prompts
+    from pipelines.evaluate.report import EvalReport
     from pipelines.train import warm_start
 
     client = reg.get_client(uri)
@@ -253,7 +253,7 @@ def test_evaluate_stage_measures_the_pinned_champion_on_every_set(uri, tmp_path,
         return EvalReport(eval_set=eval_set, rows=rows, best_K={"peagle": {1: 3}}, markdown="| t |\n")
 
     monkeypatch.setattr(warm_start, "fetch_init_head", fetch)
-    monkeypatch.setattr(capture, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
+    monkeypatch.setattr(assets, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda p: "tok")
     monkeypatch.setattr(eval_prompts, "load_eval_prompts",
                         lambda sources, tok, **kw: {"humaneval": [[1]], "traffic": [[2]]})
@@ -266,7 +266,7 @@ def test_evaluate_stage_measures_the_pinned_champion_on_every_set(uri, tmp_path,
                      ("humaneval", {"peagle": "/trained"}, str(head), "peagle")]
     assert out.eval_set == "traffic" and out.eval_sets == ["traffic", "humaneval"]
     assert out.champion == {"model": NAME, "version": v1, "head_sha256": "a" * 64, "method": "peagle"}
-    assert measured_champion(out, gate_K=3, concurrency=1) == promotion.MeasuredChampion(v1, 1.4, "traffic")
+    assert out.measured_champion(gate_K=3, concurrency=1) == promotion.MeasuredChampion(v1, 1.4, "traffic")
     table = json.loads((tmp_path / "run" / "evaluate" / "table.json").read_text())
     assert table["gate_eval_set"] == "traffic" and table["champion"]["version"] == v1
     summary = stage.summary(out)[1]

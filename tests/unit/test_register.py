@@ -3,9 +3,11 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from pipelines import register as reg
 from pipelines import settings
+from pipelines.registry import register as reg
+from pipelines.registry.refs import HeadRef
 
 pytestmark = pytest.mark.unit
 
@@ -20,18 +22,26 @@ def test_tracking_uri_precedence(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(("ref", "want"), [
-    ("peagle-x@champion", ("peagle-x", "@champion")),
-    ("models:/peagle-x@challenger", ("peagle-x", "@challenger")),
-    ("models:/peagle-x/12", ("peagle-x", "/12")),
+    ("peagle-x@champion", HeadRef("peagle-x", alias="champion")),
+    ("models:/peagle-x@challenger", HeadRef("peagle-x", alias="challenger")),
+    ("models:/peagle-x/12", HeadRef("peagle-x", version="12")),
 ])
 def test_parse_model_ref(ref, want):
-    assert reg.parse_model_ref(ref) == want
+    assert HeadRef.parse(ref) == want
 
 
 @pytest.mark.parametrize("ref", ["peagle-x", "models:/peagle-x/latest", "@champion", "peagle-x@"])
 def test_parse_model_ref_rejects(ref):
     with pytest.raises(ValueError, match="NAME@ALIAS"):
-        reg.parse_model_ref(ref)
+        HeadRef.parse(ref)
+
+
+def test_head_ref_str_round_trips():
+    for text in ("models:/peagle-x@champion", "models:/peagle-x/12", "models:/org/peagle-x@a"):
+        assert str(HeadRef.parse(text)) == text
+    assert HeadRef.parse("models:/peagle-x/12").pinned and not HeadRef.parse("models:/peagle-x@c").pinned
+    with pytest.raises(ValueError, match="exactly one of alias / version"):
+        HeadRef("peagle-x", alias="champion", version="1")
 
 
 def test_names_and_hashes(tmp_path):
@@ -72,3 +82,57 @@ def test_serve_args_from_recipe():
     args = ServeAppArgs.from_recipe(r, accelerator="gpu", accelerator_type="B200")
     assert args.head == "models:/peagle-gpt-oss-20b@champion" and args.num_speculative_tokens == 7
     assert args.target == "openai/gpt-oss-20b" and args.parallel_drafting
+
+
+def test_serve_args_and_the_serving_section_share_one_schema():
+    """The deployment fields have one home (ServeDeployment): same defaults and limits in the recipe's serving
+    section and in the Serve app's args, and from_recipe carries every one of them."""
+    from pipelines.recipe import ServeConfig, ServeDeployment, load_recipe
+    from pipelines.serve import ServeAppArgs
+
+    shared = set(ServeDeployment.model_fields)
+    assert {"num_speculative_tokens", "min_replicas", "max_replicas", "target_ongoing_requests",
+            "max_ongoing_requests", "api_key_env", "k_schedule", "traffic_log"} == shared
+    assert issubclass(ServeConfig, ServeDeployment) and issubclass(ServeAppArgs, ServeDeployment)
+    r = load_recipe(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-cpu.yaml",
+                    ["serving.num_speculative_tokens=3", "serving.max_replicas=2", "serving.api_key_env=KEY",
+                     "serving.traffic_log={}", "serving.k_schedule=off"])
+    args = ServeAppArgs.from_recipe(r)
+    assert {f: getattr(args, f) for f in shared} == {f: getattr(r.serving, f) for f in shared}
+    with pytest.raises(ValidationError, match="serving.min_replicas=2 > max_replicas=1"):
+        ServeConfig(min_replicas=2)
+    with pytest.raises(ValidationError, match="min_replicas=2 > max_replicas=1"):
+        ServeAppArgs(min_replicas=2)
+
+
+def test_head_ref_resolves_to_a_pinned_version(uri, tmp_path, monkeypatch):
+    """One resolver for every caller: an alias pins to its version and head_sha256 tag, a version keeps itself;
+    a model, alias or version the registry does not have is a ValueError naming the field (or None with
+    missing_ok); a registry that does not answer is not "no such version": MLflow's error propagates."""
+    import socket
+
+    from mlflow.exceptions import MlflowException
+
+    client = reg.get_client(uri)
+    client.create_registered_model("peagle-x")
+    (tmp_path / "src").mkdir()
+    v = str(client.create_model_version("peagle-x", source=str(tmp_path / "src"),
+                                        tags={reg.HEAD_SHA256_TAG: "a" * 64}).version)
+    client.set_registered_model_alias("peagle-x", "champion", v)
+    pinned = HeadRef.parse("models:/peagle-x@champion").resolve(uri)
+    assert pinned == HeadRef("peagle-x", version=v, head_sha256="a" * 64) and str(pinned) == f"models:/peagle-x/{v}"
+    assert HeadRef("peagle-x", version=v).resolve(uri) == pinned
+    for missing in ("models:/peagle-x@nope", "models:/peagle-x/99", "models:/peagle-y@champion"):
+        with pytest.raises(ValueError, match="no such model version") as e:
+            HeadRef.parse(missing).resolve(uri, field="training.init_from", fix="register one")
+        assert str(e.value).startswith(f"training.init_from={missing!r}") and str(e.value).endswith("register one")
+        assert HeadRef.parse(missing).resolve(uri, missing_ok=True) is None
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(MlflowException) as e:
+        HeadRef.parse("models:/peagle-x@champion").resolve(dead, missing_ok=True)
+    assert not isinstance(e.value, ValueError)
+    reg.get_client(uri)  # the fluent API's URI back on the test's store

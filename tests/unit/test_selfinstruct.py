@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 
-from pipelines import selfinstruct as si
-from pipelines.engines import Generation
-from pipelines.prompt_dataset import load_prompt_dataset
-from pipelines.prompts import load_conversations, source_file
+from pipelines.data import selfinstruct as si
+from pipelines.data.engines import Generation
+from pipelines.data.prompt_dataset import load_prompt_dataset
+from pipelines.data.prompts import load_conversations, source_file
 from pipelines.recipe import DataConfig, SelfInstructConfig, SourceConfig, recipe_from_dict
 
 pytestmark = pytest.mark.unit
@@ -174,8 +174,8 @@ def test_writer_rows_mix_with_file_sources_by_weight(tmp_path, tmp_peagle_home, 
 
 def test_assets_lists_the_scale_recipe_self_instruct_source_without_a_file(monkeypatch, tmp_peagle_home):
     # `peagle assets` (prompts on) on the scale recipe: the self_instruct source has no file to load
-    from pipelines import prompts
     from pipelines.cli.recipes import _sources
+    from pipelines.data import prompts
     from pipelines.recipe import load_recipe
     from tests.conftest import CONFIGS
 

@@ -34,7 +34,7 @@ def test_recipe_registry_follows_mlflow_tracking_uri(monkeypatch, tmp_path):
 
 
 def test_registry_client_uses_the_same_rule(monkeypatch, tmp_path):
-    from pipelines.register import get_client
+    from pipelines.registry.register import get_client
 
     other = tmp_path / "elsewhere" / "store.db"
     monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))

@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
-from pipelines.pipeline import PipelineRun, print_summary
+from pipelines.pipeline import STAGE_TYPES, STAGES, PipelineRun, print_summary
 from pipelines.preflight import Machine
 from pipelines.recipe import load_recipe
-from pipelines.stages import STAGE_TYPES, STAGES
 from pipelines.stages.base import STAGE_FILE, StageRecord, engine_settings
 from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.evaluate import EvaluateOutput
@@ -61,6 +60,27 @@ def ci_recipe():
 def test_stage_keys_unchanged(config, tmp_path):
     run = PipelineRun(load_recipe(CONFIGS / config), run_dir=tmp_path, machine=Machine.ideal())  # GPU recipes too
     assert {s: run.key(s) for s in STAGES} == KEYS[config]
+
+
+@pytest.mark.parametrize("config", sorted(KEYS))
+def test_stage_keys_do_not_depend_on_class_names(config, tmp_path):
+    """Which fields a key leaves out while None is marked on the fields (KEY_NEUTRAL_WHEN_NONE), not listed
+    by class name: renaming every recipe section class changes no key."""
+    import pipelines.recipe as r
+
+    classes = (r.SourceConfig, r.DataConfig, r.RegenerateConfig, r.CaptureConfig, r.DrafterSpec, r.TrainingConfig,
+               r.EvalConfig, r.RegistryConfig, r.ServeConfig, r.TargetConfig, r.TrafficSourceConfig,
+               r.TrafficLogConfig, r.SelfInstructConfig)
+    names = [(c.__name__, c.__qualname__) for c in classes]
+    try:
+        for c in classes:
+            c.__name__, c.__qualname__ = f"Renamed{c.__name__}", f"Renamed{c.__qualname__}"
+        run = PipelineRun(load_recipe(CONFIGS / config), run_dir=tmp_path, machine=Machine.ideal())
+        keys = {s: run.key(s) for s in STAGES}
+    finally:
+        for c, (name, qualname) in zip(classes, names, strict=True):
+            c.__name__, c.__qualname__ = name, qualname
+    assert keys == KEYS[config]
 
 
 def test_key_follows_upstream_sections(ci_recipe, tmp_path):
@@ -167,9 +187,11 @@ def test_evaluate_stage_measures_every_eval_set(tmp_path, monkeypatch):
 
     import transformers
 
-    from pipelines import capture, engines, eval_prompts
-    from pipelines import evaluate as ev
-    from pipelines.eval_report import EvalReport
+    from pipelines import assets
+    from pipelines.data import engines
+    from pipelines.evaluate import measure as ev
+    from pipelines.evaluate import prompts as eval_prompts
+    from pipelines.evaluate.report import EvalReport
     from pipelines.stages.evaluate import EvaluateStage
 
     recipe = load_recipe(CONFIGS / "smollm2-135m-ci.yaml",
@@ -177,7 +199,7 @@ def test_evaluate_stage_measures_every_eval_set(tmp_path, monkeypatch):
     run = PipelineRun(recipe, run_dir=tmp_path, say=lambda m: None)
     run.records["train"] = StageRecord("train", "ran", 1.0, run.key("train"), SAMPLES[5])
     engine, calls = object(), []
-    monkeypatch.setattr(capture, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
+    monkeypatch.setattr(assets, "resolve_target", lambda t: (types.SimpleNamespace(path=tmp_path), {}))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda p: "tok")
     monkeypatch.setattr(engines, "make_engine", lambda backend, path, **kw: calls.append(backend) or engine)
 

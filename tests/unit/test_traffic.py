@@ -15,8 +15,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import regenerate, settings, traffic
-from pipelines.prompts import KEEP_ANSWERS, load_conversations
+from pipelines import settings, traffic
+from pipelines.data import regenerate
+from pipelines.data import traffic_source as tsource
+from pipelines.data.prompts import load_conversations
+from pipelines.data.rows import KEEP_ANSWERS
 from pipelines.recipe import RegenerateConfig, SourceConfig, TrafficLogConfig
 from pipelines.serve.traffic import TrafficLog
 from tests.unit.test_capture_regenerate import EchoEngine
@@ -58,7 +61,7 @@ def test_shards_by_row_count_readable_by_pyarrow_and_datasets(tmp_path):
     assert [pq.read_metadata(f).num_rows for f in files] == [3, 3, 1]  # 2 full shards + the flushed rest
     assert not list((tmp_path / "log").glob(".*"))  # no temporary left behind
     t = traffic.read_log(tmp_path / "log")
-    assert t.num_rows == 7 and t.schema == traffic._schema()
+    assert t.num_rows == 7 and t.schema == traffic.schema()
     assert sorted(t.column("request_id").to_pylist()) == sorted(f"chatcmpl-{i}" for i in range(7))
     ds = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train",
                                cache_dir=str(tmp_path / "hf"))
@@ -280,8 +283,8 @@ def test_time_split_dedup_and_greedy_answers(tmp_path):
     stats: Counter = Counter()
     src = traffic_source(log_dir, heldout_fraction=0.25)
     table = traffic.read_log(log_dir).to_pylist()
-    train = traffic.traffic_rows(table, src, stats=stats)
-    held = traffic.traffic_rows(table, src, heldout=True)
+    train = tsource.traffic_rows(table, src, stats=stats)
+    held = tsource.traffic_rows(table, src, heldout=True)
     assert stats["exact_duplicates"] == 2  # rows 10 and 11: the oldest occurrence (3, 4) is kept
     n = 15 - 2 - stats["near_duplicates"]
     assert len(train) + len(held) == n and len(held) == round(0.25 * n)
@@ -295,7 +298,7 @@ def test_time_split_dedup_and_greedy_answers(tmp_path):
     assert greedy[KEEP_ANSWERS] and greedy["messages"][-1] == {"role": "assistant", "content": "answer 0"}
     assert not sampled[KEEP_ANSWERS] and sampled["messages"][-1]["role"] == "user"
     assert not unsent[KEEP_ANSWERS] and unsent["messages"][-1]["role"] == "user"
-    assert not traffic.traffic_rows(table, traffic_source(log_dir, keep_greedy_answers=False))[0][KEEP_ANSWERS]
+    assert not tsource.traffic_rows(table, traffic_source(log_dir, keep_greedy_answers=False))[0][KEEP_ANSWERS]
 
 
 def test_near_duplicate_prompts_are_dropped(tmp_path):
@@ -303,10 +306,10 @@ def test_near_duplicate_prompts_are_dropped(tmp_path):
     rows = [row(0, prompt=base), row(1, prompt=base + " thanks"), row(2, prompt="what is the capital of France")]
     table = traffic.read_log(write_log(tmp_path, rows)).to_pylist()
     stats: Counter = Counter()
-    out = traffic.traffic_rows(table, traffic_source(tmp_path / "log", heldout_fraction=0.0, dedup_threshold=0.7),
+    out = tsource.traffic_rows(table, traffic_source(tmp_path / "log", heldout_fraction=0.0, dedup_threshold=0.7),
                                stats=stats)
     assert [r["id"] for r in out] == ["chatcmpl-0", "chatcmpl-2"] and stats["near_duplicates"] == 1
-    exact_only = traffic.traffic_rows(table, traffic_source(tmp_path / "log", heldout_fraction=0.0,
+    exact_only = tsource.traffic_rows(table, traffic_source(tmp_path / "log", heldout_fraction=0.0,
                                                             dedup_threshold=None))
     assert len(exact_only) == 3
 
@@ -315,13 +318,12 @@ def test_until_pins_the_split(tmp_path):
     log_dir = write_log(tmp_path, [row(i) for i in range(10)])
     src = traffic_source(log_dir, heldout_fraction=0.2, until=(T0 + timedelta(minutes=4)).isoformat())
     table = traffic.read_log(log_dir).to_pylist()
-    assert [r["id"] for r in traffic.traffic_rows(table, src, heldout=True)] == ["chatcmpl-4"]
-    assert len(traffic.traffic_rows(table, src)) == 4
+    assert [r["id"] for r in tsource.traffic_rows(table, src, heldout=True)] == ["chatcmpl-4"]
+    assert len(tsource.traffic_rows(table, src)) == 4
 
 
 def test_source_in_data_and_in_evaluation(tmp_path):
-    from pipelines.eval_prompts import eval_set_name
-    from pipelines.prompt_dataset import load_prompt_dataset
+    from pipelines.data.prompt_dataset import load_prompt_dataset
     from pipelines.recipe import DataConfig
 
     bad = row(99, minutes=-1) | {"messages": [{"role": "assistant", "content": "no user turn"}]}
@@ -333,7 +335,7 @@ def test_source_in_data_and_in_evaluation(tmp_path):
                                                                                  KEEP_ANSWERS}
     assert held["id"] == ["chatcmpl-7", "chatcmpl-8", "chatcmpl-9"]
     assert train[KEEP_ANSWERS] == [True] * 5 + [False] * 2
-    assert eval_set_name(src) == "traffic-log" and eval_set_name(SourceConfig(kind="traffic")) == "traffic"
+    assert src.eval_set_name() == "traffic-log" and SourceConfig(kind="traffic").eval_set_name() == "traffic"
     # mixed with a file source: the other rows get keep_answers False
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"messages": [{"role": "user", "content": "from a file"}]}) + "\n")

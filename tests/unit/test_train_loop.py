@@ -16,6 +16,7 @@ from peagle_core.vocab import count_token_ids, vocab_mapping_from_counts
 from pipelines import train as T
 from pipelines.capture import count_assistant_tokens
 from pipelines.recipe import DrafterSpec, TargetConfig, TrainingConfig
+from tests.unit.conftest import plan_without_data
 
 from .conftest import HIDDEN, MASK_ID, VOCAB, tiny_target_config
 
@@ -292,9 +293,9 @@ def test_run_train_rejects_bad_input_before_any_worker(tmp_path):
     target = TargetConfig(model=str(tmp_path / "target"))
     spec = DrafterSpec(num_layers=1, num_speculative_tokens=3, mask_token_id=MASK_ID, draft_vocab_size=None)
     with pytest.raises(ValueError, match="parallel_strategy='zero3'"):  # an unchecked copy of the section
-        T.plan_from_dataset(config().model_copy(update={"parallel_strategy": "zero3"}), spec, target, None)
+        plan_without_data(config().model_copy(update={"parallel_strategy": "zero3"}), spec, target)
     with pytest.raises(ValueError, match="mask_token_id"):
-        T.plan_from_dataset(config(), spec.model_copy(update={"mask_token_id": None}), target, None)
+        plan_without_data(config(), spec.model_copy(update={"mask_token_id": None}), target)
     cap = tmp_path / "capture"
     cap.mkdir()
     shards.write_capture_meta(cap, {"aux_layer_ids": [1, 2, 3], "hidden_size": HIDDEN, "vocab_size": VOCAB})

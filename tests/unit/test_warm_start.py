@@ -18,6 +18,7 @@ from peagle_core.vocab import vocab_mapping_from_counts
 from peagle_core.warm_start import load_head_weights
 from pipelines import train as T
 from pipelines.recipe import DrafterSpec, TargetConfig, TrainingConfig
+from tests.unit.conftest import plan_without_data
 
 from .conftest import HIDDEN, MASK_ID, VOCAB, tiny_target_config
 
@@ -88,7 +89,7 @@ def test_step0_drafter_is_the_head(tmp_path, target):
     drafter every worker builds holds exactly the head's tensors, mask_hidden and embed_tokens included."""
     head_dir = tmp_path / "head"
     head = random_head(head_dir)
-    plan = T.plan_from_dataset(training(init_from=str(head_dir)), spec(), target, None)
+    plan = plan_without_data(training(init_from=str(head_dir)), spec(), target)
     assert plan.init_head.head_sha256 == head_digest(head_dir) and plan.init_head.head_dir == str(head_dir)
     assert torch.equal(plan.d2t, head.d2t) and torch.equal(plan.t2d, head.t2d)
 
@@ -100,7 +101,7 @@ def test_step0_drafter_is_the_head(tmp_path, target):
     assert drafter.embed_tokens.weight.requires_grad  # train_embed_tokens: the head's embeddings keep training
 
     # without init_from the same recipe starts from the target (embeddings) and random layers: not the head
-    scratch, _ = T.build_drafter(T.plan_from_dataset(training(), spec(draft_vocab_size=None), target, None))
+    scratch, _ = T.build_drafter(plan_without_data(training(), spec(draft_vocab_size=None), target))
     assert not torch.equal(scratch.embed_tokens.weight, head.embed_tokens.weight)
     assert not torch.equal(scratch.mask_hidden, head.mask_hidden)
 
@@ -110,7 +111,7 @@ def test_frozen_embeddings_keep_the_targets(tmp_path, target):
     (which vLLM shares with the exported head) and frozen."""
     head_dir = tmp_path / "head"
     head = random_head(head_dir)
-    plan = T.plan_from_dataset(training(init_from=str(head_dir)), spec(train_embed_tokens=False), target, None)
+    plan = plan_without_data(training(init_from=str(head_dir)), spec(train_embed_tokens=False), target)
     drafter, _ = T.build_drafter(plan)
     assert torch.equal(drafter.embed_tokens.weight, T.load_target_embed(target.model))
     assert not drafter.embed_tokens.weight.requires_grad
@@ -121,13 +122,13 @@ def test_fine_tune_continues_from_the_heads_loss(tmp_path, target):
     """A head trained 24 steps, exported and used as init_from: the warm run's first loss is close to where
     the first run ended, far below a cold start's first loss, and its weights move on from the head."""
     rows = samples()
-    cold_plan = T.plan_from_dataset(training(max_steps=24), spec(draft_vocab_size=None), target, None)
+    cold_plan = plan_without_data(training(max_steps=24), spec(draft_vocab_size=None), target)
     cold, trained = fit(cold_plan, rows)
     export_head(trained, tmp_path / "trained", dtype="float32")
     cold_losses = [h["loss"] for h in cold.history]
 
-    warm_plan = T.plan_from_dataset(training(max_steps=3, init_from=str(tmp_path / "trained")),
-                                    spec(draft_vocab_size=None), target, None)
+    warm_plan = plan_without_data(training(max_steps=3, init_from=str(tmp_path / "trained")),
+                                    spec(draft_vocab_size=None), target)
     warm, tuned = fit(warm_plan, rows)
     first_warm = warm.history[0]["loss"]
     print(f"\ncold start: loss {cold_losses[0]:.3f} -> {cold_losses[-1]:.3f} in 24 steps; warm start from it: "
@@ -142,8 +143,8 @@ def test_optimizer_starts_fresh(tmp_path, target):
     """The head is only weights: a warm-started run's checkpoint after 2 steps has AdamW state of 2 steps."""
     head_dir = tmp_path / "head"
     random_head(head_dir, draft_vocab_size=None)
-    plan = T.plan_from_dataset(training(max_steps=2, checkpoint_every_steps=2, init_from=str(head_dir)),
-                               spec(draft_vocab_size=None), target, None)
+    plan = plan_without_data(training(max_steps=2, checkpoint_every_steps=2, init_from=str(head_dir)),
+                               spec(draft_vocab_size=None), target)
     drafter, lm_head = T.build_drafter(plan)
     res = T.train_in_process(lambda e: iter(samples(8)), drafter, lm_head, objective_class("peagle")(plan.objective),
                              plan.training, checkpoint_dir=tmp_path / "ck", device="cpu")
@@ -165,7 +166,7 @@ def test_mismatched_head_raises_before_training(tmp_path, target, head_kw, spec_
     head_dir = tmp_path / "head"
     random_head(head_dir, **head_kw)
     with pytest.raises(ValueError, match=message) as err:
-        T.plan_from_dataset(training(init_from=str(head_dir), method=method), spec(**spec_kw), target, None)
+        plan_without_data(training(init_from=str(head_dir), method=method), spec(**spec_kw), target)
     assert f"training.init_from={str(head_dir)!r}" in str(err.value) and "drop training.init_from" in str(err.value)
 
 
@@ -176,16 +177,16 @@ def test_bad_references(tmp_path, target):
         training(init_from="  ")
     assert training(init_from="models:/peagle-x@champion").init_from == "models:/peagle-x@champion"
     with pytest.raises(ValueError, match="is not a directory"):
-        T.plan_from_dataset(training(init_from=str(tmp_path / "nope")), spec(), target, None)
+        plan_without_data(training(init_from=str(tmp_path / "nope")), spec(), target)
     with pytest.raises(ValueError, match="registry head: download it first"):
-        T.plan_from_dataset(training(init_from="models:/peagle-x@champion"), spec(), target, None)
+        plan_without_data(training(init_from="models:/peagle-x@champion"), spec(), target)
     head_dir = tmp_path / "head"
     random_head(head_dir)
     with open(head_dir / WEIGHTS_FILE, "r+b") as f:  # corrupted after export
         f.seek(-4, 2)
         f.write(b"\x00\x01\x02\x03")
     with pytest.raises(ValueError, match="sha256"):
-        T.plan_from_dataset(training(init_from=str(head_dir)), spec(), target, None)
+        plan_without_data(training(init_from=str(head_dir)), spec(), target)
 
 
 def test_load_head_weights_refuses_another_vocab_mapping(tmp_path):

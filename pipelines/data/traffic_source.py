@@ -61,8 +61,8 @@ def traffic_rows(table_rows: list[dict[str, Any]], src: SourceConfig, *, heldout
     ``split`` is auto). Greedy rows with ``keep_greedy_answers`` carry the served answer as their last
     assistant turn and ``keep_answers=True`` (regenerate keeps them); the others end on the prompt.
     """
-    from pipelines.prompts import KEEP_ANSWERS, BadRow, normalize_row
-    from pipelines.selfinstruct import deduplicate
+    from pipelines.data.rows import KEEP_ANSWERS, BadRow, normalize_row
+    from pipelines.data.selfinstruct import deduplicate
 
     cfg = src.traffic
     stats = stats if stats is not None else Counter()
@@ -110,7 +110,7 @@ def load_traffic(src: SourceConfig, *, heldout: bool = False) -> datasets.Datase
     """
     import datasets
 
-    from pipelines.prompts import KEEP_ANSWERS
+    from pipelines.data.rows import KEEP_ANSWERS
 
     uri = source_uri(src)
     rows = traffic_rows(read_log(uri).to_pylist(), src, heldout=heldout)

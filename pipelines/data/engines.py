@@ -1,7 +1,7 @@
 """Generation engines of the target: chat prompts (or raw text) in, one :class:`Generation` each out.
 
-Used by the regenerate stage (``pipelines.regenerate``), the self-instruct source
-(``pipelines.selfinstruct``) and two-turn MT-Bench evaluation (``pipelines.eval_prompts``).
+Used by the regenerate stage (``pipelines.data.regenerate``), the self-instruct source
+(``pipelines.data.selfinstruct``) and two-turn MT-Bench evaluation (``pipelines.evaluate.prompts``).
 
 Engines (``RegenerateConfig.backend``):
 
@@ -16,7 +16,7 @@ Engines (``RegenerateConfig.backend``):
   vLLM, e.g. a bare GPU box.
 
 :class:`VLLMEngine` and :class:`TransformersEngine` also complete raw text (:meth:`Engine.complete`:
-no chat template applied), which ``pipelines.selfinstruct`` uses to let the target write prompts.
+no chat template applied), which ``pipelines.data.selfinstruct`` uses to let the target write prompts.
 
 Context = ``max_model_len`` (the recipe's ``data.max_length_tokens``): prompt + response must fit; a
 prompt that leaves no room gets ``None``. Per-request seeds: :func:`request_seed`.
@@ -373,7 +373,7 @@ def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg
     """(target directory, :func:`make_engine` keyword arguments) of the recipe's engine: the target's
     dtype, context ``data.max_length_tokens``, ``regenerate.seed``, a name with the weights' sha256
     (transformers: threads, ``regenerate.batch_size`` and ``regenerate.static_cache``), then ``engine_kwargs``."""
-    from pipelines.capture import resolve_target
+    from pipelines.assets import resolve_target
 
     asset, _ = resolve_target(target_cfg)
     kwargs = {"dtype": target_cfg.dtype, "max_model_len": data_cfg.max_length_tokens, "seed": regen_cfg.seed,

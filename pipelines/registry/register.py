@@ -1,20 +1,20 @@
-"""Stage: version heads in MLflow (runs, model registry); the promotion gate is :mod:`pipelines.promotion`.
+"""Stage: version heads in MLflow (runs, model registry); the promotion gate is :mod:`pipelines.registry.promotion`.
 
 A head is the directory ``peagle_core.contract.export_head`` writes (``config.json``,
 ``model.safetensors``, ``peagle_checksums.json``). It has no ``MLmodel`` file, so it is registered
 with ``MlflowClient.create_model_version(name, source="runs:/<run>/<path>", run_id=...)`` after its
 files were logged as run artifacts (``register_model`` would refuse it). :func:`register_head` points
 the ``challenger`` alias at the new version; ``champion`` (the version served) is moved only by
-:mod:`pipelines.promotion`.
+:mod:`pipelines.registry.promotion`.
 
 Version tags written here (all strings): ``target``, ``method`` (peagle|eagle3), ``eval_set``,
 ``K`` (K of ``acceptance_length``), ``acceptance_length``, ``al.K<k>`` (AL per measured K),
 ``K_best.c<c>`` (best served K per concurrency c), ``parallel_drafting``, ``head_sha256``
 (``promotion_decision``/``promotion_reason`` are written by the gate; the register stage adds the K
-schedule, tag ``pipelines.k_schedule.K_SCHEDULE_TAG``).
+schedule, tag ``pipelines.evaluate.k_schedule.K_SCHEDULE_TAG``).
 
-Tracking store and its client: :mod:`pipelines.mlflow_client` (``get_client``, ``tracking_guard``); the
-pipeline's run (recipe, curves, eval table): :mod:`pipelines.mlflow_runs` (``log_run``). Both are
+Tracking store and its client: :mod:`pipelines.registry.client` (``get_client``, ``tracking_guard``); the
+pipeline's run (recipe, curves, eval table): :mod:`pipelines.registry.runs` (``log_run``). Both are
 re-exported here, the registry's public API.
 
 Outages and re-runs (issue 15): the register stage tags its run and its version with its stage key
@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from pipelines import settings
-from pipelines.mlflow_client import TrackingUnreachableError, _experiment_id, get_client, tracking_guard
-from pipelines.mlflow_runs import eval_metric_name, log_run, manifest_hash
+from pipelines.registry.client import TrackingUnreachableError, _experiment_id, get_client, tracking_guard
+from pipelines.registry.refs import HEAD_SHA256_TAG, HeadRef
+from pipelines.registry.runs import eval_metric_name, log_run, manifest_hash
 
 log = logging.getLogger(__name__)
 
 CHALLENGER = "challenger"
 HEAD_ARTIFACT_PATH = "head"
-HEAD_SHA256_TAG = "head_sha256"  # version tag: sha256 of the head's peagle_checksums.json
 PIPELINE_KEY_TAG = "peagle.pipeline_key"  # run and version tag: the register stage's key (idempotent re-runs)
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -85,6 +85,15 @@ def head_sha256(head_dir: str | os.PathLike) -> str | None:
 
     f = Path(head_dir) / CHECKSUMS_FILE
     return hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None
+
+
+def head_method(head_dir: str | os.PathLike) -> str:
+    """``peagle`` for a head with a mask token id (parallel drafting), else ``eagle3``: the ``method`` a version
+    of this head is tagged with when its registration does not say."""
+    from peagle_core.contract import CONFIG_FILE, head_mask_token_id
+
+    config = json.loads((Path(head_dir) / CONFIG_FILE).read_text())
+    return "peagle" if head_mask_token_id(config) is not None else "eagle3"
 
 
 def find_registered(model_name: str, pipeline_key: str, *, head_sha: str | None = None,
@@ -210,7 +219,6 @@ def _checked_head(head: Path, *, eval_al: float, K: int, target_config: Any,
         CHECKSUMS_FILE,
         CONFIG_FILE,
         HeadContractError,
-        head_mask_token_id,
         validate_head,
         write_checksums,
     )
@@ -226,7 +234,7 @@ def _checked_head(head: Path, *, eval_al: float, K: int, target_config: Any,
         write_checksums(head)
     head_cfg = json.loads((head / CONFIG_FILE).read_text())
     if parallel_drafting is None:
-        parallel_drafting = head_mask_token_id(head_cfg) is not None
+        parallel_drafting = head_method(head) == "peagle"
     # every vLLM release of the supported range: a registered head may be served by any cluster
     validate_head(head, target_config=target_config, parallel_drafting=parallel_drafting)
     return head_cfg, parallel_drafting
@@ -283,26 +291,10 @@ def _version_tags(head: Path, head_cfg: Mapping[str, Any], *, eval_al: float, K:
     return vtags
 
 
-def parse_model_ref(ref: str) -> tuple[str, str]:
-    """``NAME@ALIAS`` | ``NAME/VERSION`` (optionally prefixed ``models:/``) -> ``(NAME, "@ALIAS" | "/VERSION")``.
-
-    Raises:
-        ValueError: neither an ``@ALIAS`` nor a ``/VERSION`` part.
-    """
-    body = ref.removeprefix("models:/")
-    name, sep, alias = body.rpartition("@")
-    if sep and name and alias:
-        return name, "@" + alias
-    name, sep, version = body.rpartition("/")
-    if sep and name and version.isdigit():
-        return name, "/" + version
-    raise ValueError(f"model reference {ref!r} must look like NAME@ALIAS (e.g. peagle-smollm2-135m-instruct"
-                     "@champion) or NAME/VERSION")
-
-
-def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, parallel_drafting: bool | None = None,
-             tracking_uri: str | None = None) -> Path:
-    """Download ``models:/NAME@ALIAS`` (or ``NAME/VERSION``) into ``dst`` and verify it.
+def download(ref: HeadRef | str, dst: str | os.PathLike, *, target_config: Any = None,
+             parallel_drafting: bool | None = None, tracking_uri: str | None = None) -> Path:
+    """Download ``ref`` (a :class:`~pipelines.registry.refs.HeadRef`, or its text: ``models:/NAME@ALIAS``,
+    ``models:/NAME/VERSION``) into ``dst`` and verify it.
 
     The files are fetched into a temporary sibling directory, their sha256 checked against
     ``peagle_checksums.json`` and the head validated (``validate_head`` with ``for_vllm=False``: which
@@ -321,17 +313,17 @@ def download(ref: str, dst: str | os.PathLike, *, target_config: Any = None, par
     import mlflow
 
     from peagle_core.atomic import replace_dir, temp_dir_for
-    from peagle_core.contract import CONFIG_FILE, head_mask_token_id, validate_head, verify_checksums
+    from peagle_core.contract import validate_head, verify_checksums
 
-    name, selector = parse_model_ref(ref)
+    ref = ref if isinstance(ref, HeadRef) else HeadRef.parse(ref)
     get_client(tracking_uri)
     out = Path(dst)
     tmp = temp_dir_for(out)
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}{selector}", dst_path=str(tmp)))
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=str(ref), dst_path=str(tmp)))
         verify_checksums(local)
         if parallel_drafting is None:
-            parallel_drafting = head_mask_token_id(json.loads((local / CONFIG_FILE).read_text())) is not None
+            parallel_drafting = head_method(local) == "peagle"
         validate_head(local, target_config=target_config, parallel_drafting=parallel_drafting, for_vllm=False)
         replace_dir(local, out)
     finally:
@@ -365,7 +357,7 @@ def list_versions(model_name: str | None = None, *, tracking_uri: str | None = N
 
 
 __all__ = [
-    "CHALLENGER", "PIPELINE_KEY_TAG", "Registered", "TrackingUnreachableError", "download", "eval_metric_name",
-    "find_registered", "get_client", "head_sha256", "list_versions", "log_run", "manifest_hash", "parse_model_ref", "register_head",
-    "tracking_guard", "version_tag",
+    "CHALLENGER", "HEAD_SHA256_TAG", "PIPELINE_KEY_TAG", "Registered", "TrackingUnreachableError", "download",
+    "eval_metric_name", "find_registered", "get_client", "head_method", "head_sha256", "list_versions", "log_run",
+    "manifest_hash", "register_head", "tracking_guard", "version_tag",
 ]

@@ -1,5 +1,5 @@
 """MLflow runs of the pipeline: the resolved recipe as params, training curves and the eval table as
-metrics, run files and artifacts (:func:`log_run`); the registry itself is :mod:`pipelines.register`."""
+metrics, run files and artifacts (:func:`log_run`); the registry itself is :mod:`pipelines.registry.register`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pipelines import settings
-from pipelines.mlflow_client import _experiment_id, get_client
-from pipelines.mlflow_params import flatten
+from pipelines.registry.client import _experiment_id, get_client
+from pipelines.registry.params import flatten
 
 
 def _param_value(v: Any) -> str:
@@ -61,7 +61,7 @@ def log_run(
             logged flattened as params (``training.lr`` ...) and in full as ``config/recipe.yaml``.
         training_curves: rows ``{"step": int, "<metric>": float, ...}`` (e.g. ``loss``, ``lr``,
             ``acc_depth0``); each non-step key is logged as a metric at that step.
-        eval_table: rows of :func:`pipelines.evaluate.evaluate` (``method``, ``K``, ``concurrency``,
+        eval_table: rows of :func:`pipelines.evaluate.measure.evaluate` (``method``, ``K``, ``concurrency``,
             ``acceptance_length``, ``tokens_per_s``, ...); numbers logged as
             ``eval.<method>.K<k>.c<c>.<field>`` (rows of an eval set other than ``gate_eval_set`` as
             ``eval.<eval_set>.<method>...``, :func:`eval_metric_name`); the table also as ``eval/table.json``
@@ -73,7 +73,7 @@ def log_run(
         tracking_uri: see :func:`pipelines.settings.tracking_uri`.
 
     Params always include ``git_sha``, ``git_dirty`` and ``pkg.<dist>`` versions
-    (``pipelines.provenance.provenance``).
+    (``pipelines.registry.provenance.provenance``).
 
     Raises:
         ValueError: an ``artifacts`` path does not exist (raised after params, metrics and tables are logged).
@@ -93,6 +93,16 @@ def log_run(
     return run_id
 
 
+def log_metrics_now(run_id: str, metrics: Mapping[str, float], *, tracking_uri: str | None = None) -> None:
+    """Log ``metrics`` (``{name: value}``, e.g. ``stage_seconds.<stage>``) to ``run_id`` at step 0, timestamped now."""
+    if not metrics:
+        return
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    get_client(tracking_uri).log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
+
+
 def _open_run(client, run_id: str | None, *, run_name: str | None, experiment: str,
               tags: Mapping[str, str] | None) -> str:
     """``run_id`` with ``tags`` added, or a new run in ``experiment`` carrying them."""
@@ -108,7 +118,7 @@ def _open_run(client, run_id: str | None, *, run_name: str | None, experiment: s
 
 def _provenance_params(data_manifest: str | os.PathLike | Mapping[str, Any] | None) -> dict[str, Any]:
     """``git_sha``, ``git_dirty``, ``pkg.<dist>`` and (with a manifest) ``data_manifest_sha256``."""
-    from pipelines.provenance import provenance
+    from pipelines.registry.provenance import provenance
 
     prov = provenance()
     params: dict[str, Any] = {"git_sha": prov.get("git_sha"), "git_dirty": prov.get("git_dirty")}
@@ -139,7 +149,7 @@ def _write_run_files(out: Path, config: Any, rows: list[dict[str, Any]]) -> dict
     if rows:
         (out / "eval").mkdir()
         (out / "eval" / "table.json").write_text(json.dumps(rows, indent=2, default=str))
-        from pipelines.eval_report import table_markdown
+        from pipelines.evaluate.report import table_markdown
 
         (out / "eval" / "table.md").write_text(table_markdown(rows))
     return params

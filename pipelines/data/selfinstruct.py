@@ -20,9 +20,9 @@ that the regenerate stage answers like any other conversation.
 
 Where it runs (design): self-instruct prompts are data that needs the target's engine, so they are
 written before the sources are mixed, not inside ``regenerate_conversations``:
-``pipelines.prompt_dataset.load_prompt_dataset(data, write_prompts=SelfInstructWriter(target, regenerate,
+``pipelines.data.prompt_dataset.load_prompt_dataset(data, write_prompts=SelfInstructWriter(target, regenerate,
 data, ...))`` calls the writer once per self_instruct source; the writer starts one engine of the
-recipe's ``regenerate.backend`` (:class:`~pipelines.engines.VLLMEngine` also for the
+recipe's ``regenerate.backend`` (:class:`~pipelines.data.engines.VLLMEngine` also for the
 ``ray_data_llm`` runner; in a Ray actor when ``use_ray``), writes the prompts, releases the engine,
 and returns the rows, which then go through the same per-source steps (``filter_regex``,
 ``num_samples``), weighted mixing and train/held-out split as every other source. Without a writer
@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipelines.engines import CompletionParams, Engine, engine_setup, make_engine, request_seed
+from pipelines.data.engines import CompletionParams, Engine, engine_setup, make_engine, request_seed
 
 if TYPE_CHECKING:
     from pipelines.recipe import DataConfig, RegenerateConfig, SelfInstructConfig, SourceConfig, TargetConfig
@@ -140,7 +140,7 @@ def deduplicate(texts: Sequence[str], threshold: float | None, stats: Counter | 
 
 def filter_prompts(gens: Sequence[Any], cfg: SelfInstructConfig, stop_text: str = "",
                    stats: Counter | None = None) -> list[tuple[int, str]]:
-    """``(request index, prompt text)`` of the completions ``gens`` (:class:`~pipelines.engines.Generation`
+    """``(request index, prompt text)`` of the completions ``gens`` (:class:`~pipelines.data.engines.Generation`
     or None) that pass the filters of the module doc, in order; counts go to ``stats``."""
     stats = stats if stats is not None else Counter()
     passed = []
@@ -220,9 +220,9 @@ class SelfInstructActor:
 
 
 class SelfInstructWriter:
-    """The ``write_prompts`` callable of :func:`pipelines.prompt_dataset.load_prompt_dataset`: for each
+    """The ``write_prompts`` callable of :func:`pipelines.data.prompt_dataset.load_prompt_dataset`: for each
     self_instruct source, start one engine of ``regenerate.backend`` (``make_engine`` with
-    :func:`pipelines.engines.engine_setup`'s arguments; a Ray actor of ``num_cpus_per_worker`` CPUs
+    :func:`pipelines.data.engines.engine_setup`'s arguments; a Ray actor of ``num_cpus_per_worker`` CPUs
     and one GPU when the cluster has one, or in-process when ``use_ray`` is false), write the prompts,
     release the engine. ``stats``: the counts of every call, in call order.
     """

@@ -1,16 +1,18 @@
 """Evaluation prompts: each ``evaluation.sources`` entry as chat-template prompt token ids, by eval set.
 
-An eval set is named by :func:`eval_set_name` (rows of :func:`pipelines.evaluate.evaluate` carry it as
+An eval set is named by ``SourceConfig.eval_set_name`` (rows of :func:`pipelines.evaluate.measure.evaluate` carry it as
 ``eval_set``). MT-Bench with ``turns: 2`` also asks each question's second turn after the target's own
-(greedy) answer to the first, written by a ``pipelines.engines`` engine.
+(greedy) answer to the first, written by a ``pipelines.data.engines`` engine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipelines.recipe import SourceConfig
@@ -49,10 +51,10 @@ def load_eval_prompts(
     """``{eval_set_name: prompt token ids}`` for each source (HumanEval, MT-Bench, ShareGPT, a user JSONL),
     ``num_prompts`` conversations drawn from each with ``seed``.
 
-    Names (:func:`eval_set_name`): ``humaneval`` / ``mtbench`` / ``sharegpt``, ``mtbench-2turn`` for
+    Names (``SourceConfig.eval_set_name``): ``humaneval`` / ``mtbench`` / ``sharegpt``, ``mtbench-2turn`` for
     MT-Bench with ``turns: 2``, or the user file's stem. MT-Bench ``turns: 2`` holds, per question, the
     first-turn prompt and then the second-turn prompt asked after the target's own answer to the first
-    (greedy, ``max_tokens`` new tokens, written by ``engine``: a ``pipelines.engines`` engine of the
+    (greedy, ``max_tokens`` new tokens, written by ``engine``: a ``pipelines.data.engines`` engine of the
     target); a question whose first answer the engine could not write keeps its first turn only.
     Prompts longer than ``max_prompt_tokens`` are dropped (with a warning). A ``traffic`` source gives
     its held-out slice (the newest rows of the log, ``pipelines.traffic``) unless its ``split`` says otherwise.
@@ -61,7 +63,7 @@ def load_eval_prompts(
         ValueError: MT-Bench ``turns: 2`` without ``engine``; every error of ``load_conversations``
             (a self_instruct source among them).
     """
-    from pipelines.prompts import load_conversations, sample
+    from pipelines.data.prompts import load_conversations, sample
 
     out: dict[str, list[list[int]]] = {}
     for src in sources:
@@ -75,19 +77,30 @@ def load_eval_prompts(
             if len(kept) < len(ids):
                 log.warning("dropped %d eval prompts longer than %d tokens", len(ids) - len(kept), max_prompt_tokens)
             ids = kept
-        out[eval_set_name(src)] = ids
+        out[src.eval_set_name()] = ids
     return out
 
 
-def eval_set_name(src: SourceConfig) -> str:
-    """Name of an eval source's prompt set (rows carry it as ``eval_set``): the user file's stem, else
-    the kind (``mtbench-2turn`` for MT-Bench with ``turns: 2``); a traffic log: ``traffic``, or
-    ``traffic-<directory name>`` with a path."""
-    if src.kind == "traffic":
-        return f"traffic-{Path(src.path.rstrip('/')).name}" if src.path else "traffic"
-    if src.path:
-        return Path(src.path).stem
-    return "mtbench-2turn" if src.kind == "mtbench" and src.turns == 2 else src.kind
+@contextlib.contextmanager
+def first_turn_engine(sources: Sequence[SourceConfig], target_path: str | Path, *, dtype: str, max_model_len: int,
+                      name: str | None = None) -> Iterator[Any]:
+    """A transformers engine of the target while eval prompts load, when an MT-Bench source has ``turns: 2``
+    (it answers the first turns, :func:`mtbench_two_turns`); else None. Freed on exit, before vLLM starts."""
+    if not any(s.kind == "mtbench" and s.turns == 2 for s in sources):
+        yield None
+        return
+    import torch
+
+    from pipelines.data.engines import make_engine
+
+    engine = make_engine("transformers", target_path, dtype=dtype, max_model_len=max_model_len, name=name)
+    try:
+        yield engine
+    finally:
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def mtbench_two_turns(rows: Sequence[dict], engine, max_tokens: int) -> list[list[dict]]:
@@ -100,12 +113,12 @@ def mtbench_two_turns(rows: Sequence[dict], engine, max_tokens: int) -> list[lis
     import json
 
     from pipelines import assets
+    from pipelines.data.regenerate import regenerate_conversations
     from pipelines.recipe import RegenerateConfig
-    from pipelines.regenerate import regenerate_conversations
 
     if engine is None:
         raise ValueError("evaluation source mtbench with turns: 2 needs the target's engine to answer turn 1 first: "
-                         "pass engine= (pipelines.engines.make_engine) to load_eval_prompts, or use turns: 1")
+                         "pass engine= (pipelines.data.engines.make_engine) to load_eval_prompts, or use turns: 1")
     second = {f"mtbench/{q['question_id']}": q["turns"][1]
               for q in map(json.loads, assets.mtbench_path().read_text().splitlines()) if len(q["turns"]) > 1}
     cfg = RegenerateConfig(temperature=0.0, max_tokens_per_turn=max_tokens, max_turns=1)

@@ -6,7 +6,7 @@ AL comes from vLLM's spec-decode counters (``LLM(..., disable_log_stats=False).g
 ``..._num_accepted_tokens_per_pos``; AL = 1 + accepted / drafts; per-position acceptance rate =
 accepted_per_pos[i] / drafts), source ``vllm/v1/spec_decode/metrics.py``.
 
-Each (method, K) runs in a fresh ``python -m pipelines.evaluate --worker SPEC.json`` subprocess (vLLM
+Each (method, K) runs in a fresh ``python -m pipelines.evaluate.measure --worker SPEC.json`` subprocess (vLLM
 spawns its engine core; a fresh process frees all engine memory between configurations). Inside
 one engine the concurrency sweep runs the prompts in waves of ``c`` requests (``LLM.generate`` on
 ``c`` prompts at once, so at most ``c`` sequences are in flight): tokens/s = generated tokens / wall
@@ -27,8 +27,8 @@ and the MLflow metrics (``eval.champion.K<k>.c<c>.<field>``) keep it apart from 
 Offline cross-check: :func:`offline_acceptance` runs peagle's reference decoder
 (``peagle_core.decoder.speculative_generate``) on the same prompt token ids.
 
-Prompts by eval set: :mod:`pipelines.eval_prompts`; the table, best K, markdown and plots:
-:mod:`pipelines.eval_report`.
+Prompts by eval set: :mod:`pipelines.evaluate.prompts`; the table, best K, markdown and plots:
+:mod:`pipelines.evaluate.report`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from peagle_core.atomic import atomic_write_text
-from pipelines.eval_report import EvalReport, build_report
+from pipelines.evaluate.report import EvalReport, build_report
 
 if TYPE_CHECKING:
     from pipelines.recipe import EvalConfig
@@ -81,7 +81,7 @@ class EngineSpec:
     speculative_overrides: dict[str, Any] = field(default_factory=dict)  # merged into speculative_config
     ignore_eos: bool = False  # every request generates max_tokens (random-weight targets)
     waves: int | None = None  # waves of c requests per concurrency c (None: all prompts at every c)
-    step_costs: bool = False  # after the sweep, one wave per c with pipelines.step_costs' split of a step
+    step_costs: bool = False  # after the sweep, one wave per c with pipelines.evaluate.step_costs' split of a step
     env: dict[str, str] = field(default_factory=dict)  # set in the worker before vLLM is imported
 
 
@@ -109,7 +109,7 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
 
     kwargs = dict(spec.engine_kwargs)
     if spec.method != "none":
-        from pipelines.k_schedule import vllm_speculative_config
+        from pipelines.evaluate.k_schedule import vllm_speculative_config
 
         spec_config = vllm_speculative_config(spec.head, num_speculative_tokens=spec.K,
                                               parallel_drafting=spec.method == "peagle", k_schedule=spec.k_schedule)
@@ -167,9 +167,9 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
 
 
 def _split_steps(llm, prompts: list[dict[str, Any]], params) -> dict[str, Any]:
-    """One wave of ``prompts`` with :mod:`pipelines.step_costs` wrapped around the runner's phases: ms per step
+    """One wave of ``prompts`` with :mod:`pipelines.evaluate.step_costs` wrapped around the runner's phases: ms per step
     of each phase (synchronized, so not the sweep's throughput), or ``{"unavailable": reason}``."""
-    from pipelines import step_costs
+    from pipelines.evaluate import step_costs
 
     if not all(llm.collective_rpc(step_costs.install)):
         return {"unavailable": "not vLLM's V1 model runner (set VLLM_USE_V2_MODEL_RUNNER=0 to split its steps)"}
@@ -179,7 +179,7 @@ def _split_steps(llm, prompts: list[dict[str, Any]], params) -> dict[str, Any]:
 
 
 def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0) -> list[dict[str, Any]]:
-    """Measure ``spec`` in a fresh ``python -m pipelines.evaluate --worker`` process.
+    """Measure ``spec`` in a fresh ``python -m pipelines.evaluate.measure --worker`` process.
 
     Raises:
         RuntimeError: the worker failed or timed out (its last output lines included).
@@ -187,10 +187,10 @@ def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0) -> lis
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "rows.json"
         spec_path.write_text(json.dumps(spec.__dict__))
-        cmd = [sys.executable, "-m", "pipelines.evaluate", "--worker", str(spec_path), str(out_path)]
+        cmd = [sys.executable, "-m", "pipelines.evaluate.measure", "--worker", str(spec_path), str(out_path)]
         try:
             proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s,
-                                  cwd=Path(__file__).resolve().parent.parent)
+                                  cwd=Path(__file__).resolve().parents[2])  # the repository root
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"vLLM eval worker ({spec.method}, K={spec.K}) exceeded {timeout_s}s") from e
         if proc.returncode != 0 or not out_path.exists():
@@ -252,7 +252,7 @@ def evaluate(
 
     Args:
         target: local HF target directory (``pipelines.assets.ensure_target(...).path``) or hub id.
-        prompts: prompt token ids (``pipelines.eval_prompts.load_eval_prompts`` / ``prompt_token_ids``).
+        prompts: prompt token ids (``pipelines.evaluate.prompts.load_eval_prompts`` / ``prompt_token_ids``).
         heads: ``{"peagle": HEAD_DIR, "eagle3": HEAD_DIR}``; a method listed in ``cfg.methods``
             without a head is skipped with a warning. The ``eagle3`` head is served sequentially
             (``parallel_drafting`` false); a P-EAGLE head may be given for it (same format).
@@ -270,7 +270,7 @@ def evaluate(
         engine_env: environment variables of each engine's worker process (e.g. ``VLLM_USE_V2_MODEL_RUNNER``).
 
     Returns:
-        :class:`pipelines.eval_report.EvalReport` (rows tagged ``eval_set``, with ``speedup``).
+        :class:`pipelines.evaluate.report.EvalReport` (rows tagged ``eval_set``, with ``speedup``).
 
     Raises:
         ValueError: no prompts, or a head that fails the contract for its method.
@@ -358,4 +358,4 @@ if __name__ == "__main__":  # vLLM spawns: the engine only ever starts under thi
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         _worker_main(sys.argv[2], sys.argv[3])
     else:
-        sys.exit("usage: python -m pipelines.evaluate --worker SPEC.json OUT.json (internal; use evaluate())")
+        sys.exit("usage: python -m pipelines.evaluate.measure --worker SPEC.json OUT.json (internal; use evaluate())")

@@ -4,7 +4,7 @@ sampling (rejection sampling with speculation) and drafting, per engine step.
 Why: on a small target a GPU decoding step is launch- and overhead-bound, so a speculative step can cost
 several target-only steps and speculation loses even at a decent acceptance length. A step's split says
 which part to attack (the drafter, the verify forward on K+1 tokens, or the sampler) and is what the
-K schedule is fitted from (:mod:`pipelines.k_schedule`).
+K schedule is fitted from (:mod:`pipelines.evaluate.k_schedule`).
 
 How: :func:`install` wraps four methods of vLLM's V1 model runner (``vllm/v1/worker/gpu_model_runner.py``,
 also the base of the CPU runner) on its instance: ``execute_model`` and ``sample_tokens`` (together one
@@ -13,7 +13,7 @@ step), ``_model_forward`` (the target forward), ``_sample`` (sampler / rejection
 so the phases add up but the step is serialized: measure throughput without these wrappers and the split
 with them. They run in the worker process through ``LLM.collective_rpc`` (module-level functions, so they
 pickle by reference; vLLM sends callables only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which
-``pipelines.evaluate`` sets in its own engine subprocess when asked for a split). vLLM's Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``) has other methods:
+``pipelines.evaluate.measure`` sets in its own engine subprocess when asked for a split). vLLM's Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``) has other methods:
 :func:`install` returns False there (start the engine with ``VLLM_USE_V2_MODEL_RUNNER=0`` to split it).
 
 Units: seconds in, milliseconds per step out.

@@ -1,28 +1,27 @@
 """Prompt sources loaded through ``datasets`` and normalized to one conversation schema.
 
-Schema of every row: ``id: str``, ``messages: list[{role: str, content: str}]``, ``source: str``.
-Roles are ``system`` (optional, first only), then ``user`` / ``assistant`` alternating, starting with
-``user``. A conversation may end on a user turn (a prompt the target answers when regenerating).
+Schema of every row (:mod:`pipelines.data.rows`): ``id: str``, ``messages: list[{role: str, content: str}]``,
+``source: str``; roles system (optional, first), then user / assistant alternating from user.
 
 Sources (``pipelines.recipe.SourceConfig.kind``):
 - ``sharegpt``: the packaged ShareGPT V3 file (``{"id", "conversations": [{"from", "value"}]}``;
   ``human``/``user`` -> user, ``gpt``/``chatgpt``/``bing``/``bard``/``assistant`` -> assistant).
 - ``humaneval``: the packaged HumanEval problems; each ``prompt`` becomes one user turn, id = task_id.
 - ``mtbench``: MT-Bench's 80 packaged questions; the first of each question's two turns becomes one
-  user turn, id = ``mtbench/<question_id>`` (two-turn evaluation: ``pipelines.eval_prompts.load_eval_prompts``).
+  user turn, id = ``mtbench/<question_id>`` (two-turn evaluation: ``pipelines.evaluate.prompts.load_eval_prompts``).
 - ``sharegpt_file``: a user ShareGPT JSON array or JSONL file.
 - ``openai_jsonl``: a user JSONL file of ``{"messages": [{"role", "content"}], "id"?}``.
-- ``traffic``: the Serve traffic log (``pipelines.traffic``): served chat requests, deduplicated, split by
+- ``traffic``: the Serve traffic log (``pipelines.data.traffic_source``): served chat requests, deduplicated, split by
   time (the newest slice is the held-out set: ``load_conversations(..., heldout=True)``, which
   evaluation uses). Its rows carry the optional column ``keep_answers`` (:data:`KEEP_ANSWERS`): True
   when the last assistant turn is the target's own greedy served answer, which regeneration keeps.
-- ``self_instruct``: prompts written by the target itself (``pipelines.selfinstruct``). They need the
+- ``self_instruct``: prompts written by the target itself (``pipelines.data.selfinstruct``). They need the
   target's engine, so :func:`load_conversations` refuses them;
-  :func:`pipelines.prompt_dataset.load_prompt_dataset` takes them from its ``write_prompts`` callable
-  (the regenerate stage passes ``pipelines.selfinstruct.SelfInstructWriter``).
+  :func:`pipelines.data.prompt_dataset.load_prompt_dataset` takes them from its ``write_prompts`` callable
+  (the regenerate stage passes ``pipelines.data.selfinstruct.SelfInstructWriter``).
 
 Every file is read as raw JSON lines with ``datasets.load_dataset("text", ...)`` (a JSON array is
-first rewritten as JSONL once, under ``$PEAGLE_HOME/data``: :mod:`pipelines.jsonl`), so a row with odd
+first rewritten as JSONL once, under ``$PEAGLE_HOME/data``: :mod:`pipelines.data.jsonl`), so a row with odd
 types cannot break Arrow's schema inference and every malformed row is reported with its index
 (0-based position in the file: line number - 1 for JSONL, array position for JSON). Per
 ``on_bad_row``, malformed rows are skipped (counted, logged with a warning) or raise ``ValueError``.
@@ -34,21 +33,22 @@ messages) are dropped and counted; a repeated id of a different conversation get
 (ids must be unique downstream).
 
 One source per call here (rows, files, per-source steps, the train/held-out split); all sources
-mixed into the recipe's prompt dataset: :mod:`pipelines.prompt_dataset`.
+mixed into the recipe's prompt dataset: :mod:`pipelines.data.prompt_dataset`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipelines import assets, settings
-from pipelines.jsonl import as_jsonl
+from pipelines.data import rows
+from pipelines.data.jsonl import as_jsonl
+from pipelines.data.rows import normalize_batch
 
 if TYPE_CHECKING:
     import datasets
@@ -57,165 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SHAREGPT_KINDS = ("sharegpt", "sharegpt_file")
-ROLE_ALIASES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-}
 MAX_REPORTED_BAD_ROWS = 5
-KEEP_ANSWERS = "keep_answers"  # optional bool column: the assistant turns are the target's own; regenerate keeps them
-_MODULE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
-
-
-class BadRow(ValueError):
-    """A malformed source row; the message names the row index and the problem, ``reason`` is a
-    short category (e.g. "wrong role order") used in skip summaries."""
-
-    def __init__(self, message: str, reason: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-# ---------------------------------------------------------------------------------------------- rows
-
-
-def _check_messages(
-    messages: Any, index: int, source: str, role_key: str, content_key: str, drop_leading_assistant: bool = False,
-) -> tuple[list[dict], int]:
-    """(normalized messages, number of leading assistant turns dropped).
-
-    ``drop_leading_assistant``: assistant turns before the first user turn (after an optional system
-    turn) are dropped instead of failing the row.
-    """
-    where = f"{source} row {index}"
-    if not isinstance(messages, list) or not messages:
-        raise BadRow(f"{where}: no turns (expected a non-empty list of messages)", "no turns")
-    out = []
-    for j, turn in enumerate(messages):
-        if not isinstance(turn, dict):
-            raise BadRow(f"{where}: turn {j} is {type(turn).__name__}, expected an object", "turn not an object")
-        role = turn.get(role_key)
-        if role is None:
-            raise BadRow(f"{where}: turn {j} has no {role_key!r}", "missing role")
-        if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
-            raise BadRow(f"{where}: turn {j} has unknown role {role!r} (known: {sorted(ROLE_ALIASES)})", "unknown role")
-        content = turn.get(content_key)
-        if not isinstance(content, str):
-            raise BadRow(f"{where}: turn {j} {content_key!r} is {type(content).__name__}, expected a string", "non-string content")
-        if not content.strip():
-            raise BadRow(f"{where}: turn {j} ({role}) is empty", "empty turn")
-        out.append({"role": ROLE_ALIASES[role.lower()], "content": content})
-    num_dropped = 0
-    if drop_leading_assistant:
-        start = 1 if out[0]["role"] == "system" else 0
-        while start + num_dropped < len(out) and out[start + num_dropped]["role"] == "assistant":
-            num_dropped += 1
-        if num_dropped and start + num_dropped == len(out):
-            raise BadRow(f"{where}: only assistant turns (no user turn to answer)", "no user turn")
-        out = out[:start] + out[start + num_dropped:]
-    roles = [m["role"] for m in out]
-    body = roles[1:] if roles[0] == "system" else roles
-    if not body:
-        raise BadRow(f"{where}: only a system turn", "no turns")
-    for j, role in enumerate(body):
-        want = "user" if j % 2 == 0 else "assistant"
-        if role != want:
-            pos = j + (len(roles) - len(body)) + num_dropped  # index in the row as given
-            raise BadRow(
-                f"{where}: wrong role order {_short(roles)}: turn {pos} is {role!r}, expected {want!r} "
-                "(system optional first, then user/assistant alternating, starting with user)",
-                "wrong role order",
-            )
-    return out, num_dropped
-
-
-def _short(roles: list[str], n: int = 4) -> str:
-    return "[" + ", ".join(roles[:n]) + (", ...]" if len(roles) > n else "]")
-
-
-def normalize_row(row: Any, index: int, source: str) -> dict[str, Any]:
-    """Normalize one raw row of ``source`` (a SourceConfig kind) to ``{id, messages, source}``.
-
-    ``row``: the parsed JSON object, or a JSON string (one line of a file). ``index``: its 0-based
-    position, used in ids and error messages. ShareGPT rows lose leading assistant turns (module doc).
-
-    Raises:
-        BadRow (a ValueError): the row is malformed (not JSON / not an object, missing or unknown
-            roles, empty turns, non-string content, wrong role order); the message names the row index.
-    """
-    return _normalize(row, index, source)[0]
-
-
-def _normalize(row: Any, index: int, source: str) -> tuple[dict[str, Any], int]:
-    """:func:`normalize_row` plus the number of leading assistant turns it dropped."""
-    kind = source.split(":", 1)[0]
-    if isinstance(row, str):
-        try:
-            row = json.loads(row)
-        except json.JSONDecodeError as e:
-            raise BadRow(f"{source} row {index}: not valid JSON ({e.msg} at column {e.colno})", "not JSON") from None
-    if not isinstance(row, dict):
-        raise BadRow(f"{source} row {index}: expected a JSON object, got {type(row).__name__}", "not an object")
-
-    num_dropped = 0
-    if kind in SHAREGPT_KINDS:
-        if "conversations" not in row:
-            raise BadRow(f"{source} row {index}: no 'conversations' field (ShareGPT rows are "
-                         "{id, conversations: [{from, value}]})", "missing conversations")
-        messages, num_dropped = _check_messages(row["conversations"], index, source, "from", "value",
-                                                drop_leading_assistant=True)
-    elif kind == "openai_jsonl":
-        if "messages" not in row:
-            raise BadRow(f"{source} row {index}: no 'messages' field (expected {{messages: [{{role, content}}]}})", "missing messages")
-        messages, _ = _check_messages(row["messages"], index, source, "role", "content")
-    elif kind == "humaneval":
-        prompt = row.get("prompt")
-        messages, _ = _check_messages([{"role": "user", "content": prompt}], index, source, "role", "content")
-        row = {"id": row.get("task_id")}
-    elif kind == "mtbench":
-        turns = row.get("turns")
-        if not isinstance(turns, list) or not turns:
-            raise BadRow(f"{source} row {index}: no 'turns' list (MT-Bench rows are {{question_id, turns}})",
-                         "missing turns")
-        messages, _ = _check_messages([{"role": "user", "content": turns[0]}], index, source, "role", "content")
-        qid = row.get("question_id")
-        row = {"id": None if qid is None else f"mtbench/{qid}"}
-    else:
-        raise ValueError(f"unknown source kind {kind!r}")
-    rid = row.get("id")
-    rid = f"{source}-{index}" if rid is None or rid == "" else str(rid)
-    return {"id": rid, "messages": messages, "source": source}, num_dropped
-
-
-def _normalize_batch(batch: dict[str, list], indices: list[int], source: str) -> dict[str, list]:
-    out: dict[str, list] = {"id": [], "messages": [], "source": [], "error": [], "reason": [], "leading_dropped": [],
-                            "key": []}
-    for line, index in zip(batch["text"], indices):
-        if not line.strip():  # blank lines of a JSONL file are not rows
-            continue
-        try:
-            norm, num_dropped = _normalize(line, index, source)
-            err, reason = "", ""
-        except BadRow as e:
-            norm, num_dropped = {"id": f"{source}-{index}", "messages": [], "source": source}, 0
-            err, reason = str(e), e.reason
-        for k in ("id", "messages", "source"):
-            out[k].append(norm[k])
-        out["error"].append(err)
-        out["reason"].append(reason)
-        out["leading_dropped"].append(num_dropped)
-        out["key"].append(hashlib.sha1(json.dumps(norm["messages"], ensure_ascii=False).encode()).hexdigest())
-    return out
-
-
-
+# datasets hashes module-level functions by name: the normalized cache is keyed on this code instead
+_MODULE_HASH = hashlib.sha256(Path(__file__).read_bytes() + Path(rows.__file__).read_bytes()).hexdigest()[:16]
 
 
 def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
@@ -233,7 +77,7 @@ def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
     if source_cfg.kind == "self_instruct":
         raise ValueError(SELF_INSTRUCT_NEEDS_ENGINE)
     if source_cfg.kind == "traffic":
-        from pipelines.traffic import SOURCE_LABEL, source_uri
+        from pipelines.data.traffic_source import SOURCE_LABEL, source_uri
 
         return Path(source_uri(source_cfg)), SOURCE_LABEL
     path = source_cfg.resolved_path()
@@ -244,10 +88,10 @@ def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
 
 SELF_INSTRUCT_NEEDS_ENGINE = (
     "a self_instruct source has no file: its prompts are written by the target, so they need an engine. Load "
-    "the sources with pipelines.prompt_dataset.load_prompt_dataset(data, write_prompts="
-    "pipelines.selfinstruct.SelfInstructWriter(target, "
+    "the sources with pipelines.data.prompt_dataset.load_prompt_dataset(data, write_prompts="
+    "pipelines.data.selfinstruct.SelfInstructWriter(target, "
     "regenerate, data)) (the regenerate stage does), or generate them with "
-    "pipelines.selfinstruct.generate_prompts(engine, source.self_instruct)"
+    "pipelines.data.selfinstruct.generate_prompts(engine, source.self_instruct)"
 )
 
 
@@ -263,12 +107,12 @@ def load_conversations(
     Malformed rows are skipped or fail (``on_bad_row``), exact-duplicate conversations dropped, repeated
     ids made unique (all counted in the log). ``source_cfg.num_samples`` (if set) draws that many
     conversations deterministically (``seed``) after that. Datasets' Arrow cache lives under
-    ``$PEAGLE_HOME/hf-datasets``. A ``traffic`` source is read by :func:`pipelines.traffic.load_traffic`
+    ``$PEAGLE_HOME/hf-datasets``. A ``traffic`` source is read by :func:`pipelines.data.traffic_source.load_traffic`
     (its own dedup and time split; ``heldout``: its newest slice when its split is ``auto``).
 
     Raises:
         ValueError: a missing file; a self_instruct source (needs an engine:
-            :func:`pipelines.prompt_dataset.load_prompt_dataset`);
+            :func:`pipelines.data.prompt_dataset.load_prompt_dataset`);
             with ``on_bad_row="fail"`` the first malformed rows (with their indices); with ``"skip"`` only
             if no row is usable.
     """
@@ -277,7 +121,7 @@ def load_conversations(
     if on_bad_row not in ("skip", "fail"):
         raise ValueError(f"on_bad_row={on_bad_row!r}; use 'skip' or 'fail'")
     if source_cfg.kind == "traffic":
-        from pipelines.traffic import SOURCE_LABEL, load_traffic
+        from pipelines.data.traffic_source import SOURCE_LABEL, load_traffic
 
         return finish_source(load_traffic(source_cfg, heldout=heldout), source_cfg, SOURCE_LABEL, seed)
     path, label = source_file(source_cfg)
@@ -291,7 +135,7 @@ def load_conversations(
         f"{_MODULE_HASH}|{label}|{jsonl.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
     ).hexdigest()[:32]
     ds = raw.map(
-        _normalize_batch, batched=True, with_indices=True, fn_kwargs={"source": label},
+        normalize_batch, batched=True, with_indices=True, fn_kwargs={"source": label},
         remove_columns=raw.column_names, desc=f"normalize {label}", new_fingerprint=fingerprint,
     )
     bad = ds.filter(lambda e: bool(e), input_columns="error")

@@ -32,7 +32,7 @@ def provenance(recipe: Recipe | None = None, repo_dir: Path | None = None) -> di
     ``1``/``0``) in the job's ``runtime_env.env_vars`` (``make demo`` does), which win over git.
     ``repo_dir`` defaults to the checkout holding ``pipelines/``.
     """
-    repo_dir = repo_dir or Path(__file__).resolve().parent.parent
+    repo_dir = repo_dir or Path(__file__).resolve().parents[2]
     if os.environ.get("PEAGLE_GIT_SHA"):
         sha: str | None = os.environ["PEAGLE_GIT_SHA"]
         dirty: bool | None = {"1": True, "0": False}.get(os.environ.get("PEAGLE_GIT_DIRTY", ""))

@@ -1,6 +1,6 @@
 """JSON and JSON Lines files of prompt sources: a JSON array becomes JSON Lines once, cached under
 ``$PEAGLE_HOME/data`` (keyed on the file's path, size and mtime), so ``datasets`` reads every source
-as raw lines and every malformed row can be reported with its index (:mod:`pipelines.prompts`).
+as raw lines and every malformed row can be reported with its index (:mod:`pipelines.data.prompts`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The evaluation table: :class:`EvalReport`, best K per method, speedups over no speculation,
 markdown and PNG plots, built (and written) by :func:`build_report`.
 
-Rows are those of :func:`pipelines.evaluate.evaluate` (one per method x K x concurrency; the columns
+Rows are those of :func:`pipelines.evaluate.measure.evaluate` (one per method x K x concurrency; the columns
 are listed in its module doc).
 """
 
@@ -19,7 +19,7 @@ from peagle_core.atomic import atomic_write_text
 
 @dataclass
 class EvalReport:
-    """Result of :func:`pipelines.evaluate.evaluate`: ``rows`` (the table), ``best_K`` per method per concurrency
+    """Result of :func:`pipelines.evaluate.measure.evaluate`: ``rows`` (the table), ``best_K`` per method per concurrency
     (by tokens/s), ``offline`` rows of the reference decoder, ``plots`` (PNG paths), ``markdown``."""
 
     eval_set: str
@@ -136,6 +136,39 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike, *, title: s
     return paths
 
 
+@dataclass
+class SetsTable:
+    """Every eval set's report as one table (:func:`write_sets_table`): ``rows`` (tagged ``eval_set``, the gate
+    set's first), ``markdown`` (a section per set), the trained method's K ``schedule`` on the gate set
+    (``[[batch_min, batch_max, K], ...]``, None when it has none) and ``plots`` (``{"<eval_set>/<plot>": path}``)."""
+
+    rows: list[dict[str, Any]]
+    markdown: str
+    schedule: list[list[int]] | None
+    plots: dict[str, str]
+
+
+def write_sets_table(reports: dict[str, EvalReport], *, gate: str, method: str, champion: dict[str, Any] | None,
+                     out_dir: str | os.PathLike) -> SetsTable:
+    """The reports of every eval set (``reports``, gate set first) as one table: ``table.json`` (rows, best K per
+    set, the gate set's K schedule of ``method``, the champion measured) and ``table.md`` under ``out_dir``."""
+    from pipelines.evaluate.k_schedule import schedule_or_none
+
+    out = Path(out_dir)
+    found = schedule_or_none(reports[gate].rows, method)
+    schedule = [list(e) for e in found] if found is not None else None
+    rows = [row for rep in reports.values() for row in rep.rows]
+    markdown = "".join(f"## {name}{' (gate)' if name == gate else ''}\n\n{rep.markdown}\n"
+                       for name, rep in reports.items())
+    table = {"gate_eval_set": gate, "eval_sets": list(reports), "rows": rows,
+             "best_K": {name: rep.best_K for name, rep in reports.items()},
+             "k_schedule": {"eval_set": gate, "method": method, "schedule": schedule}, "champion": champion}
+    atomic_write_text(out / "table.json", json.dumps(table, indent=2, default=str))
+    atomic_write_text(out / "table.md", markdown)
+    plots = {f"{name}/{k}": str(v) for name, rep in reports.items() for k, v in rep.plots.items()}
+    return SetsTable(rows=rows, markdown=markdown, schedule=schedule, plots=plots)
+
+
 def build_report(rows: list[dict[str, Any]], eval_set: str, *, offline: Sequence[dict[str, Any]] = (),
                  out_dir: str | os.PathLike | None = None) -> EvalReport:
     """The :class:`EvalReport` of measured ``rows`` (tagged ``eval_set`` and given ``speedup`` in place)
@@ -158,3 +191,18 @@ def build_report(rows: list[dict[str, Any]], eval_set: str, *, offline: Sequence
         atomic_write_text(out / "table.md", report.markdown)
         report.plots = plot(rows, out, title=f"({eval_set})")
     return report
+
+
+def headline(rows: Sequence[dict[str, Any]], method: str, c: int) -> dict[str, Any]:
+    """AL per K of ``method`` (the trained head) and its tokens/s against no speculation at concurrency ``c``
+    (``rows`` of one eval set): the pipeline summary's eval section."""
+    base = next((x for x in rows if x["method"] == "none" and int(x.get("concurrency", 1)) == c), None)
+    per_K = {}
+    for x in rows:
+        if x["method"] == method and int(x.get("concurrency", 1)) == c:
+            speedup = (x["tokens_per_s"] / base["tokens_per_s"]
+                       if base and base.get("tokens_per_s") and x.get("tokens_per_s") else None)
+            per_K[int(x["K"])] = {"acceptance_length": x.get("acceptance_length"),
+                                  "tokens_per_s": x.get("tokens_per_s"), "speedup": speedup}
+    return {"method": method, "concurrency": c,
+            "none_tokens_per_s": base.get("tokens_per_s") if base else None, "per_K": per_K}

@@ -8,7 +8,7 @@ Its scheduler looks the K of each step up by the number of scheduled requests
 (so that must be the schedule's largest K), and carries the last range's K to every larger batch.
 
 :func:`build_k_schedule` turns the evaluate stage's rows (tokens/s per method x K x concurrency,
-``pipelines.evaluate``; the ``none`` rows are K=0) into such a schedule:
+``pipelines.evaluate.measure``; the ``none`` rows are K=0) into such a schedule:
 
 - **K per measured concurrency**: the K with the highest tokens/s at that concurrency; K=0 (no
   speculation) when the ``none`` row is fastest (but see **K=0** below). Ties go to the smaller K
@@ -100,7 +100,7 @@ def build_k_schedule(rows: Sequence[Mapping[str, Any]], method: str, *, parallel
     """The vLLM schedule ``[(batch_min, batch_max, K), ...]`` of ``method`` from measured eval rows.
 
     Args:
-        rows: ``pipelines.evaluate`` rows of one eval set (``method``, ``K``, ``concurrency``,
+        rows: ``pipelines.evaluate.measure`` rows of one eval set (``method``, ``K``, ``concurrency``,
             ``tokens_per_s``); the ``none`` rows are the K=0 candidates (without them K=0 is never chosen).
         method: ``peagle`` or ``eagle3``.
         parallel_drafting: restrict K to {0, :func:`best_fixed_K`} (see the module doc); None = ``method == "peagle"``.

@@ -2,7 +2,7 @@
 
 Stages are deprecated in MLflow 3; the registry uses aliases:
 
-- ``challenger``: the newest registered version (set by :func:`pipelines.register.register_head`);
+- ``challenger``: the newest registered version (set by :func:`pipelines.registry.register.register_head`);
 - ``champion``: the version served (``models:/NAME@champion``), moved only by :func:`maybe_promote`
   (gate: new acceptance length (AL) at the gate K beats the champion's on the same eval set by
   ``promote_margin``), :func:`promote` (forced) and :func:`rollback`.
@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pipelines import settings
-from pipelines.register import CHALLENGER, get_client, version_tag
+from pipelines.registry.register import CHALLENGER, get_client, version_tag
 
 log = logging.getLogger(__name__)
 

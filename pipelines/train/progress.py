@@ -65,3 +65,9 @@ def train_progress(total_steps: int) -> Iterator[list[TrainCallback]]:
             stop.set()
             thread.join()
             queue.shutdown()
+
+
+def format_metrics(m: dict) -> str:
+    """The headline metrics of a history row (loss, accuracy per depth, lr) as ``k=v, ...`` (``-`` when none)."""
+    keys = [k for k in m if k in ("loss", "acc_depth0", "acc_depth1", "acc_depth4", "lr") or k.startswith("acc_d")]
+    return ", ".join(f"{k}={m[k]:.4g}" for k in keys[:8] if isinstance(m.get(k), (int, float))) or "-"

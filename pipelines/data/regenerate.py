@@ -7,13 +7,13 @@ user turn (e.g. HumanEval prompts) gets a response to it. Greedy when ``temperat
 sampled (``top_p``; per-request seeds derived from ``seed``, the source id and the turn, so vLLM
 output does not depend on batching).
 
-Engines (``RegenerateConfig.backend``, ``vllm_runner``) live in :mod:`pipelines.engines`: with
+Engines (``RegenerateConfig.backend``, ``vllm_runner``) live in :mod:`pipelines.data.engines`: with
 ``ray_data_llm`` each assistant turn is one ``ray.data.llm`` pass; otherwise a ``map_batches`` actor
 pool (:class:`RegenerateActor`) or one in-process engine (``use_ray=False``) runs all turns of a batch.
 
 Context = ``data.max_length_tokens`` (vLLM ``max_model_len``): prompt + response must fit.
 
-Rows whose ``keep_answers`` column (``pipelines.prompts.KEEP_ANSWERS``) is true -- a traffic source's
+Rows whose ``keep_answers`` column (``pipelines.data.rows.KEEP_ANSWERS``) is true -- a traffic source's
 greedy served answers, already the target's own -- are not regenerated: :func:`run_regenerate` passes
 them through with ``regen_model = "served"`` (counted ``kept_served_answers``).
 
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.engines import ENGINES, Engine, RayDataLLMEngine, engine_setup, make_engine, request_seed
-from pipelines.prompts import KEEP_ANSWERS
+from pipelines.data.engines import ENGINES, Engine, RayDataLLMEngine, engine_setup, make_engine, request_seed
+from pipelines.data.rows import KEEP_ANSWERS
 
 if TYPE_CHECKING:
     from pipelines.recipe import DataConfig, RegenerateConfig, TargetConfig

@@ -1,11 +1,11 @@
-"""The recipe's prompt dataset: every ``data.sources`` entry loaded (:mod:`pipelines.prompts`) and mixed.
+"""The recipe's prompt dataset: every ``data.sources`` entry loaded (:mod:`pipelines.data.prompts`) and mixed.
 
 Mixing (:func:`load_prompt_dataset`): without ``weight`` on the sources they are concatenated and
 ``data.num_samples`` is drawn from the union; with weights each source supplies its share of
 ``data.num_samples`` (largest-remainder rounding), then the mix is shuffled (all with ``data.seed``).
 
 A ``self_instruct`` source has no file: its prompts come from the ``write_prompts`` callable
-(the regenerate stage passes ``pipelines.selfinstruct.SelfInstructWriter``); without one
+(the regenerate stage passes ``pipelines.data.selfinstruct.SelfInstructWriter``); without one
 :func:`load_prompt_dataset` raises ``ValueError``.
 """
 
@@ -16,13 +16,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelines.prompts import (
-    KEEP_ANSWERS,
+from pipelines.data.prompts import (
     SELF_INSTRUCT_NEEDS_ENGINE,
     finish_source,
     load_conversations,
     sample,
 )
+from pipelines.data.rows import KEEP_ANSWERS
 
 if TYPE_CHECKING:
     import datasets
@@ -42,7 +42,7 @@ def load_prompt_dataset(
     ``data.num_samples`` drawn deterministically (``data.seed``).
 
     ``write_prompts``: called once per self_instruct source with its SourceConfig, returns its prompt
-    rows ``{id, messages, source}`` (:class:`pipelines.selfinstruct.SelfInstructWriter`).
+    rows ``{id, messages, source}`` (:class:`pipelines.data.selfinstruct.SelfInstructWriter`).
 
     Raises:
         ValueError: a self_instruct source without ``write_prompts``; every error of
