@@ -16,12 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -356,22 +352,10 @@ def _local_target(path: Path, dtype: str) -> TargetAsset:
     return TargetAsset(path, h.hexdigest(), dtype, path.name)
 
 
-@contextmanager
-def _bars_only_on_a_terminal() -> Iterator[None]:
-    """tqdm bars of transformers and gguf (de-quantizing, loading, writing shards) only when stderr is a
-    terminal: in a log file each bar is a line per update (18 of them for one conversion)."""
-    if sys.stderr.isatty() or "TQDM_DISABLE" in os.environ:
-        yield
-        return
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop("TQDM_DISABLE", None)
-
-
 def _convert(spec: EmbeddedTarget, dtype: str, out: Path, home: Path | None) -> dict[str, Any]:
-    with _bars_only_on_a_terminal():
+    from pipelines.console import tqdm_only_on_a_terminal
+
+    with tqdm_only_on_a_terminal():
         return _convert_quietly(spec, dtype, out, home)
 
 

@@ -114,6 +114,21 @@ def _quiet_ray_data() -> None:
             handler.addFilter(lambda record: not record.name.startswith("ray.data._internal.progress"))
 
 
+@contextmanager
+def tqdm_only_on_a_terminal() -> Iterator[None]:
+    """tqdm bars of transformers and gguf (de-quantizing, loading, writing shards) only when stderr is a
+    terminal: in a log file each bar is a line per update (18 of them for one conversion)."""
+    if sys.stderr.isatty() or "TQDM_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TQDM_DISABLE", None)
+
+
+
 HEARTBEAT_S = 30.0  # off a terminal: one progress line this often while a step runs
 
 
