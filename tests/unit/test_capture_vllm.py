@@ -148,7 +148,8 @@ def test_state_copier_cuda_matches_cpu(version):
     # a copy on the GPU: Module.cuda() moves in place, which left the CPU copier's norm on the GPU (H100 run)
     gpu = StateCopier(plan, copy.deepcopy(norm).cuda(), torch.float16, block_size=BLOCK, token_dim=dim)
     cache_gpu = cache.cuda()
-    reqs = [FinishedRequest(f"r{i}", f"r{i}", 9 + i, list(range(3 * i, 3 * i + 3))) for i in range(8)]
+    # 5..12 tokens in 3 blocks of BLOCK=4 slots each (the first H100 run gave 13-16 tokens 12 slots)
+    reqs = [FinishedRequest(f"r{i}", f"r{i}", 5 + i, list(range(3 * i, 3 * i + 3))) for i in range(8)]
     for step in (reqs[:3], reqs[3:4], reqs[4:]):
         cpu.start(cache, step)
         gpu.start(cache_gpu, step)
