@@ -25,7 +25,7 @@ from pipelines.cli.head import head_app
 from pipelines.cli.registry import registry_app
 from pipelines.cli.run import run_cmd
 
-_display_type_rich = typer.core.TyperOption.display_type_rich
+_display_type_rich = getattr(typer.core.TyperOption, "display_type_rich", None)
 
 
 def _no_type_for_flags(self, ctx):
@@ -33,7 +33,8 @@ def _no_type_for_flags(self, ctx):
     return None if self.is_flag else _display_type_rich(self, ctx)
 
 
-typer.core.TyperOption.display_type_rich = _no_type_for_flags
+if _display_type_rich is not None:  # other typer releases (e.g. a GPU image's) lack the hook and the noise
+    typer.core.TyperOption.display_type_rich = _no_type_for_flags
 
 app = typer.Typer(
     name="peagle",
