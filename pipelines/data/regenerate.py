@@ -59,7 +59,8 @@ def regenerate_conversations(
     A conversation keeps its system turn and user turns; after user turn t comes the engine's answer
     given everything regenerated so far. It stops early when a prompt no longer fits the engine's
     context (counted ``stopped_context_full``) or a response is empty (``empty_generations``);
-    conversations left with no assistant turn are dropped (``dropped_no_response``).
+    conversations left with no assistant turn are dropped (``dropped_no_response``; of them
+    ``dropped_context_full`` and ``dropped_empty`` stopped at their first turn for that reason).
     ``stats`` receives ``num_generated_tokens``, ``num_turns``, ``finish_<reason>`` and ``generate_s``;
     ``progress(n)`` is called as ``n`` conversations finish.
 
@@ -87,13 +88,13 @@ def regenerate_conversations(
         stats["generate_s"] += time.perf_counter() - t0
         for c, prompt, g in zip(todo, prompts, gens):
             if g is None:
-                c["active"] = False
+                c["active"], c["stop"] = False, "context_full"
                 stats["stopped_context_full"] += 1
                 continue
             stats[f"finish_{g.finish_reason}"] += 1
             stats["num_generated_tokens"] += g.num_tokens
             if not g.text.strip():
-                c["active"] = False
+                c["active"], c["stop"] = False, "empty"
                 stats["empty_generations"] += 1
                 continue
             c["history"] = prompt + [{"role": "assistant", "content": g.text}]
@@ -105,6 +106,8 @@ def regenerate_conversations(
     for c in convs:
         if not any(m["role"] == "assistant" for m in c["history"]):
             stats["dropped_no_response"] += 1
+            if "stop" in c:  # its first prompt did not fit, or its first answer was empty
+                stats[f"dropped_{c['stop']}"] += 1
             continue
         r = c["row"]
         out.append({"id": str(r["id"]), "messages": c["history"], "source": r.get("source", ""),
@@ -114,19 +117,25 @@ def regenerate_conversations(
     return out
 
 
-# stats counters that end or shorten a conversation (regenerate_conversations): name -> what the user reads
-STOP_REASONS = {"dropped_no_response": "no assistant turn left (dropped)",
-                "stopped_context_full": "stopped: prompt no longer fits the context",
-                "empty_generations": "stopped: empty response"}
-
-
 def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
-    """``"; 222 of 304 kept: 82 no assistant turn left (dropped), ..."`` -- every counted reason, or "" when
-    nothing was dropped or cut short."""
-    reasons = [f"{int(stats[k])} {label}" for k, label in STOP_REASONS.items() if stats.get(k)]
-    if num_out == num_in and not reasons:
+    """``"; 222 of 304 kept: 82 dropped (82 first prompt longer than the context), 3 cut short (...)"`` -- every
+    dropped or shortened conversation counted once with its reason (``regenerate_conversations``'s counters), or ""
+    when none was."""
+    dropped = int(stats.get("dropped_no_response", 0))
+    first = {"context_full": int(stats.get("dropped_context_full", 0)), "empty": int(stats.get("dropped_empty", 0))}
+    why_dropped = {"first prompt longer than the context": first["context_full"],
+                   "empty first response": first["empty"],
+                   "no user turn": dropped - first["context_full"] - first["empty"]}
+    cut = {"a later prompt no longer fits the context": int(stats.get("stopped_context_full", 0)) - first["context_full"],
+           "an empty response": int(stats.get("empty_generations", 0)) - first["empty"]}
+    parts = []
+    if dropped:
+        parts.append(f"{dropped} dropped (" + ", ".join(f"{n} {why}" for why, n in why_dropped.items() if n) + ")")
+    if sum(cut.values()):
+        parts.append(f"{sum(cut.values())} cut short (" + ", ".join(f"{n} {why}" for why, n in cut.items() if n) + ")")
+    if num_out == num_in and not parts:
         return ""
-    return f"; {num_out} of {num_in} kept" + (": " + ", ".join(reasons) if reasons else "")
+    return f"; {num_out} of {num_in} kept" + (": " + ", ".join(parts) if parts else "")
 
 
 class RegenerateActor:

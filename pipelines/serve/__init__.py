@@ -213,9 +213,9 @@ def resolve_k_schedule(args: ServeAppArgs, head: HeadRef | str | None) -> list[t
     if schedule is None:
         log.info("%s carries no K schedule: serving the fixed K=%d", head, args.num_speculative_tokens)
     elif not any(K for _, _, K in schedule):
-        log.warning("%s: its K schedule %s is K=0 everywhere (no speculation measured fastest at every "
-                    "concurrency): serving without speculation (k_schedule: off serves the fixed K)", head,
-                    schedule)
+        # the measured answer, not a fault: said once by the serve stage's summary line ("no speculation")
+        log.info("%s: its K schedule %s is K=0 everywhere (no speculation measured fastest at every "
+                 "concurrency): serving without speculation (k_schedule: off serves the fixed K)", head, schedule)
     return schedule
 
 

@@ -73,6 +73,9 @@ def test_empty_and_context_full_stop_the_conversation():
                                               stats=stats)
     assert [r["id"] for r in out] == ["e"] and len(out[0]["messages"]) == 2  # stopped before the empty answer
     assert stats["empty_generations"] == 1 and stats["stopped_context_full"] == 1 and stats["dropped_no_response"] == 1
+    assert stats["dropped_context_full"] == 1 and stats["dropped_empty"] == 0  # "n" at its first turn; "e" kept
+    assert regenerate.drop_summary(2, 1, stats) == (
+        "; 1 of 2 kept: 1 dropped (1 first prompt longer than the context), 1 cut short (1 an empty response)")
 
 
 def test_transformers_engine_greedy_matches_generate():
@@ -127,7 +130,13 @@ def test_bad_config_raises_before_engine():
 
 
 def test_drop_summary_names_every_reason():
-    stats = Counter(dropped_no_response=82, stopped_context_full=3, empty_generations=0, num_turns=400)
+    # the 2026-11-25 demo: 82 conversations whose first prompt did not fit, read once (not "82 dropped, 82 stopped")
+    stats = Counter(dropped_no_response=82, dropped_context_full=82, stopped_context_full=82, num_turns=222)
     assert regenerate.drop_summary(304, 222, stats) == (
-        "; 222 of 304 kept: 82 no assistant turn left (dropped), 3 stopped: prompt no longer fits the context")
+        "; 222 of 304 kept: 82 dropped (82 first prompt longer than the context)")
+    stats = Counter(dropped_no_response=5, dropped_context_full=2, dropped_empty=1, stopped_context_full=6,
+                    empty_generations=3)
+    assert regenerate.drop_summary(100, 95, stats) == (
+        "; 95 of 100 kept: 5 dropped (2 first prompt longer than the context, 1 empty first response, 2 no user "
+        "turn), 6 cut short (4 a later prompt no longer fits the context, 2 an empty response)")
     assert regenerate.drop_summary(10, 10, Counter(num_turns=12)) == ""

@@ -45,3 +45,19 @@ def test_piped_output_is_wide():
     env = {k: v for k, v in __import__("os").environ.items() if k != "COLUMNS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert int(out) == console.PIPED_WIDTH
+
+
+def test_tqdm_bars_off_a_terminal_even_when_tqdm_was_imported_first(capsys):
+    """The target conversion inside a Ray job: tqdm (and transformers' GGUF loader's ``tqdm.auto``) imported
+    long before; stderr a log file. No bar inside the block, bars as before after it."""
+    from tqdm.auto import tqdm
+
+    from pipelines.console import tqdm_only_on_a_terminal
+
+    with tqdm_only_on_a_terminal():
+        for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert "de-quantizing" not in capsys.readouterr().err
+    for _ in tqdm(range(3), desc="after the block"):
+        pass
+    assert "after the block" in capsys.readouterr().err
