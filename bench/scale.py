@@ -258,7 +258,13 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-steps", type=int, default=20)
     p.add_argument("--chunk", type=int, default=256, help="conversations per online capture call")
     p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--out", default=None, help="return the finished head here, in parts < 16 MiB")
+    p.add_argument("--out", default=None, help="return the finished head here, in parts < 16 MiB; a call stopped at "
+                   "a checkpoint returns that checkpoint (--return-form) as ckpt-<name>.tar.partNN instead")
+    p.add_argument("--return-form", default=None, help="form of the returned checkpoint (pipelines.train.compact."
+                   "FORMS); default bench.scale_train.DEFAULT_FORM, chosen by bench/resume_state.py")
+    p.add_argument("--from-parts", action="append", default=[], metavar="DIR",
+                   help="dirs holding ckpt-<name>.tar.part* (and scale_train_<name>.json) returned by an earlier "
+                   "call: a new machine resumes from them (ignored when --keep has that step or a later one)")
     p.add_argument("--recipe", default=None, help=f"default {RECIPE.relative_to(RECIPE.parents[1])}")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="a recipe override on top of bench.scale_train.TRAIN_OVERRIDES (a variant's change)")

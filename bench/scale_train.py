@@ -22,6 +22,7 @@ import torch
 
 from bench.common import RESULTS, environment, keep_dir
 from bench.scale import LAYERS, PART_BYTES, RECIPE, head_name, regenerated, scale_tag
+from pipelines.train.compact import FORMS
 
 # The table's recipe: configs/smollm2-135m-scale.yaml with these overrides (plus the method's and LAYERS').
 # 8192-token draft vocabulary and frozen target embeddings: heads small enough to come back through the
@@ -30,6 +31,11 @@ TRAIN_OVERRIDES = ("drafter.draft_vocab_size=8192", "drafter.train_embed_tokens=
                    "training.lr=6e-4", "training.warmup_steps=50", "training.checkpoint_every_steps=100",
                    "training.num_epochs=1000", "data.max_length_tokens=1024")
 RESULT = "scale_train"
+# What a call that stops at a checkpoint returns so that a new machine resumes: the latest checkpoint in this
+# form of pipelines.train.compact.FORMS, as ckpt-<name>.tar.partNN (chosen by bench/resume_state.py).
+DEFAULT_FORM = "bf16-weights-bf16-m-factored-v"
+RETURN_PARTS = 7                         # a call returns <= 8 files: the parts and scale_train_<name>.json
+CARRY_BYTES = 64 * 2**20 - 10 * 2**20    # a call carries <= 64 MiB, the ~9 MiB working tree included
 
 
 class BoxExpired(Exception):
@@ -70,6 +76,10 @@ def train(args) -> None:
     tag = scale_tag(args.method, args.size, args.variant)
     name = head_name(tag, args.run)
     state_path, ckpt = keep / f"scale_train_{name}.json", keep / f"ckpt-{name}"
+    form = args.return_form or DEFAULT_FORM
+    if form not in FORMS:
+        raise SystemExit(f"--return-form {form!r}: choose one of {sorted(FORMS)}")
+    restore_checkpoint([Path(d).expanduser() for d in args.from_parts], keep, name)  # a new machine's resume
     state = json.loads(state_path.read_text()) if state_path.exists() else {"calls": []}
     if state.get("done"):
         print(f"{name} already trained: {state['head_dir']}")
@@ -90,6 +100,13 @@ def train(args) -> None:
         state_path.write_text(json.dumps(state, indent=2))
     call, res = _train_call(run, state["horizon"], ckpt, args)
     state["calls"].append(call)
+    if res is None and args.out:  # stopped at a checkpoint: what a new machine resumes from
+        parts = return_checkpoint(ckpt, Path(args.out), name, form)
+        call["returned"] = {"form": form, "parts": len(parts),
+                            "bytes": sum(p.stat().st_size for p in parts)}
+        if len(parts) > RETURN_PARTS:
+            print(f"warning: {len(parts)} parts > {RETURN_PARTS}: a call returns <= 8 files; use a smaller "
+                  f"--return-form (bench/results/resume_state.json)")
     if res is not None:
         head = run.export(keep / f"head-{name}", step=res.step, extra={"conversations": args.size, "run": args.run})
         state.update(done=True, steps=res.step, epochs=res.step / max(1, state["steps_per_epoch"]), head_dir=str(head))
@@ -132,8 +149,9 @@ def _train_call(run, horizon: int, ckpt: Path, args) -> tuple[dict, object | Non
     return call, res
 
 
-def return_tar(src: Path, dst: Path) -> None:
-    """``src`` as an uncompressed tar cut in ``<dst>.partNN`` files < 16 MiB (few files: a call returns <= 8).
+def return_tar(src: Path, dst: Path) -> list[Path]:
+    """``src`` (a directory) as an uncompressed tar cut in ``<dst>.partNN`` files of at most ``PART_BYTES``
+    (few files: a call returns <= 8); returns the parts.
 
     Here: ``cat DIR/head-X.tar.part* | tar x -C outputs/scale-heads``."""
     import io
@@ -144,9 +162,111 @@ def return_tar(src: Path, dst: Path) -> None:
         tf.add(src, arcname=src.name)
     data = buf.getvalue()
     dst.parent.mkdir(parents=True, exist_ok=True)
-    for i in range(0, len(data), PART_BYTES):
-        Path(f"{dst}.part{i // PART_BYTES:02d}").write_bytes(data[i:i + PART_BYTES])
-    print(f"{src} -> {dst}.part* ({len(data) / 2**20:.1f} MiB)")
+    for old in dst.parent.glob(f"{dst.name}.part*"):
+        old.unlink()
+    parts = [Path(f"{dst}.part{i // PART_BYTES:02d}") for i in range(0, len(data), PART_BYTES)]
+    for i, part in enumerate(parts):
+        part.write_bytes(data[i * PART_BYTES:(i + 1) * PART_BYTES])
+    print(f"{src} -> {dst}.part* ({len(data) / 2**20:.1f} MiB in {len(parts)} parts)")
+    return parts
+
+
+def untar_parts(parts: list[Path], dst: Path) -> list[Path]:
+    """Join ``parts`` (in name order) into one tar and extract it under ``dst``; returns the top-level paths
+    it held.
+
+    Raises:
+        ValueError: no parts, or a missing part (numbers not 00..N-1).
+        tarfile.TarError: a truncated tar, or a member that would land outside ``dst`` (``FilterError``).
+    """
+    import io
+    import tarfile
+
+    parts = sorted(parts, key=lambda p: p.name)
+    want = [f".part{i:02d}" for i in range(len(parts))]
+    if not parts or [p.name[p.name.rindex(".part"):] for p in parts] != want:
+        raise ValueError(f"parts {[p.name for p in parts]}: expected .part00 .. .part{len(parts) - 1:02d}")
+    dst.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r") as tf:
+        names = tf.getnames()
+        tf.extractall(dst, filter="data")  # "data": refuses absolute paths, .. and links out of dst
+    return sorted({dst / n.split("/")[0] for n in names})
+
+
+def return_checkpoint(ckpt_root: Path, out: Path, name: str, form: str = DEFAULT_FORM) -> list[Path]:
+    """The latest checkpoint under ``ckpt_root`` in ``form`` (``pipelines.train.compact``), with the run's
+    per-epoch sample-id records, as ``<out>/ckpt-<name>.tar.partNN``; returns the parts.
+
+    Raises:
+        ValueError: no checkpoint under ``ckpt_root``, or ``form`` unknown / not applicable
+            (``compact_checkpoint``).
+    """
+    import shutil
+    import tempfile
+
+    from pipelines.train import SAMPLE_LOG_DIR, latest_checkpoint
+    from pipelines.train.compact import compact_checkpoint
+
+    latest = latest_checkpoint(ckpt_root)
+    if latest is None:
+        raise ValueError(f"no checkpoint under {ckpt_root} to return")
+    with tempfile.TemporaryDirectory(dir=ckpt_root.parent) as tmp:
+        stage = Path(tmp) / f"ckpt-{name}"
+        compact_checkpoint(latest, stage / latest.name, form)
+        if (ckpt_root / SAMPLE_LOG_DIR).is_dir():
+            shutil.copytree(ckpt_root / SAMPLE_LOG_DIR, stage / SAMPLE_LOG_DIR)
+        return return_tar(stage, out / f"ckpt-{name}.tar")
+
+
+def restore_checkpoint(dirs: list[Path], keep: Path, name: str) -> int | None:
+    """A new machine's resume: ``ckpt-<name>.tar.part*`` found in ``dirs`` (returned by
+    :func:`return_checkpoint`) unpacked into ``<keep>/ckpt-<name>/``, and ``scale_train_<name>.json`` (in a
+    dir or its ``r/``) copied to ``keep`` with it, unless ``keep`` already holds a checkpoint of that step or
+    a later one (the machine did not go back). Parts under ``keep`` are removed afterwards.
+
+    Returns:
+        The step of the restored checkpoint, None when nothing was restored.
+
+    Raises:
+        ValueError: parts missing or of two checkpoints mixed (``untar_parts``), or no checkpoint in them.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from pipelines.train import STATE_FILE, latest_checkpoint
+    from pipelines.train.compact import expand_checkpoint
+
+    parts = [p for d in dirs for p in Path(d).glob(f"ckpt-{name}.tar.part*")]
+    if not parts:
+        return None
+    keep.mkdir(parents=True, exist_ok=True)
+    root = keep / f"ckpt-{name}"
+    have = latest_checkpoint(root) if root.is_dir() else None
+    with tempfile.TemporaryDirectory(dir=keep) as tmp:
+        top = untar_parts(parts, Path(tmp))
+        got = latest_checkpoint(top[0]) if len(top) == 1 else None
+        if got is None:
+            raise ValueError(f"{[p.name for p in parts]} hold no checkpoint of ckpt-{name}")
+        expand_checkpoint(got)  # a form whose moments were factored or dropped: full-shape again
+        step = int(json.loads((got / STATE_FILE).read_text())["step"])
+        old = int(json.loads((have / STATE_FILE).read_text())["step"]) if have else -1
+        if old >= step:
+            print(f"{root} has step {old} >= the carried step {step}: carried checkpoint not used")
+            step = None
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.move(str(top[0]), root)
+            states = [s for d in dirs for s in (Path(d) / f"scale_train_{name}.json",
+                                                Path(d) / "r" / f"scale_train_{name}.json")
+                      if s.is_file() and s.resolve() != (keep / s.name).resolve()]  # one kept here is in place
+            if states:
+                shutil.copy2(states[0], keep / states[0].name)
+            print(f"restored {root} at step {step}" + (f" and {states[0]}" if states else ""))
+    for p in parts:
+        if p.parent.resolve() == keep.resolve():
+            p.unlink()
+    return step
 
 
 def record(args) -> None:

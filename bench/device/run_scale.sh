@@ -8,12 +8,20 @@
 #                              come back, and once every chunk is done the set as regenerated.jsonl.xz.part*
 #   restore                    after `. install_target.sh bfloat16` in the same call (carry .carry/w2): the set into
 #                              ~/keep/regen from .carry/scale-data when carried, else the committed bench/data/scale
-#   train METHOD SIZE TRAIN_S [BOX_S [bench.scale train flags...]]   no carry, after restore: one head for TRAIN_S GPU
+#   train METHOD SIZE TRAIN_S [BOX_S [bench.scale train flags...]]   after restore: one head for TRAIN_S GPU
 #                              seconds in total, this call stopping at a checkpoint after BOX_S post-warm-up seconds;
 #                              repeat until it returns head-<tag>.tar.part* and scale_train_<tag>.json (then here:
 #                              python -m bench.scale record DIR/scale_train_<tag>.json --data-build N)
 #                              e.g. train peagle 29905 600 380 --variant 600s; train peagle 29905 150 --variant lr12e-4
 #                              --set training.lr=1.2e-3; a repeat of a recipe: ... --run 2
+#                              No carry on the same warm machine. A call that stops at a checkpoint also returns it,
+#                              compact (bench.scale_train.DEFAULT_FORM; bench/results/resume_state.json), as
+#                              ckpt-<name>.tar.partNN beside r/scale_train_<name>.json: keep them all in .carry/scale-ckpt.
+#                              A new machine (the last one went back) resumes from them, sample-exactly:
+#                                keep_carry.sh .carry/w1; `. install_target.sh bfloat16; run_scale.sh restore` (carry
+#                                .carry/w2); then the same train call with carry .carry/scale-ckpt. More than 3 parts
+#                                (P-EAGLE: 6) are more than one carry: parts 00-02 go first in .carry/scale-ckpt-a with
+#                                `keep_carry.sh .carry/scale-ckpt-a`, the rest and the json in .carry/scale-ckpt.
 # Usage: bash bench/device/run_scale.sh STEP [ARGS...]
 set -u
 STEP=${1:-}; shift
@@ -43,8 +51,9 @@ PY
     python3 -m bench.scale unpack-data "$( [ -d .carry/scale-data ] && echo .carry/scale-data || echo bench/data/scale )" ;;
   train)
     . bench/device/env.sh
-    timeout 580 python3 -m bench.scale train --method "$1" --size "$2" --train-s "$3" --box-s "${4:-420}" --out "$OUT" "${@:5}" \
-      > "$OUT/train.log" 2>&1
+    FROM=(--from-parts ~/keep); [ -d .carry/scale-ckpt ] && FROM+=(--from-parts .carry/scale-ckpt)  # a new machine
+    timeout 580 python3 -m bench.scale train --method "$1" --size "$2" --train-s "$3" --box-s "${4:-420}" --out "$OUT" \
+      "${FROM[@]}" "${@:5}" > "$OUT/train.log" 2>&1
     echo "rc=$?"; grep -v Loading "$OUT/train.log" | grep -v '^{"step"' | tail -4 | cut -c1-1200
     grep '^{"step"' "$OUT/train.log" | python3 -c "
 import json, sys

@@ -7,6 +7,8 @@ One job per file:
 * ``loop.py``: :class:`Trainer`, one worker's Ray-free loop, and the :class:`TrainCallback` extension point;
 * ``checkpoint.py``: the checkpoint files, :class:`Checkpointer` (one process, DDP) and
   :class:`ShardedCheckpointer` (FSDP2);
+* ``compact.py``: compact copies of a checkpoint (bf16 weights, frozen ones dropped, AdamW moments in bf16 or
+  factored) that another machine expands and resumes from;
 * ``optim.py``: AdamW and the warm-up + cosine schedule; ``data.py``: packing, data position, epoch length;
 * ``order.py``: the seeded per-epoch sample order of a materialized capture (a pure function of seed,
   epoch, rank and world size; sample-exact resume) and the record of the sample ids trained per epoch;

@@ -5,7 +5,8 @@ One directory per checkpoint (under Ray the per-worker directories are merged by
     model.safetensors    rank 0: the drafter's full state dict (incl. d2t/t2d buffers)
     optimizer.pt         rank 0: AdamW state dict (FSDP2: the full one, keyed by parameter name)
     scheduler.pt         rank 0: LR scheduler state dict
-    trainer_state.json   rank 0: step, counters, world size, strategy, training config, extra state
+    trainer_state.json   rank 0: step, counters, world size, strategy, frozen parameters, training config,
+                         extra state
     rank_XXXX.pt         every rank: its data position and RNG states
 
 :class:`Checkpointer` handles a model that is whole on every rank (one process, DDP): rank 0 writes
@@ -38,11 +39,12 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
 RANK_FILE = "rank_{rank:04d}.pt"
+FROZEN_KEY = "frozen_parameters"  # trainer_state.json: names of the parameters the optimizer does not update
 _REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE)
 
 __all__ = [
-    "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SCHEDULER_FILE", "STATE_FILE", "Checkpointer", "Restored",
-    "ShardedCheckpointer", "checkpoint_name", "latest_checkpoint", "make_checkpointer", "optimizer_digest",
+    "FROZEN_KEY", "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SCHEDULER_FILE", "STATE_FILE", "Checkpointer",
+    "Restored", "ShardedCheckpointer", "checkpoint_name", "latest_checkpoint", "make_checkpointer", "optimizer_digest",
     "rng_state", "save_checkpoint_dir", "set_rng_state",
 ]
 
@@ -155,8 +157,24 @@ class Checkpointer:
         return model_state, self.optimizer.state_dict()
 
     def _load_states(self, d: Path) -> None:
-        self.drafter.load_state_dict(load_file(str(d / MODEL_FILE), device="cpu"), strict=True)
+        self._load_model(d, load_file(str(d / MODEL_FILE), device="cpu"))
         self.optimizer.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location=self.device, weights_only=True))
+
+    def _load_model(self, d: Path, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state`` into the drafter (cast to the parameters' dtype). Frozen parameters may be missing (a
+        compact copy, ``pipelines.train.compact``): they keep the values the drafter was built with.
+
+        Raises:
+            ValueError: a trainable parameter or buffer is missing, or a key is unknown (names them).
+        """
+        missing, unexpected = self.drafter.load_state_dict(state, strict=False)
+        frozen = {n for n, p in self.drafter.named_parameters() if not p.requires_grad}
+        absent = [k for k in missing if k not in frozen]
+        if absent or unexpected:
+            raise ValueError(f"checkpoint {d}: {MODEL_FILE} lacks {absent} / has unknown {unexpected}: it was "
+                             "written for another drafter (compare drafter.* and train_embed_tokens of the recipe)")
+        if missing:
+            log.info("checkpoint %s: frozen %s kept as built (not in the checkpoint)", d, missing)
 
     # -- the format -----------------------------------------------------------------------------
 
@@ -172,7 +190,8 @@ class Checkpointer:
             save_file(model_state, str(d / MODEL_FILE), metadata={"format": "pt"})
             torch.save(opt_state, d / OPTIMIZER_FILE)
             torch.save(self.scheduler.state_dict(), d / SCHEDULER_FILE)
-            meta = {**meta, "world_size": self.world_size, "sharded": self.sharded}
+            frozen = sorted(n for n, p in self.drafter.named_parameters() if not p.requires_grad)
+            meta = {**meta, "world_size": self.world_size, "sharded": self.sharded, FROZEN_KEY: frozen}
             (d / STATE_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
         torch.save(rank_state, d / RANK_FILE.format(rank=self.rank))
         return d
@@ -181,9 +200,13 @@ class Checkpointer:
         """Restore model, optimizer and scheduler from ``directory``; return its metadata and this
         rank's state.
 
+        A compact copy (``pipelines.train.compact``, after its ``expand_checkpoint``) loads too: frozen
+        parameters it lacks keep the values the drafter was built with, bf16 weights and moments are cast to
+        the parameters' dtype, an optimizer state without per-parameter entries restarts AdamW's moments.
+
         Raises:
-            ValueError: the directory is not a training checkpoint (names the missing file), or it
-                was written under the other parallel strategy.
+            ValueError: the directory is not a training checkpoint (names the missing file), it was
+                written under the other parallel strategy, or its model file does not fit the drafter.
         """
         d = Path(directory)
         for name in _REQUIRED_FILES:
