@@ -241,3 +241,37 @@ def sections(lines: list[str]) -> None:
     heads_table(lines)
     report_scale_eval.scaling_eval(lines)
     teacher_forced(lines)
+    resume_state(lines)
+
+
+def resume_state(lines: list[str]) -> None:
+    """Issue 26 item 2: what a training call returns so that a new machine resumes (``bench.resume_state``)."""
+    r = section(lines, "resume_state", "## Training that outlives a machine: the returned checkpoint (issue 26 item 2)")
+    if r is None:
+        return
+    lim, setup = r["limits"], r["setup"]
+    lines += [(f"`python -m bench.resume_state` — {r['environment']['device']}, {r['environment']['date'][:10]}. "
+               "Sizes: each form of the scaling heads' checkpoint (SmolLM2 dims, `bench.scale_train.TRAIN_OVERRIDES`), "
+               f"in {lim['part_bytes'] / 2**20:.0f} MiB parts; a call returns <= {lim['return_parts']} parts beside its "
+               f"state json, a carry holds ~{lim['carry_bytes'] / 2**20:.0f} MiB beside the working tree. Losses: a "
+               f"tiny random target ({setup['tiny_target']['num_hidden_layers']} layers, H="
+               f"{setup['tiny_target']['hidden_size']}) on CPU through the product's capture, plan and trainer, "
+               f"{setup['steps']} steps, stopped at step {r['resume']['peagle']['resume_step']} and resumed from parts "
+               f"unpacked elsewhere; the next {setup['window']} steps against the uninterrupted run (same batches). "
+               "A form matches when its largest difference stays under the threshold (the loss curve's per-step noise "
+               "/ 10). Not measured on the GPU heads in bf16."), ""]
+    rows = []
+    for form, what in r["forms"].items():
+        cells = [form, what]
+        for m in ("peagle", "eagle3"):
+            s = r["sizes"][m]["forms"][form]
+            cells.append(f"{s['tar_bytes'] / 2**20:.1f} / {s['parts']}")
+        for m in ("peagle", "eagle3"):
+            x = r["resume"][m]["forms"][form]
+            cells.append(f"{x['max_abs_diff']:.4f} / {x['mean_diff']:+.4f} ({'yes' if x['matches'] else 'no'})")
+        rows.append(cells)
+    thr = {m: r["resume"][m]["threshold"] for m in ("peagle", "eagle3")}
+    lines += table(["form", "what it keeps", "P-EAGLE MiB / parts", "EAGLE-3 MiB / parts",
+                    f"P-EAGLE max / mean diff (matches, < {thr['peagle']:.4f})",
+                    f"EAGLE-3 max / mean diff (matches, < {thr['eagle3']:.4f})"], rows)
+    lines += ["", f"Returned by default: `{r['default_form_in_code']}` (measured choice: `{r['chosen_form']}`).", ""]
