@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from bench.report_fmt import env, f, load, met, section, table
+from bench.report_fmt import env, f, load, met, section, stage_table, table
 from bench.report_scale import regen_tokens_per_s
 
 STEADY_FACTOR = 2.0  # a step is steady once it takes < this x the median of the last five (the table's definition)
@@ -101,12 +101,7 @@ def pipeline_device(lines: list[str]) -> None:
             "capture": lambda o: (f"{o['num_samples']} samples, {o['num_tokens']:,} tokens, "
                                   f"{o['bytes_on_disk'] / 2**30:.1f} GiB, {o['tokens_per_s']:.0f} tok/s"),
             "train": lambda o: f"{o['step']} steps, head exported, MLflow run {o['mlflow_run_id'] or 'none'}"}
-    rows = []
-    for name, st in s["stages"].items():
-        out = (recs.get(name) or {}).get("outputs") or {}
-        rows.append([name, st["status"], f(st["seconds"], 1),
-                     st.get("reason") or (what[name](out) if name in what and out else "-")])
-    lines += table(["stage", "status", "seconds", "outputs / reason"], rows)
+    lines += stage_table(r, what)
     reg = recs["regenerate"]["outputs"]["tokens_per_s"]
     scale = load("scale_regenerate")
     size = scale["calls"][0]["size"] if scale else None

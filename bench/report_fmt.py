@@ -109,3 +109,17 @@ def to_ms(cell: str) -> float:
 
 def met(ok: bool) -> str:
     return "met" if ok else "not met"
+
+
+def stage_table(run: dict, what: dict) -> list[str]:
+    """Markdown stage table of a device run of the main job (``bench/device/run_pipeline_ray.sh``: ``summary`` and
+    ``stage_records``). Status and seconds come from each stage's own record where the run directory holds one (a
+    resumed run's summary says "skipped" for a stage an earlier call ran), else from the summary; the last column is
+    ``what[stage](outputs)`` or the summary's reason."""
+    rows = []
+    for name, st in run["summary"]["stages"].items():
+        rec = run["stage_records"].get(name) or {}
+        out = rec.get("outputs") or {}
+        rows.append([name, rec.get("status", st["status"]), f(rec.get("seconds", st["seconds"]), 1),
+                     st.get("reason") or (what[name](out) if name in what and out else "-")])
+    return table(["stage", "status", "seconds", "outputs / reason"], rows)

