@@ -114,22 +114,22 @@ def test_pipelines_has_no_import_cycle():
     assert cycle is None, "import cycle in pipelines: " + " -> ".join(cycle)
 
 
+def imports_of(package: str, top_levels: tuple[str, ...]) -> list[str]:
+    """``path:line imports name`` for every import (function-level ones included) in ``package`` of a module
+    under one of ``top_levels``."""
+    return sorted({f"{path.relative_to(ROOT)}:{line} imports {name}"
+                   for mod, path in module_files(ROOT / package).items()
+                   for name, line in imported_names(mod, path) if name.split(".")[0] in top_levels})
+
+
 def test_pipelines_imports_nothing_above_it():
-    bad = []
-    for mod, path in module_files(ROOT / "pipelines").items():
-        for name, line in imported_names(mod, path):
-            if name.split(".")[0] in ABOVE_PIPELINES:
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
-    assert not bad, "pipelines must import no ray_jobs / bench / tests:\n" + "\n".join(sorted(set(bad)))
+    bad = imports_of("pipelines", ABOVE_PIPELINES)
+    assert not bad, "pipelines must import no ray_jobs / bench / tests:\n" + "\n".join(bad)
 
 
 def test_peagle_core_imports_nothing_above_it():
-    bad = []
-    for mod, path in module_files(ROOT / "peagle_core").items():
-        for name, line in imported_names(mod, path):
-            if name.split(".")[0] in FORBIDDEN:
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
-    assert not bad, "peagle_core must import no pipelines / ray_jobs / ray / mlflow:\n" + "\n".join(sorted(set(bad)))
+    bad = imports_of("peagle_core", FORBIDDEN)
+    assert not bad, "peagle_core must import no pipelines / ray_jobs / ray / mlflow:\n" + "\n".join(bad)
 
 
 def test_checker_finds_cycles_through_function_and_relative_imports(tmp_path):
