@@ -33,7 +33,7 @@ if [ "$BACKEND" = vllm ]; then
 else
   SETS+=(regenerate.backend=transformers regenerate.static_cache=true)
 fi
-SETS+=("${@:3}")  # further overrides, e.g. regenerate.vllm_runner=actor
+SETS+=("${@:3}")  # further overrides, e.g. evaluation.num_prompts=32
 ARGS=(); for s in "${SETS[@]}"; do ARGS+=(--set "$s"); done
 set -o pipefail
 timeout $((560 - (SECONDS - T0))) python3 -m ray_jobs.pipeline --config $CONFIG --run-dir $RUN "${ARGS[@]}" 2>&1 |
