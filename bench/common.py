@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import lzma
+import os
 import platform
 import statistics
 import time
@@ -90,10 +91,17 @@ def read_jsonl_xz(path: str | Path) -> list[dict]:
 
 
 def write_jsonl_xz(path: str | Path, rows: Iterable[dict]) -> int:
-    """Write ``rows`` as xz-compressed JSON Lines; returns how many."""
+    """Write ``rows`` as xz-compressed JSON Lines, through a temporary sibling renamed into place
+    (``peagle_core.atomic.replace_file``): a process killed while writing leaves no truncated file under
+    ``path`` (resumable steps treat an existing file as done). Returns how many rows."""
+    from peagle_core.atomic import replace_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     n = 0
-    with lzma.open(path, "wt", preset=9) as f:
+    with lzma.open(tmp, "wt", preset=9) as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
             n += 1
+    replace_file(tmp, path)
     return n

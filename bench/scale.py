@@ -73,12 +73,29 @@ def _dtype() -> str:
 
 
 def _engine(args, *, batch_size: int):
+    """The target's engine for ``--engine``: the product's static-cache transformers engine, or its vLLM engine
+    (``pipelines.data.engines.make_engine``) with ``--max-num-seqs`` and ``--gpu-memory-utilization``."""
     from pipelines.assets import ensure_target
-    from pipelines.data.engines import TransformersEngine
+    from pipelines.data.engines import make_engine
 
-    return TransformersEngine(ensure_target("smollm2-135m-instruct", dtype=_dtype()).path, dtype=_dtype(),
-                              max_model_len=args.max_model_len, name="smollm2-135m-instruct", batch_size=batch_size,
-                              static_cache=torch.cuda.is_available(), max_batch_tokens=args.max_batch_tokens)
+    path = ensure_target("smollm2-135m-instruct", dtype=_dtype()).path
+    if args.engine == "vllm":
+        extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+        return make_engine("vllm", path, dtype=_dtype(), max_model_len=args.max_model_len,
+                           name="smollm2-135m-instruct", gpu_memory_utilization=args.gpu_memory_utilization, **extra)
+    return make_engine("transformers", path, dtype=_dtype(), max_model_len=args.max_model_len,
+                       name="smollm2-135m-instruct", batch_size=batch_size, static_cache=torch.cuda.is_available(),
+                       max_batch_tokens=args.max_batch_tokens)
+
+
+def _engine_record(args) -> dict:
+    """What a result row says about the engine that made it."""
+    rec = {"engine": args.engine, "max_model_len": args.max_model_len}
+    if args.engine == "vllm":
+        import vllm
+
+        rec |= {"vllm": vllm.__version__, "max_num_seqs": args.max_num_seqs}
+    return rec
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -104,7 +121,8 @@ def prompts(args) -> None:
     write_jsonl_xz(out, rows)
     res = {"requested": args.num, "kept": len(rows), "wall_s": wall, "generate_s": stats["generate_s"],
            "tokens_per_s": stats["num_generated_tokens"] / max(stats["generate_s"], 1e-9),
-           "counts": {k: v for k, v in stats.items() if isinstance(v, int)}, "summary": summary(stats)}
+           "counts": {k: v for k, v in stats.items() if isinstance(v, int)}, "summary": summary(stats),
+           **_engine_record(args)}
     (keep / "scale_prompts.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res))
 
@@ -154,20 +172,26 @@ def regenerate(args) -> None:
     order = _mixed_order(args)[: args.size]
     cdir = _chunks_dir(keep)
     done_chunks = {int(p.name.split("-")[1].split(".")[0]) for p in cdir.glob("chunk-*.jsonl.xz")}
-    cfg = RegenerateConfig(backend="transformers", temperature=0.0, max_tokens_per_turn=args.max_new_tokens,
+    cfg = RegenerateConfig(backend=args.engine, temperature=0.0, max_tokens_per_turn=args.max_new_tokens,
                            batch_size=args.batch_size, max_turns=args.max_turns)
     engine = _engine(args, batch_size=args.batch_size)
     stats: Counter = Counter()
     t0, n_new = time.perf_counter(), 0
-    for c, s in enumerate(range(0, len(order), CHUNK_CONVERSATIONS)):
-        if c in done_chunks:
-            continue
+    todo = [c for c in range(-(-len(order) // CHUNK_CONVERSATIONS)) if c not in done_chunks]
+    for g in range(0, len(todo), args.chunks_per_call):
         if time.perf_counter() - t0 > args.budget_s:
             break
-        rows = regenerate_conversations(order[s:s + CHUNK_CONVERSATIONS], engine, cfg, stats=stats)
-        write_jsonl_xz(cdir / f"chunk-{c:04d}.jsonl.xz", rows)  # written whole, then visible: resume unit
-        n_new += len(rows)
-        print(f"chunk {c}: {len(rows)} conversations, {stats['num_generated_tokens']} tokens in "
+        group = todo[g:g + args.chunks_per_call]  # one engine call over several chunks: fewer stragglers' tails
+        rows = regenerate_conversations([r for c in group for r in order[c * CHUNK_CONVERSATIONS:
+                                                                         (c + 1) * CHUNK_CONVERSATIONS]],
+                                        engine, cfg, stats=stats)
+        by_id = {r["id"]: r for r in rows}
+        for c in group:
+            chunk = [by_id[str(r["id"])] for r in order[c * CHUNK_CONVERSATIONS:(c + 1) * CHUNK_CONVERSATIONS]
+                     if str(r["id"]) in by_id]
+            write_jsonl_xz(cdir / f"chunk-{c:04d}.jsonl.xz", chunk)  # written whole, then visible: resume unit
+            n_new += len(chunk)
+        print(f"chunks {group[0]}-{group[-1]}: {len(rows)} conversations, {stats['num_generated_tokens']} tokens in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     wall = time.perf_counter() - t0
     total_chunks = -(-len(order) // CHUNK_CONVERSATIONS)
@@ -176,6 +200,7 @@ def regenerate(args) -> None:
            "generated_tokens": stats["num_generated_tokens"], "wall_s": wall,
            "tokens_per_s": stats["num_generated_tokens"] / max(wall, 1e-9), "max_turns": args.max_turns,
            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "mix": MIX,
+           "chunks_per_call": args.chunks_per_call, **_engine_record(args),
            "counts": {k: v for k, v in stats.items() if isinstance(v, int)}}
     env = environment()
     res |= {"date": env["date"][:10], "device": env["device"]}
@@ -219,20 +244,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keep", default=os.environ.get("PEAGLE_KEEP", "~/keep"))
     ap.add_argument("--data", default=os.environ.get("PEAGLE_KEEP", "~/keep"), help="dir of sharegpt.jsonl.xz")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-batch-tokens", type=int, default=524288)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prompts")
     p.add_argument("--num", type=int, required=True)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--recipe", default=None)
+    _engine_parser(p)
     p = sub.add_parser("regenerate")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--chunks-per-call", type=int, default=1,
+                   help=f"chunks of {CHUNK_CONVERSATIONS} conversations answered by one engine call (vLLM: 4-8)")
+    _engine_parser(p)
     p = sub.add_parser("pack-data")
     p.add_argument("--out", required=True)
     p = sub.add_parser("unpack-data")
@@ -247,6 +274,15 @@ def main() -> None:
 
     {"prompts": prompts, "regenerate": regenerate, "pack-data": pack_data, "unpack-data": unpack_data,
      "train": scale_train.train, "record": scale_train.record}[args.cmd](args)
+
+
+def _engine_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="the target's engine (pipelines.data.engines)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="the engine's context (SmolLM2: up to 8192)")
+    p.add_argument("--max-batch-tokens", type=int, default=524288, help="transformers engine only")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM engine only (default: vLLM's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM engine only")
 
 
 def _train_parser(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ if [ ! -f ~/keep/vllm-site/vllm/__init__.py ]; then
 fi
 case ":${PYTHONPATH:-}:" in *":$HOME/keep/vllm-site:"*) ;; *) export PYTHONPATH=~/keep/vllm-site${PYTHONPATH:+:$PYTHONPATH} ;; esac
 # FlashInfer's sampler JIT-compiles kernels on first use (its cubins are not carried): PyTorch's sampler instead.
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# A caller that touched CUDA before the engine (the target conversion) cannot fork its engine core: spawn it.
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 if [ -n "${CHECK:-}" ]; then python3 bench/device/vllm_check.py 2>&1 | grep -E "^vllm |^generated|Error" || return 1; fi
 unset CHECK

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The data-scaling table of issue 14 (bench.scale), one step per call, state in ~/keep (a machine idle for ~30 s goes
 # back with it: every call returns what a new machine needs to continue):
-#   prompts NUM                carry .carry/w2 after `keep_carry.sh .carry/w1`: installs SmolLM2 (bf16) and datasketch;
-#                              the target writes NUM self-instruct prompts -> selfinstruct.jsonl.xz (returned)
-#   regenerate SIZE BUDGET_S   no carry, or .carry/scale-data (returned files) on a new machine after
+#   prompts NUM [FLAGS]        carry .carry/w2 after `keep_carry.sh .carry/w1`: installs SmolLM2 (bf16) and datasketch;
+#                              the target writes NUM self-instruct prompts -> selfinstruct.jsonl.xz (returned);
+#                              FLAGS go to bench.scale prompts (`--engine vllm --max-num-seqs 1024` after install_vllm.sh)
+#   regenerate SIZE BUDGET_S [FLAGS]   no carry, or .carry/scale-data (returned files) on a new machine after
 #                              `. install_target.sh bfloat16`: the next chunks for BUDGET_S seconds; this call's chunks
-#                              come back, and once every chunk is done the set as regenerated.jsonl.xz.part*
+#                              come back as chunks-<time>.tar.partNN (keep them all in .carry/scale-data); FLAGS go to
+#                              bench.scale regenerate (e.g. --engine vllm --max-model-len 8192 --max-turns 4)
 #   restore                    after `. install_target.sh bfloat16` in the same call (carry .carry/w2): the set into
-#                              ~/keep/regen from .carry/scale-data when carried, else the committed bench/data/scale
+#                              ~/keep/regen from .carry/scale-data when carried (returned chunk tars or
+#                              regenerated.jsonl.xz.part*), else the committed bench/data/scale
 #   train METHOD SIZE TRAIN_S [BOX_S [bench.scale train flags...]]   after restore: one head for TRAIN_S GPU
 #                              seconds in total, this call stopping at a checkpoint after BOX_S post-warm-up seconds;
 #                              repeat until it returns head-<tag>.tar.part* and scale_train_<tag>.json (then here:
@@ -28,27 +31,35 @@ STEP=${1:-}; shift
 case "$STEP" in
   prompts)
     . bench/device/install_target.sh bfloat16
+    [ -f ~/keep/vllm-site/vllm/__init__.py ] && . bench/device/install_vllm.sh  # for --engine vllm
     python3 -m pip install -q --no-index --no-deps --target ~/keep/site .carry/w2/datasketch-*.whl
-    timeout 330 python3 -m bench.scale prompts --num "${1:-34000}" 2>&1 | grep -v "Loading\|clean_up" | tail -2 | cut -c1-800
+    timeout 540 python3 -m bench.scale prompts --num "${1:-34000}" "${@:2}" 2>&1 | grep -v "Loading\|clean_up" | tail -2 | cut -c1-800
     cp ~/keep/selfinstruct.jsonl.xz "$OUT/"  # returned: a lost machine does not cost the prompts again
     save ;;
   regenerate)
     . bench/device/env.sh
-    if [ -d .carry/scale-data ]; then cp -n .carry/scale-data/* ~/keep/ 2>/dev/null; mkdir -p ~/keep/regen; mv -n ~/keep/chunk-*.jsonl.xz ~/keep/regen/ 2>/dev/null; fi
+    [ -f ~/keep/vllm-site/vllm/__init__.py ] && . bench/device/install_vllm.sh  # for --engine vllm
+    mkdir -p ~/keep/regen
+    if [ -d .carry/scale-data ]; then  # a new machine: the prompts and every chunk returned so far
+      cp -n .carry/scale-data/*.jsonl.xz ~/keep/ 2>/dev/null; mv -n ~/keep/chunk-*.jsonl.xz ~/keep/regen/ 2>/dev/null
+      for t in $(ls .carry/scale-data/chunks-*.tar.part00 2>/dev/null); do cat "${t%.part00}".part* | tar -C ~/keep/regen -xf -; done
+    fi
     touch "$OUT/.start"
-    timeout 570 python3 -m bench.scale regenerate --size "${1:-30000}" --budget-s "${2:-420}" 2>&1 | grep "^chunk\|^{" | cut -c1-600
-    python3 - <<'PY' && python3 -m bench.scale pack-data --out "$OUT"
-import json, os, sys
-calls = json.load(open(os.path.expanduser("~/keep/scale_regenerate.json")))["calls"]
-sys.exit(0 if calls[-1]["chunks_done"] == calls[-1]["chunks_total"] else 1)
-PY
-    [ -n "$(ls "$OUT"/regenerated.jsonl.xz.part* 2>/dev/null)" ] || \
-      find ~/keep/regen -name "chunk-*" -newer "$OUT/.start" -exec cp {} "$OUT/" \;  # this call's chunks come back
+    timeout 570 python3 -m bench.scale regenerate --size "${1:-30000}" --budget-s "${2:-420}" "${@:3}" 2>&1 | grep "^chunk\|^{" | cut -c1-600
+    # this call's chunks come back as one tar in parts < 16 MiB (a call returns at most 8 files)
+    NEW=$(cd ~/keep/regen && find . -name "chunk-*" -newer "$OUT/.start" | sort)
+    [ -n "$NEW" ] && (cd ~/keep/regen && tar -cf - $NEW) | split -b 15M -d - "$OUT/chunks-$(date +%s).tar.part"
     rm -f "$OUT/.start"
     save ;;
   restore)
     . bench/device/env.sh
-    python3 -m bench.scale unpack-data "$( [ -d .carry/scale-data ] && echo .carry/scale-data || echo bench/data/scale )" ;;
+    if ls .carry/scale-data/chunks-*.tar.part00 >/dev/null 2>&1; then
+      mkdir -p ~/keep/regen
+      for t in .carry/scale-data/chunks-*.tar.part00; do cat "${t%.part00}".part* | tar -C ~/keep/regen -xf -; done
+      echo "$(ls ~/keep/regen | wc -l) chunks restored from .carry/scale-data"
+    else
+      python3 -m bench.scale unpack-data "$( [ -d .carry/scale-data ] && echo .carry/scale-data || echo bench/data/scale )"
+    fi ;;
   train)
     . bench/device/env.sh
     FROM=(--from-parts ~/keep); [ -d .carry/scale-ckpt ] && FROM+=(--from-parts .carry/scale-ckpt)  # a new machine

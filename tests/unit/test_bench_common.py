@@ -1,0 +1,46 @@
+"""bench.common's resumable files: a writer that dies mid-file leaves nothing a resume would take as done."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from bench.common import read_jsonl_xz, write_jsonl_xz
+
+
+def _write_slowly(path: str) -> None:
+    def rows():
+        for i in range(10_000):
+            if i == 50:
+                time.sleep(60)  # killed here, with part of the file written
+            yield {"i": i, "text": "x" * 2000}
+
+    write_jsonl_xz(path, rows())
+
+
+def test_killed_writer_leaves_no_chunk(tmp_path):
+    path = tmp_path / "chunk-0000.jsonl.xz"
+    proc = mp.get_context("spawn").Process(target=_write_slowly, args=(str(path),))
+    proc.start()
+    deadline = time.time() + 60
+    while not any(tmp_path.iterdir()) and time.time() < deadline:  # its temporary file has started
+        time.sleep(0.1)
+    time.sleep(1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert not path.exists(), "a killed writer left a truncated chunk under its final name"
+
+
+def test_written_chunk_reads_back(tmp_path):
+    path = tmp_path / "chunk-0001.jsonl.xz"
+    assert write_jsonl_xz(path, [{"i": i} for i in range(3)]) == 3
+    assert read_jsonl_xz(path) == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])
