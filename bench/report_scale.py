@@ -77,9 +77,67 @@ def prompts_and_regeneration(lines: list[str]) -> None:
                "(`run_scale.sh restore`) instead of regenerated."), ""]
     for b in sorted({r["build"] for r in p["rows"]} - {1}):
         row = next(r for r in p["rows"] if r["build"] == b)
+        if row.get("engine") == "vllm":
+            lines += [_vllm_build(row, [c for c in g["calls"] if c.get("build") == b], g.get("lengths", {}).get(str(b))),
+                      ""]
+            continue
         walls = [c["wall_s"] for c in g["calls"] if c.get("build") == b]
         lines += [(f"Build {b} ({row['date']}): {row['note']}; {row['kept']:,} prompts kept, regenerated in {len(walls)} "
                    f"calls of {' + '.join(f'{w:.0f}' for w in walls)} s. {g['note']}."), ""]
+
+
+def _vllm_build(row: dict, calls: list[dict], lengths: dict | None) -> str:
+    """A build regenerated with vLLM (issue 26 item 1): prompts, the calls so far, the kept set's lengths."""
+    c = calls[-1]
+    rates = ", ".join(f"{x['tokens_per_s'] / 1e3:.1f}k" for x in calls)
+    text = (f"Build {row['build']} ({row['date']}, vLLM {row['vllm']}, `--engine vllm --max-num-seqs "
+            f"{row['max_num_seqs']}`): {row['note'].split(': ', 1)[-1]}; the target wrote {row['requested']:,} prompts at "
+            f"{row['tokens_per_s'] / 1e3:.1f}k tok/s and {row['kept']:,} were kept ({row['summary']}). Answers for "
+            f"{c['size']:,} rows (<= {c['max_turns']} user turns, <= {c['max_new_tokens']} new tokens a turn, context "
+            f"{c['max_model_len']:,}), {c['chunks_per_call']} chunks of 2,048 per engine call: {len(calls)} calls so far "
+            f"at {rates} tok/s (engine start excluded) -- the same rate as the transformers engine's build and "
+            "`bench.regen_throughput` (15-20k): at 1,024 sequences vLLM does not go faster for this 135M target.")
+    if lengths:
+        pct = lengths["tokens_percentiles"]
+        text += (f" Kept so far: {lengths['conversations']:,} conversations ({lengths['sources']}), "
+                 f"{lengths['tokens_total'] / 1e6:.1f}M tokens; tokens per conversation p10/p50/p90/p99/max "
+                 f"{pct['p10']}/{pct['p50']}/{pct['p90']}/{pct['p99']}/{pct['p100']}, mean {lengths['tokens_mean']:.0f}; "
+                 f"{lengths['over_2048']} over 2,048 and {lengths['over_4096']} over 4,096 tokens; assistant turns "
+                 f"{lengths['assistant_turns']}. {lengths['note']}.")
+    return text
+
+
+def deep_positions(lines: list[str]) -> None:
+    """Issue 26 item 3: P-EAGLE variants at the same GPU-seconds as a base run, accuracy per depth."""
+    st = load("scale_train")
+    rows = [r for r in (st or {}).get("rows", []) if r.get("note", "").startswith("issue 26 item 3")]
+    lines += ["## Deep positions (issue 26 item 3): P-EAGLE variants at equal GPU-seconds", ""]
+    if not rows:
+        lines += ["Not run.", ""]
+        return
+    base = train_row(f"peagle-{rows[0]['size'] // 1000}k-{rows[0]['variant'].split('-')[-1]}", 1)
+    out = []
+    for r in [base, *rows]:
+        fin = last_final(r)
+        out.append([r["tag"], ", ".join(r["overrides"]) or "(base)", r["steps"], f(r["epochs"]), f(r["calib_s_per_step"], 3),
+                    int(fin.get("step", 0))] + [f(fin.get(f"acc_d{i}"), 3) for i in range(4)])
+    lines += table(["run", "change", "steps", "epochs", "s/step", "window at step", "acc d0", "acc d1", "acc d2",
+                    "acc d3"], out)
+    lines += ["", ("Training-batch accuracy (draft argmax == target argmax, teacher-forced) in the last logged window; "
+                   "every run is under one epoch, so each batch is new to the head when it is scored. "
+                   "The teacher-forced section above shows that these accuracies carry over to decoding as a chain: "
+                   "position d+1 is accepted only when depths 0..d are all right, so acceptance at position 3 is about "
+                   "the product of the first three accuracies. Heads: the runs' rows in the table above."), ""]
+    acc = {r["tag"]: [last_final(r).get(f"acc_d{i}", 0.0) for i in range(4)] for r in [base, *rows]}
+    best = max(rows, key=lambda r: sum(acc[r["tag"]][1:]))
+    gain = " / ".join(f"{b - a:+.3f}" for a, b in zip(acc[base["tag"]], acc[best["tag"]]))
+    lines += [(f"Reading: at {base['train_s_goal']:.0f} GPU-s the largest gain at depths 1-3 comes from "
+               f"{', '.join(best['overrides'])} ({gain} at depths 0-3 over the base): a step there costs "
+               f"{best['calib_s_per_step'] / base['calib_s_per_step']:.2f}x the base's, so it takes "
+               f"{best['steps'] / base['steps']:.1f}x the steps, and each depth gets a larger share of the loss. The "
+               "predicted acceptance at position 3 (product of depths 0-2) stays "
+               f"{acc[best['tag']][0] * acc[best['tag']][1] * acc[best['tag']][2]:.3f} (goal 0.10): no variant here "
+               "reaches it at this data and GPU budget."), ""]
 
 
 def _not_run_reason(size: int) -> str:
@@ -241,6 +299,7 @@ def sections(lines: list[str]) -> None:
     heads_table(lines)
     report_scale_eval.scaling_eval(lines)
     teacher_forced(lines)
+    deep_positions(lines)
     resume_state(lines)
 
 
