@@ -95,8 +95,9 @@ def _vllm_build(row: dict, calls: list[dict], lengths: dict | None) -> str:
             f"{row['tokens_per_s'] / 1e3:.1f}k tok/s and {row['kept']:,} were kept ({row['summary']}). Answers for "
             f"{c['size']:,} rows (<= {c['max_turns']} user turns, <= {c['max_new_tokens']} new tokens a turn, context "
             f"{c['max_model_len']:,}), {c['chunks_per_call']} chunks of 2,048 per engine call: {len(calls)} calls so far "
-            f"at {rates} tok/s (engine start excluded) -- the same rate as the transformers engine's build and "
-            "`bench.regen_throughput` (15-20k): at 1,024 sequences vLLM does not go faster for this 135M target.")
+            f"at {rates} tok/s (engine start excluded), where `bench.regen_throughput` measured vLLM at "
+            f"{(load('regen_throughput_vllm') or {}).get('vllm', {}).get('tokens_per_s', 0) / 1e3:.1f}k with vLLM's "
+            "default max_num_seqs: 1,024 sequences do not make this 135M target faster (not profiled).")
     if lengths:
         pct = lengths["tokens_percentiles"]
         text += (f" Kept so far: {lengths['conversations']:,} conversations ({lengths['sources']}), "
