@@ -28,6 +28,11 @@
 # Usage: bash bench/device/run_scale.sh STEP [ARGS...]
 set -u
 STEP=${1:-}; shift
+# every chunks-*.tar.part* returned by earlier regenerate calls and carried in .carry/scale-data -> ~/keep/regen
+untar_chunks() {
+  mkdir -p ~/keep/regen
+  for t in $(ls .carry/scale-data/chunks-*.tar.part00 2>/dev/null); do cat "${t%.part00}".part* | tar -C ~/keep/regen -xf -; done
+}
 case "$STEP" in
   prompts)
     . bench/device/install_target.sh bfloat16
@@ -42,7 +47,7 @@ case "$STEP" in
     mkdir -p ~/keep/regen
     if [ -d .carry/scale-data ]; then  # a new machine: the prompts and every chunk returned so far
       cp -n .carry/scale-data/*.jsonl.xz ~/keep/ 2>/dev/null; mv -n ~/keep/chunk-*.jsonl.xz ~/keep/regen/ 2>/dev/null
-      for t in $(ls .carry/scale-data/chunks-*.tar.part00 2>/dev/null); do cat "${t%.part00}".part* | tar -C ~/keep/regen -xf -; done
+      untar_chunks
     fi
     touch "$OUT/.start"
     timeout 570 python3 -m bench.scale regenerate --size "${1:-30000}" --budget-s "${2:-420}" "${@:3}" 2>&1 | grep "^chunk\|^{" | cut -c1-600
@@ -54,8 +59,7 @@ case "$STEP" in
   restore)
     . bench/device/env.sh
     if ls .carry/scale-data/chunks-*.tar.part00 >/dev/null 2>&1; then
-      mkdir -p ~/keep/regen
-      for t in .carry/scale-data/chunks-*.tar.part00; do cat "${t%.part00}".part* | tar -C ~/keep/regen -xf -; done
+      untar_chunks
       echo "$(ls ~/keep/regen | wc -l) chunks restored from .carry/scale-data"
     else
       python3 -m bench.scale unpack-data "$( [ -d .carry/scale-data ] && echo .carry/scale-data || echo bench/data/scale )"
