@@ -92,9 +92,9 @@ def _engine_record(args) -> dict:
     """What a result row says about the engine that made it."""
     rec = {"engine": args.engine, "max_model_len": args.max_model_len}
     if args.engine == "vllm":
-        import vllm
+        from pipelines.preflight import installed_vllm_version
 
-        rec |= {"vllm": vllm.__version__, "max_num_seqs": args.max_num_seqs}
+        rec |= {"vllm": installed_vllm_version(), "max_num_seqs": args.max_num_seqs}
     return rec
 
 
