@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.report_fmt import DOC, approx, f, load, sci, section, table
-from bench.scale import DATA_DIR, head_ref
+from bench.scale import CHUNK_CONVERSATIONS, DATA_DIR, head_ref
 
 DEVICE_MINUTES_PER_SESSION = 30  # a session's device time (the workplace's lease limit)
 SCALE_EVAL = "scale_vllm_cpu_eval"  # bench.eval_gpu_heads --name of the heads' vLLM evaluation
@@ -94,7 +94,7 @@ def _vllm_build(row: dict, calls: list[dict], lengths: dict | None) -> str:
             f"{row['max_num_seqs']}`): {row['note'].split(': ', 1)[-1]}; the target wrote {row['requested']:,} prompts at "
             f"{row['tokens_per_s'] / 1e3:.1f}k tok/s and {row['kept']:,} were kept ({row['summary']}). Answers for "
             f"{c['size']:,} rows (<= {c['max_turns']} user turns, <= {c['max_new_tokens']} new tokens a turn, context "
-            f"{c['max_model_len']:,}), {c['chunks_per_call']} chunks of 2,048 per engine call: {len(calls)} calls so far "
+            f"{c['max_model_len']:,}), {c['chunks_per_call']} chunks of {CHUNK_CONVERSATIONS:,} per engine call: {len(calls)} calls so far "
             f"at {rates} tok/s (engine start excluded), where `bench.regen_throughput` measured vLLM at "
             f"{(load('regen_throughput_vllm') or {}).get('vllm', {}).get('tokens_per_s', 0) / 1e3:.1f}k with vLLM's "
             "default max_num_seqs: 1,024 sequences do not make this 135M target faster (not profiled).")
@@ -117,11 +117,10 @@ def deep_positions(lines: list[str]) -> None:
         lines += ["Not run.", ""]
         return
     base = train_row(f"peagle-{rows[0]['size'] // 1000}k-{rows[0]['variant'].split('-')[-1]}", 1)
-    out = []
-    for r in [base, *rows]:
-        fin = last_final(r)
-        out.append([r["tag"], ", ".join(r["overrides"]) or "(base)", r["steps"], f(r["epochs"]), f(r["calib_s_per_step"], 3),
-                    int(fin.get("step", 0))] + [f(fin.get(f"acc_d{i}"), 3) for i in range(4)])
+    runs = [base, *rows]
+    acc = {r["tag"]: [last_final(r).get(f"acc_d{i}", 0.0) for i in range(4)] for r in runs}
+    out = [[r["tag"], ", ".join(r["overrides"]) or "(base)", r["steps"], f(r["epochs"]), f(r["calib_s_per_step"], 3),
+            int(last_final(r).get("step", 0))] + [f(a, 3) for a in acc[r["tag"]]] for r in runs]
     lines += table(["run", "change", "steps", "epochs", "s/step", "window at step", "acc d0", "acc d1", "acc d2",
                     "acc d3"], out)
     lines += ["", ("Training-batch accuracy (draft argmax == target argmax, teacher-forced) in the last logged window; "
@@ -129,7 +128,6 @@ def deep_positions(lines: list[str]) -> None:
                    "The teacher-forced section above shows that these accuracies carry over to decoding as a chain: "
                    "position d+1 is accepted only when depths 0..d are all right, so acceptance at position 3 is about "
                    "the product of the first three accuracies. Heads: the runs' rows in the table above."), ""]
-    acc = {r["tag"]: [last_final(r).get(f"acc_d{i}", 0.0) for i in range(4)] for r in [base, *rows]}
     best = max(rows, key=lambda r: sum(acc[r["tag"]][1:]))
     gain = " / ".join(f"{b - a:+.3f}" for a, b in zip(acc[base["tag"]], acc[best["tag"]]))
     lines += [(f"Reading: at {base['train_s_goal']:.0f} GPU-s the largest gain at depths 1-3 comes from "

@@ -177,24 +177,25 @@ def regenerate(args) -> None:
     engine = _engine(args, batch_size=args.batch_size)
     stats: Counter = Counter()
     t0, n_new = time.perf_counter(), 0
-    todo = [c for c in range(-(-len(order) // CHUNK_CONVERSATIONS)) if c not in done_chunks]
+    total_chunks = -(-len(order) // CHUNK_CONVERSATIONS)
+    todo = [c for c in range(total_chunks) if c not in done_chunks]
+
+    def chunk_rows(c: int) -> list[dict]:
+        return order[c * CHUNK_CONVERSATIONS:(c + 1) * CHUNK_CONVERSATIONS]
+
     for g in range(0, len(todo), args.chunks_per_call):
         if time.perf_counter() - t0 > args.budget_s:
             break
         group = todo[g:g + args.chunks_per_call]  # one engine call over several chunks: fewer stragglers' tails
-        rows = regenerate_conversations([r for c in group for r in order[c * CHUNK_CONVERSATIONS:
-                                                                         (c + 1) * CHUNK_CONVERSATIONS]],
-                                        engine, cfg, stats=stats)
+        rows = regenerate_conversations([r for c in group for r in chunk_rows(c)], engine, cfg, stats=stats)
         by_id = {r["id"]: r for r in rows}
         for c in group:
-            chunk = [by_id[str(r["id"])] for r in order[c * CHUNK_CONVERSATIONS:(c + 1) * CHUNK_CONVERSATIONS]
-                     if str(r["id"]) in by_id]
+            chunk = [by_id[str(r["id"])] for r in chunk_rows(c) if str(r["id"]) in by_id]
             write_jsonl_xz(cdir / f"chunk-{c:04d}.jsonl.xz", chunk)  # written whole, then visible: resume unit
             n_new += len(chunk)
         print(f"chunks {group[0]}-{group[-1]}: {len(rows)} conversations, {stats['num_generated_tokens']} tokens in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     wall = time.perf_counter() - t0
-    total_chunks = -(-len(order) // CHUNK_CONVERSATIONS)
     done = len({int(p.name.split('-')[1].split('.')[0]) for p in cdir.glob('chunk-*.jsonl.xz')})
     res = {"size": args.size, "chunks_done": done, "chunks_total": total_chunks, "new_conversations": n_new,
            "generated_tokens": stats["num_generated_tokens"], "wall_s": wall,
