@@ -27,6 +27,7 @@ of ``bench/results/scale_train.json``. ``train`` and ``record``: :mod:`bench.sca
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import random
@@ -81,6 +82,8 @@ def _engine(args, *, batch_size: int):
     path = ensure_target("smollm2-135m-instruct", dtype=_dtype()).path
     if args.engine == "vllm":
         extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+        if args.kv_cache_gib:  # vLLM then skips its memory profile, which another engine on the GPU would skew
+            extra["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
         return make_engine("vllm", path, dtype=_dtype(), max_model_len=args.max_model_len,
                            name="smollm2-135m-instruct", gpu_memory_utilization=args.gpu_memory_utilization, **extra)
     return make_engine("transformers", path, dtype=_dtype(), max_model_len=args.max_model_len,
@@ -94,7 +97,7 @@ def _engine_record(args) -> dict:
     if args.engine == "vllm":
         from pipelines.preflight import installed_vllm_version
 
-        rec |= {"vllm": installed_vllm_version(), "max_num_seqs": args.max_num_seqs}
+        rec |= {"vllm": installed_vllm_version(), "max_num_seqs": args.max_num_seqs, "kv_cache_gib": args.kv_cache_gib}
     return rec
 
 
@@ -168,6 +171,7 @@ def regenerate(args) -> None:
     from pipelines.data.regenerate import regenerate_conversations
     from pipelines.recipe import RegenerateConfig
 
+    shard, num_shards = args.shard
     keep = keep_dir(args.keep)
     order = _mixed_order(args)[: args.size]
     cdir = _chunks_dir(keep)
@@ -178,7 +182,8 @@ def regenerate(args) -> None:
     stats: Counter = Counter()
     t0, n_new = time.perf_counter(), 0
     total_chunks = -(-len(order) // CHUNK_CONVERSATIONS)
-    todo = [c for c in range(total_chunks) if c not in done_chunks]
+    # --shard I/N: this process answers the chunks c with c % N == I (N engines share the GPU, each its own chunks)
+    todo = [c for c in range(total_chunks) if c not in done_chunks and c % num_shards == shard]
 
     def chunk_rows(c: int) -> list[dict]:
         return order[c * CHUNK_CONVERSATIONS:(c + 1) * CHUNK_CONVERSATIONS]
@@ -201,13 +206,15 @@ def regenerate(args) -> None:
            "generated_tokens": stats["num_generated_tokens"], "wall_s": wall,
            "tokens_per_s": stats["num_generated_tokens"] / max(wall, 1e-9), "max_turns": args.max_turns,
            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "mix": MIX,
-           "chunks_per_call": args.chunks_per_call, **_engine_record(args),
+           "chunks_per_call": args.chunks_per_call, "shard": f"{shard}/{num_shards}", **_engine_record(args),
            "counts": {k: v for k, v in stats.items() if isinstance(v, int)}}
     env = environment()
     res |= {"date": env["date"][:10], "device": env["device"]}
     prev = keep / "scale_regenerate.json"
-    calls = json.loads(prev.read_text())["calls"] if prev.exists() else []
-    prev.write_text(json.dumps({"calls": calls + [res]}, indent=2))
+    with open(keep / "scale_regenerate.lock", "w") as lock:  # the shards of one call append one after another
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        calls = json.loads(prev.read_text())["calls"] if prev.exists() else []
+        prev.write_text(json.dumps({"calls": calls + [res]}, indent=2))
     print(json.dumps(res))
 
 
@@ -260,6 +267,8 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--chunks-per-call", type=int, default=1,
                    help=f"chunks of {CHUNK_CONVERSATIONS} conversations answered by one engine call (vLLM: 4-8)")
+    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
+                   help="answer only the chunks c with c %% N == I (several engines on one GPU, one process each)")
     _engine_parser(p)
     p = sub.add_parser("pack-data")
     p.add_argument("--out", required=True)
@@ -277,6 +286,14 @@ def main() -> None:
      "train": scale_train.train, "record": scale_train.record}[args.cmd](args)
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``; raises ``argparse.ArgumentTypeError`` otherwise."""
+    m = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: use I/N with 0 <= I < N, e.g. 1/2")
+    return int(m.group(1)), int(m.group(2))
+
+
 def _engine_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="the target's engine (pipelines.data.engines)")
@@ -284,6 +301,8 @@ def _engine_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=524288, help="transformers engine only")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM engine only (default: vLLM's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM engine only")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="vLLM engine only: a fixed KV cache (GiB) instead of vLLM's profile (several engines on a GPU)")
 
 
 def _train_parser(p: argparse.ArgumentParser) -> None:

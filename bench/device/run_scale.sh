@@ -7,7 +7,8 @@
 #   regenerate SIZE BUDGET_S [FLAGS]   no carry, or .carry/scale-data (returned files) on a new machine after
 #                              `. install_target.sh bfloat16`: the next chunks for BUDGET_S seconds; this call's chunks
 #                              come back as chunks-<time>.tar.partNN (keep them all in .carry/scale-data); FLAGS go to
-#                              bench.scale regenerate (e.g. --engine vllm --max-model-len 8192 --max-turns 4)
+#                              bench.scale regenerate (e.g. --engine vllm --max-model-len 8192 --max-turns 4); PROCS=N
+#                              runs N engines on the GPU, each its share of the chunks (--shard i/N)
 #   restore                    after `. install_target.sh bfloat16` in the same call (carry .carry/w2): the set into
 #                              ~/keep/regen from .carry/scale-data when carried (returned chunk tars or
 #                              regenerated.jsonl.xz.part*), else the committed bench/data/scale
@@ -50,7 +51,20 @@ case "$STEP" in
       untar_chunks
     fi
     touch "$OUT/.start"
-    timeout 570 python3 -m bench.scale regenerate --size "${1:-30000}" --budget-s "${2:-420}" "${@:3}" 2>&1 | grep "^chunk\|^{" | cut -c1-600
+    # PROCS=N engines share the GPU (--shard i/N; each a fixed 60/N GiB KV cache, 0.85/N of the memory and its own
+    # compile cache: vLLM's memory profile would count the other engines' memory): a 135M target's step is
+    # overhead-bound, so one engine may leave the GPU idle; nvidia-smi samples how busy it was (engine start included)
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 5 > ~/keep/gpu_util.csv &
+    SMI=$!
+    P=${PROCS:-1}; PIDS=()
+    for i in $(seq 0 $((P - 1))); do
+      VLLM_CACHE_ROOT=~/.cache/vllm-shard$i timeout 570 python3 -m bench.scale regenerate --size "${1:-30000}" --budget-s "${2:-420}" --shard "$i/$P" \
+        $([ "$P" -gt 1 ] && echo --kv-cache-gib $((60 / P)) --gpu-memory-utilization 0.$((85 / P))) "${@:3}" 2>&1 | grep "^chunk\|^{" | cut -c1-600 &
+      PIDS+=($!)
+    done
+    wait "${PIDS[@]}"
+    kill $SMI
+    awk -F', ' '{u += $1; n++; if ($2 > m) m = $2} END {printf "GPU busy %.0f%% on average over %d samples, peak %d MiB\n", u / n, n, m}' ~/keep/gpu_util.csv
     # this call's chunks come back as one tar in parts < 16 MiB (a call returns at most 8 files)
     NEW=$(cd ~/keep/regen && find . -name "chunk-*" -newer "$OUT/.start" | sort)
     [ -n "$NEW" ] && (cd ~/keep/regen && tar -cf - $NEW) | split -b 15M -d - "$OUT/chunks-$(date +%s).tar.part"

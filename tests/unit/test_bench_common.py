@@ -44,3 +44,15 @@ def test_written_chunk_reads_back(tmp_path):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_shard_flag_parses_and_refuses_bad_shards():
+    """``bench.scale regenerate --shard I/N`` (several engines on one GPU): ``0 <= I < N`` or a clear error."""
+    import argparse
+
+    from bench.scale import _shard
+
+    assert _shard("1/3") == (1, 3)
+    for bad in ("3/3", "1", "-1/2", "a/b"):
+        with pytest.raises(argparse.ArgumentTypeError, match="0 <= I < N"):
+            _shard(bad)
