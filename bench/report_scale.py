@@ -310,8 +310,10 @@ def resume_state(lines: list[str]) -> None:
     lim, setup = r["limits"], r["setup"]
     lines += [(f"`python -m bench.resume_state` — {r['environment']['device']}, {r['environment']['date'][:10]}. "
                "Sizes: each form of the scaling heads' checkpoint (SmolLM2 dims, `bench.scale_train.TRAIN_OVERRIDES`), "
-               f"in {lim['part_bytes'] / 2**20:.0f} MiB parts; a call returns <= {lim['return_parts']} parts beside its "
-               f"state json, a carry holds ~{lim['carry_bytes'] / 2**20:.0f} MiB beside the working tree. Losses: a "
+               f"in {lim['part_bytes'] / 2**20:.0f} MiB parts; a call returns <= {lim['return_parts']} parts and "
+               f"{lim['return_bytes'] / 2**20:.0f} MiB beside its state json (the rest is held back for the next call, "
+               f"`run_scale.sh rest`), a carry holds ~{lim['carry_bytes'] / 2**20:.0f} MiB beside the working tree. "
+               "Losses: a "
                f"tiny random target ({setup['tiny_target']['num_hidden_layers']} layers, H="
                f"{setup['tiny_target']['hidden_size']}) on CPU through the product's capture, plan and trainer, "
                f"{setup['steps']} steps, stopped at step {r['resume']['peagle']['resume_step']} and resumed from parts "
@@ -323,13 +325,13 @@ def resume_state(lines: list[str]) -> None:
         cells = [form, what]
         for m in ("peagle", "eagle3"):
             s = r["sizes"][m]["forms"][form]
-            cells.append(f"{s['tar_bytes'] / 2**20:.1f} / {s['parts']}")
+            cells.append(f"{s['tar_bytes'] / 2**20:.1f} / {s['parts']} / {s['returns']}")
         for m in ("peagle", "eagle3"):
             x = r["resume"][m]["forms"][form]
             cells.append(f"{x['max_abs_diff']:.4f} / {x['mean_diff']:+.4f} ({'yes' if x['matches'] else 'no'})")
         rows.append(cells)
     thr = {m: r["resume"][m]["threshold"] for m in ("peagle", "eagle3")}
-    lines += table(["form", "what it keeps", "P-EAGLE MiB / parts", "EAGLE-3 MiB / parts",
+    lines += table(["form", "what it keeps", "P-EAGLE MiB / parts / calls", "EAGLE-3 MiB / parts / calls",
                     f"P-EAGLE max / mean diff (matches, < {thr['peagle']:.4f})",
                     f"EAGLE-3 max / mean diff (matches, < {thr['eagle3']:.4f})"], rows)
     lines += ["", f"Returned by default: `{r['default_form_in_code']}` (measured choice: `{r['chosen_form']}`).", ""]

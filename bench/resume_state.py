@@ -9,7 +9,9 @@ A ``run_scale.sh train`` call returns the run's latest checkpoint in a compact f
   draft vocabulary 8192, frozen target embeddings), built on CPU with random weights (no target weights),
   one AdamW step taken so that the optimizer holds its moments, saved by the product's ``Checkpointer`` and
   compacted into every form: bytes of the files and of the returned tar, its parts, whether it fits one
-  call's return (``RETURN_PARTS``) and one call's carry (``CARRY_BYTES``).
+  call's return (``RETURN_PARTS`` files, ``RETURN_BYTES`` together), how many calls return it (the parts over
+  one call's return are held back for ``run_scale.sh rest``) and whether it fits one call's carry
+  (``CARRY_BYTES``).
 * **Resume**: a tiny random target (Llama, 8 layers, H=48, vocab 257, its ``lm_head`` scaled so that its
   next-token distributions are text-like, ~2.7 nats) writes the training text (sampled continuations of
   random prompts: the target's own text, as regeneration gives), the product's capture
@@ -51,6 +53,7 @@ from bench.scale import LAYERS, PART_BYTES, RECIPE
 from bench.scale_train import (
     CARRY_BYTES,
     DEFAULT_FORM,
+    RETURN_BYTES,
     RETURN_PARTS,
     restore_checkpoint,
     return_checkpoint,
@@ -82,7 +85,7 @@ def head_sizes(method: str, work: Path) -> dict:
 
     Returns:
         ``{"trainable_params", "frozen_params", "forms": {form: {"bytes", "tar_bytes", "parts", "fits_return",
-        "fits_carry"}}}``; bytes in bytes, parts of ``PART_BYTES``.
+        "returns", "fits_carry"}}}``; bytes in bytes, parts of ``PART_BYTES``, returns: calls that return it.
     """
     from peagle_core.drafter import Eagle3Drafter
     from pipelines.train import build_optimizer, build_scheduler
@@ -110,7 +113,9 @@ def head_sizes(method: str, work: Path) -> dict:
         parts = return_tar(d, work / method / "parts" / f"{form}.tar")
         tar_bytes = sum(p.stat().st_size for p in parts)
         out["forms"][form] = {"bytes": form_bytes(d), "tar_bytes": tar_bytes, "parts": len(parts),
-                              "fits_return": len(parts) <= RETURN_PARTS, "fits_carry": tar_bytes <= CARRY_BYTES}
+                              "fits_return": len(parts) <= RETURN_PARTS and tar_bytes <= RETURN_BYTES,
+                              "returns": returns_needed([p.stat().st_size for p in parts]),
+                              "fits_carry": tar_bytes <= CARRY_BYTES}
         for p in [*parts, *(d.iterdir() if form != "full" else ())]:
             p.unlink()
     return out
@@ -246,12 +251,23 @@ def measure_method(method: str, target, hf_config: dict, work: Path, args) -> di
             "forms": forms}
 
 
+def returns_needed(part_bytes: list[int]) -> int:
+    """Calls that return parts of these sizes (in order), each at most ``RETURN_PARTS`` files and
+    ``RETURN_BYTES`` together (``bench.scale_train.hold_back``)."""
+    calls, n, total = 1, 0, 0
+    for b in part_bytes:
+        if n == RETURN_PARTS or total + b > RETURN_BYTES:
+            calls, n, total = calls + 1, 0, 0
+        n, total = n + 1, total + b
+    return calls
+
+
 def choose_form(resume: dict, sizes: dict) -> str | None:
-    """The smallest form (largest head's returned bytes) that matches for every method and fits a call's
-    return for every head; None if none does."""
-    ok = [f for f in FORMS if all(r["forms"][f]["matches"] for r in resume.values())
-          and all(s["forms"][f]["fits_return"] for s in sizes.values())]
-    return min(ok, key=lambda f: max(s["forms"][f]["tar_bytes"] for s in sizes.values())) if ok else None
+    """Of the forms that match for every method, the one that the fewest calls return for the largest head,
+    then the smallest (largest head's returned bytes); None if no form matches."""
+    ok = [f for f in FORMS if all(r["forms"][f]["matches"] for r in resume.values())]
+    return min(ok, key=lambda f: (max(s["forms"][f]["returns"] for s in sizes.values()),
+                                  max(s["forms"][f]["tar_bytes"] for s in sizes.values()))) if ok else None
 
 
 def main() -> None:
@@ -276,7 +292,8 @@ def main() -> None:
     chosen = choose_form(resume, sizes)
     payload = {"benchmark": RESULT, "forms": {f: FORMS[f].description for f in FORMS},
                "sizes": sizes, "resume": resume, "chosen_form": chosen, "default_form_in_code": DEFAULT_FORM,
-               "limits": {"part_bytes": PART_BYTES, "return_parts": RETURN_PARTS, "carry_bytes": CARRY_BYTES},
+               "limits": {"part_bytes": PART_BYTES, "return_parts": RETURN_PARTS, "return_bytes": RETURN_BYTES,
+                          "carry_bytes": CARRY_BYTES},
                "setup": {k: v for k, v in vars(args).items() if k != "out_dir"} | {
                    "tiny_target": TINY_TARGET, "lm_head_scale": LM_HEAD_SCALE, "draft_vocab_size": DRAFT_VOCAB,
                    "smooth_steps": SMOOTH_STEPS, "match_steps": MATCH_STEPS, "recipe": str(RECIPE.name), "overrides": "bench.scale_train."

@@ -218,6 +218,46 @@ def regenerate(args) -> None:
     print(json.dumps(res))
 
 
+def set_lengths(rows: list[dict], tokenizer) -> dict:
+    """Length distribution of regenerated conversations (issue 26 item 1): tokens per conversation with the chat
+    template (``tokenizer.apply_chat_template``), percentiles, counts over 1,024 / 2,048 / 4,096 tokens, rows per
+    source and per number of assistant turns."""
+    lens = torch.tensor([len(tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"])
+                         for r in rows])
+    q = torch.quantile(lens.double(), torch.tensor([0.1, 0.5, 0.9, 0.99, 1.0], dtype=torch.float64))
+    turns = Counter(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
+    return {"conversations": len(rows), "sources": dict(Counter(r.get("source", "?") for r in rows)),
+            "tokens_total": int(lens.sum()),
+            "tokens_percentiles": {f"p{p}": int(v) for p, v in zip((10, 50, 90, 99, 100), q.round().tolist())},
+            "tokens_mean": round(float(lens.double().mean()), 1),
+            **{f"over_{n}": int((lens > n).sum()) for n in (1024, 2048, 4096)},
+            "assistant_turns": {str(k): turns[k] for k in sorted(turns)}}
+
+
+def record_regenerate(args) -> None:
+    """Returned ``scale_regenerate.json`` files -> their calls in ``bench/results/scale_regenerate.json`` under
+    ``build`` (a call already there is not added twice), and with ``--lengths`` the length distribution of the
+    set under ``--keep`` (:func:`set_lengths`) as ``lengths[build]``."""
+    from transformers import AutoTokenizer
+
+    from bench.common import RESULTS
+    from pipelines.assets import ensure_target
+
+    path = RESULTS / "scale_regenerate.json"
+    data = json.loads(path.read_text())
+    for f in args.files:
+        for call in json.loads(Path(f).read_text())["calls"]:
+            call = {"build": args.build, **call}
+            if call not in data["calls"]:
+                data["calls"].append(call)
+    if args.lengths:
+        rows = regenerated(keep_dir(args.keep))
+        tok = AutoTokenizer.from_pretrained(ensure_target("smollm2-135m-instruct", dtype=_dtype()).path)
+        data.setdefault("lengths", {})[str(args.build)] = set_lengths(rows, tok) | {"note": args.note or ""}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"{path}: {len(data['calls'])} calls", json.dumps(data.get("lengths", {}).get(str(args.build)))[:400])
+
+
 def pack_data(args) -> None:
     """All regenerated chunks -> one ``.jsonl.xz`` cut in parts < 16 MiB under ``--out``."""
     keep = keep_dir(args.keep)
@@ -279,11 +319,22 @@ def main() -> None:
     p.add_argument("state")
     p.add_argument("--data-build", type=int, default=None, help="which regenerated set it trained on")
     p.add_argument("--note", default=None)
+    p.add_argument("--stopped-at", type=int, default=None, help="the step of a run that will not finish")
+    p = sub.add_parser("record-regenerate", help="returned scale_regenerate.json files -> bench/results")
+    p.add_argument("files", nargs="*")
+    p.add_argument("--build", type=int, required=True)
+    p.add_argument("--lengths", action="store_true", help="also the length distribution of the set under --keep")
+    p.add_argument("--note", default=None, help="what the lengths are of")
+    p = sub.add_parser("export-checkpoint", help="a head from a run's checkpoint that will not go on (its weights only)")
+    p.add_argument("state", help="the run's scale_train_<head>.json")
+    p.add_argument("checkpoint", help="a checkpoint_<step> directory with its model.safetensors")
+    p.add_argument("--out", required=True, help="the head goes to OUT/head-<name>-step<step>")
     args = ap.parse_args()
     from bench import scale_train
 
     {"prompts": prompts, "regenerate": regenerate, "pack-data": pack_data, "unpack-data": unpack_data,
-     "train": scale_train.train, "record": scale_train.record}[args.cmd](args)
+     "train": scale_train.train, "record": scale_train.record, "record-regenerate": record_regenerate,
+     "export-checkpoint": scale_train.export_checkpoint}[args.cmd](args)
 
 
 def _shard(text: str) -> tuple[int, int]:

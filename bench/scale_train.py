@@ -35,7 +35,9 @@ RESULT = "scale_train"
 # form of pipelines.train.compact.FORMS, as ckpt-<name>.tar.partNN (chosen by bench/resume_state.py).
 DEFAULT_FORM = "bf16-weights-bf16-m-factored-v"
 RETURN_PARTS = 7                         # a call returns <= 8 files: the parts and scale_train_<name>.json
+RETURN_BYTES = 63 * 2**20                # ... and <= 64 MiB together: the parts and the json (a few KiB)
 CARRY_BYTES = 64 * 2**20 - 10 * 2**20    # a call carries <= 64 MiB, the ~9 MiB working tree included
+REST_DIR = "return-rest"                 # <keep>/return-rest: parts over one call's return (run_scale.sh rest)
 
 
 class BoxExpired(Exception):
@@ -102,16 +104,13 @@ def train(args) -> None:
     state["calls"].append(call)
     if res is None and args.out:  # stopped at a checkpoint: what a new machine resumes from
         parts = return_checkpoint(ckpt, Path(args.out), name, form)
-        call["returned"] = {"form": form, "parts": len(parts),
-                            "bytes": sum(p.stat().st_size for p in parts)}
-        if len(parts) > RETURN_PARTS:
-            print(f"warning: {len(parts)} parts > {RETURN_PARTS}: a call returns <= 8 files; use a smaller "
-                  f"--return-form (bench/results/resume_state.json)")
+        call["returned"] = {"form": form, "parts": len(parts), "bytes": sum(p.stat().st_size for p in parts),
+                            "held_back": len(hold_back(parts, keep))}
     if res is not None:
         head = run.export(keep / f"head-{name}", step=res.step, extra={"conversations": args.size, "run": args.run})
         state.update(done=True, steps=res.step, epochs=res.step / max(1, state["steps_per_epoch"]), head_dir=str(head))
         if args.out:
-            return_tar(head, Path(args.out) / f"head-{name}.tar")
+            hold_back(return_tar(head, Path(args.out) / f"head-{name}.tar"), keep)
     state_path.write_text(json.dumps(state, indent=2))
     print(json.dumps({k: v for k, v in state.items() if k != "calls"} | {"call": call}))
 
@@ -193,6 +192,26 @@ def untar_parts(parts: list[Path], dst: Path) -> list[Path]:
     return sorted({dst / n.split("/")[0] for n in names})
 
 
+def hold_back(parts: list[Path], keep: Path) -> list[Path]:
+    """Move the parts past one call's return (:data:`RETURN_PARTS` files, :data:`RETURN_BYTES` together, in
+    name order) to ``<keep>/return-rest/`` for the next call (``run_scale.sh rest``) and say so; returns the
+    moved paths. The device returns none of a call's files over its limits, so this keeps the first parts
+    whole instead (2026-11-25: a P-EAGLE checkpoint of 78 MiB came back without its part 04)."""
+    rest = keep / REST_DIR
+    for old in rest.glob("*") if rest.is_dir() else ():
+        old.unlink()
+    total, moved = 0, []
+    for i, p in enumerate(sorted(parts)):
+        total += p.stat().st_size
+        if i >= RETURN_PARTS or total > RETURN_BYTES:
+            rest.mkdir(parents=True, exist_ok=True)
+            moved.append(Path(p.replace(rest / p.name)))
+    if moved:
+        print(f"{len(moved)} of {len(parts)} parts are over one call's return: held in {rest}; return them with "
+              f"`run_scale.sh rest` before the machine goes back")
+    return moved
+
+
 def return_checkpoint(ckpt_root: Path, out: Path, name: str, form: str = DEFAULT_FORM) -> list[Path]:
     """The latest checkpoint under ``ckpt_root`` in ``form`` (``pipelines.train.compact``), with the run's
     per-epoch sample-id records, as ``<out>/ckpt-<name>.tar.partNN``; returns the parts.
@@ -271,10 +290,15 @@ def restore_checkpoint(dirs: list[Path], keep: Path, name: str) -> int | None:
 
 def record(args) -> None:
     """A returned ``scale_train_<head>.json`` -> a row of ``bench/results/scale_train.json`` (replacing the row of
-    the same ``tag`` and ``run``): the run's resolved recipe and calls, its date and device."""
+    the same ``tag`` and ``run``): the run's resolved recipe and calls, its date and device. A run that will not
+    finish is recorded only with ``--stopped-at STEP`` (its ``steps``; ``done`` false; say why in ``--note``)."""
     state = json.loads(Path(args.state).read_text())
     if not state.get("done"):
-        raise SystemExit(f"{args.state}: the run has not finished (no 'done'); record it once its head is exported")
+        if args.stopped_at is None:
+            raise SystemExit(f"{args.state}: the run has not finished (no 'done'); record it once its head is "
+                             "exported, or with --stopped-at STEP when it will not go on")
+        state.update(done=False, stopped_at=args.stopped_at, steps=args.stopped_at,
+                     epochs=args.stopped_at / max(1, state["steps_per_epoch"]))
     env = state.pop("environment", {})
     row = {"tag": state.pop("tag"), "run": state.pop("run"), "date": env.get("date", "")[:10],
            "device": env.get("device"), "data_build": args.data_build, **state}
@@ -286,3 +310,42 @@ def record(args) -> None:
     data["rows"] = rows + [row]
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"recorded {row['tag']} run {row['run']} in {path}")
+
+
+def export_checkpoint(args) -> None:
+    """A head from a run's checkpoint when the run cannot go on (e.g. its returned optimizer state is incomplete):
+    the run's plan rebuilt from its state json and the regenerated set under ``--keep`` (the first ``size``
+    conversations, as training used them), the checkpoint's ``model.safetensors`` loaded into that drafter, and
+    the head exported as the run's would be (``OnlineRun.export``), with ``step`` and ``from_checkpoint`` in its
+    ``config.json``. Its schedule did not finish: say so wherever it is reported.
+
+    Raises:
+        SystemExit: fewer conversations than the run trained on, a weight missing or unexpected (the frozen
+            ``embed_tokens`` may be absent), or a draft vocabulary (``d2t``) other than the rebuilt plan's: then the
+            set is not the run's.
+    """
+    from safetensors.torch import load_file
+
+    from bench.harness import OnlineRun, bench_recipe, build_head, load_recipe_target, special_ids
+
+    state, ckpt = json.loads(Path(args.state).read_text()), Path(args.checkpoint)
+    step = int(ckpt.name.rsplit("_", 1)[-1])
+    rows = regenerated(keep_dir(args.keep))
+    if len(rows) < state["size"]:
+        raise SystemExit(f"only {len(rows)} regenerated conversations under {args.keep}, the run used {state['size']}")
+    recipe = bench_recipe(RECIPE, train_overrides(state["method"], state["overrides"]))
+    model, tok = load_recipe_target(recipe)
+    h = build_head(recipe, rows[: state["size"]], always_keep=special_ids(tok))
+    weights = load_file(str(ckpt / "model.safetensors"))
+    if not torch.equal(weights["d2t"], h.drafter.d2t.cpu()):
+        raise SystemExit(f"{ckpt}: its draft vocabulary is not the rebuilt plan's: not trained on this set")
+    missing, unexpected = h.drafter.load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("embed_tokens")]:
+        raise SystemExit(f"{ckpt}: missing {missing}, unexpected {unexpected}")
+    run = OnlineRun(recipe=recipe, plan=h.plan, drafter=h.drafter, lm_head=h.lm_head, objective=h.objective,
+                    model=model, tokenizer=tok, rows=rows[: state["size"]])
+    name = head_name(state["tag"], state["run"])
+    head = run.export(Path(args.out) / f"head-{name}-step{step}", step=step,
+                      extra={"conversations": state["size"], "run": state["run"], "from_checkpoint": str(ckpt.name),
+                             "horizon": state["horizon"]})
+    print(f"{head}: step {step} of {state['horizon']}")

@@ -21,6 +21,8 @@
 #                              No carry on the same warm machine. A call that stops at a checkpoint also returns it,
 #                              compact (bench.scale_train.DEFAULT_FORM; bench/results/resume_state.json), as
 #                              ckpt-<name>.tar.partNN beside r/scale_train_<name>.json: keep them all in .carry/scale-ckpt.
+#                              Parts over one call's return (8 files, 64 MiB together; a P-EAGLE checkpoint is
+#                              ~80 MiB) stay in ~/keep/return-rest: the next call, at once, is `run_scale.sh rest`.
 #                              A new machine (the last one went back) resumes from them, sample-exactly:
 #                                keep_carry.sh .carry/w1; `. install_target.sh bfloat16; run_scale.sh restore` (carry
 #                                .carry/w2); then the same train call with carry .carry/scale-ckpt. More than 3 parts
@@ -90,5 +92,7 @@ for l in sys.stdin:
     m = json.loads(l); print(int(m['step']), round(m['loss'], 3), 'acc', [round(m.get(f'acc_d{i}', 0), 3) for i in range(8)], round(m.get('tokens_per_s', 0)))"
     rm -f "$OUT/train.log"
     save ;;
-  *) echo "usage: bash bench/device/run_scale.sh prompts NUM | regenerate SIZE BUDGET_S | restore | train METHOD SIZE TRAIN_S [BOX_S [flags...]]"; exit 2 ;;
+  rest)  # the parts that the last train call held back (over one call's 8 files / 64 MiB)
+    mv ~/keep/return-rest/* "$OUT/" && ls "$OUT" ;;
+  *) echo "usage: bash bench/device/run_scale.sh prompts NUM | regenerate SIZE BUDGET_S | restore | train METHOD SIZE TRAIN_S [BOX_S [flags...]] | rest"; exit 2 ;;
 esac
