@@ -31,6 +31,29 @@ def step_ms(row: dict) -> float:
     return 1000.0 * in_flight(row) * row["acceptance_length"] / row["tokens_per_s"]
 
 
+def _lease(row: dict) -> str:
+    """The lease (machine) that measured ``row``: its start where recorded, else the row's date."""
+    return row.get("lease", row["date"])
+
+
+def _none_rows(rows: list[dict]):
+    """``row -> the no-speculation row`` at the row's concurrency, of the row's lease where that lease measured
+    one (step times differ between machines), else the last one measured before it (rows are in the order
+    measured), else the first one."""
+    by_lease = {(_lease(r), r["concurrency"]): r for r in rows if r["head"] == "none"}
+    nones = [(i, r) for i, r in enumerate(rows) if r["head"] == "none"]
+
+    def none(row: dict) -> dict | None:
+        if (hit := by_lease.get((_lease(row), row["concurrency"]))) is not None:
+            return hit
+        at = next(i for i, r in enumerate(rows) if r is row)
+        same_c = [(i, r) for i, r in nones if r["concurrency"] == row["concurrency"]]
+        before = [r for i, r in same_c if i < at]
+        return before[-1] if before else (same_c[0][1] if same_c else None)
+
+    return none
+
+
 def break_even_al(row: dict, none_row: dict) -> float:
     """The AL at which ``row``'s speculative step would match no speculation's tokens/s at the same
     concurrency: its step time over the target-only step time."""
@@ -67,10 +90,10 @@ def serving(lines: list[str], data: dict | None) -> None:
     for r in rows:
         by_set[r["eval_set"]].append(r)
     for set_name, rs in by_set.items():
-        none = {r["concurrency"]: r for r in rs if r["head"] == "none"}
+        none = _none_rows(rs)
         table = []
         for r in sorted(rs, key=lambda r: (r["head"] != "none", r["head"], r["K"], r["concurrency"])):
-            base = none.get(r["concurrency"])
+            base = none(r)
             be = break_even_al(r, base) if base and r["head"] != "none" else None
             table.append([_label(r), r["K"], r["concurrency"], _f(r["acceptance_length"]),
                           " / ".join(_f(a) for a in r["al_per_pos"][:3]) or "-", f"{r['tokens_per_s']:.0f}",
@@ -78,9 +101,9 @@ def serving(lines: list[str], data: dict | None) -> None:
                           r.get("model_runner", "-"), _split(r)])
         dates: dict[str, set[str]] = defaultdict(set)
         for r in rs:
-            dates[r.get("lease", r["date"])].add(_label(r))  # lease: the machine's start, where recorded
+            dates[_lease(r)].add(_label(r))
         lines += [f"**{set_name}**", ""]
-        if len(dates) > 1:  # "vs none" compares with the none rows, whichever lease measured them
+        if len(dates) > 1:  # break-even AL: against the none row of the row's lease where it has one
             lines += ["Rows of several leases (a lease is another machine): " + "; ".join(
                 f"{d}: {', '.join(sorted(hs))}" for d, hs in sorted(dates.items())) + ".", ""]
         lines += _table(["head", "K", "c", "AL", "accept pos 1/2/3", "tok/s", "vs none", "TPOT ms", "step ms",
@@ -100,7 +123,7 @@ def serving(lines: list[str], data: dict | None) -> None:
             verdict = ("pays" if best["speedup"] > 1 else "does not pay at any measured (K, c)")
             lines += [(f"Speculation {verdict} on {set_name}: best {_label(best)} K={best['K']} c={best['concurrency']} "
                       f"at {best['speedup']:.2f}x no speculation (AL {best['acceptance_length']:.2f} against a "
-                      f"break-even AL of {break_even_al(best, none[best['concurrency']]):.2f})."), ""]
+                      f"break-even AL of {break_even_al(best, none(best)):.2f})."), ""]
     runners = {r["head"]: r.get("model_runner") for r in rows}
     if len(set(runners.values())) > 1:
         lines += ["Runners differ: " + ", ".join(f"{h} on {v}" for h, v in runners.items()) + f" (vLLM {data['vllm']} "

@@ -86,21 +86,44 @@ def prompts_and_regeneration(lines: list[str]) -> None:
                    f"calls of {' + '.join(f'{w:.0f}' for w in walls)} s. {g['note']}."), ""]
 
 
+def _engine_calls(calls: list[dict]) -> list[list[dict]]:
+    """Rows of ``scale_regenerate`` grouped by device call: a call with ``PROCS=N`` engines wrote N rows in a row,
+    shards ``i/N`` (rows without ``shard`` are one engine each)."""
+    groups: list[list[dict]] = []
+    for c in calls:
+        n = int(c.get("shard", "0/1").split("/")[1])
+        if groups and len(groups[-1]) < n and groups[-1][0].get("shard", "0/1").endswith(f"/{n}"):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
 def _vllm_build(row: dict, calls: list[dict], lengths: dict | None) -> str:
-    """A build regenerated with vLLM (issue 26 item 1): prompts, the calls so far, the kept set's lengths."""
+    """A build regenerated with vLLM (issue 26 item 1): prompts, the calls, the set's lengths."""
     c = calls[-1]
-    rates = ", ".join(f"{x['tokens_per_s'] / 1e3:.1f}k" for x in calls)
+    groups = _engine_calls(calls)
+    def k(x: dict) -> str:
+        return f"{x['tokens_per_s'] / 1e3:.1f}k"
+
+    multi = "; ".join(f"{len(g)} engines {' + '.join(map(k, g))} = {sum(x['tokens_per_s'] for x in g) / 1e3:.0f}k"
+                      for g in groups if len(g) > 1)
+    single = ", ".join(k(g[0]) for g in groups if len(g) == 1)
+    done = max(x["chunks_done"] for x in calls)
     text = (f"Build {row['build']} ({row['date']}, vLLM {row['vllm']}, `--engine vllm --max-num-seqs "
             f"{row['max_num_seqs']}`): {row['note'].split(': ', 1)[-1]}; the target wrote {row['requested']:,} prompts at "
             f"{row['tokens_per_s'] / 1e3:.1f}k tok/s and {row['kept']:,} were kept ({row['summary']}). Answers for "
             f"{c['size']:,} rows (<= {c['max_turns']} user turns, <= {c['max_new_tokens']} new tokens a turn, context "
-            f"{c['max_model_len']:,}), {c['chunks_per_call']} chunks of {CHUNK_CONVERSATIONS:,} per engine call: {len(calls)} calls so far "
-            f"at {rates} tok/s (engine start excluded), where `bench.regen_throughput` measured vLLM at "
+            f"{c['max_model_len']:,}), chunks of {CHUNK_CONVERSATIONS:,}, {done} of {c['chunks_total']} done in "
+            f"{len(groups)} calls. One engine a call made {single} tok/s (engine start excluded), where "
+            f"`bench.regen_throughput` measured vLLM at "
             f"{(load('regen_throughput_vllm') or {}).get('vllm', {}).get('tokens_per_s', 0) / 1e3:.1f}k with vLLM's "
-            "default max_num_seqs: 1,024 sequences do not make this 135M target faster (not profiled).")
+            "default max_num_seqs: 1,024 sequences do not make this 135M target faster. Its step is bound by the host, "
+            "not the GPU: several engines on the one GPU (`PROCS=N run_scale.sh regenerate`, each its share of the "
+            f"chunks and a fixed KV cache) add up: {multi} tok/s.")
     if lengths:
         pct = lengths["tokens_percentiles"]
-        text += (f" Kept so far: {lengths['conversations']:,} conversations ({lengths['sources']}), "
+        text += (f" The set: {lengths['conversations']:,} conversations ({lengths['sources']}), "
                  f"{lengths['tokens_total'] / 1e6:.1f}M tokens; tokens per conversation p10/p50/p90/p99/max "
                  f"{pct['p10']}/{pct['p50']}/{pct['p90']}/{pct['p99']}/{pct['p100']}, mean {lengths['tokens_mean']:.0f}; "
                  f"{lengths['over_2048']} over 2,048 and {lengths['over_4096']} over 4,096 tokens; assistant turns "
