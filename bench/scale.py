@@ -13,11 +13,15 @@ out of time loses at most one chunk or one checkpoint interval:
 
     python -m bench.scale prompts --num 30000            # GPU: self-instruct prompts (Magpie) -> keep
     python -m bench.scale regenerate --size 30000 --budget-s 480   # GPU: answers, chunk by chunk
+        [--engine vllm --shard 1/4 --kv-cache-gib 15]   # vLLM; one of 4 engines sharing the GPU
     python -m bench.scale pack-data --out $OUT            # regenerated set as .jsonl.xz parts < 16 MiB
     python -m bench.scale unpack-data DIR                 # (next lease) parts -> keep, no regeneration
     python -m bench.scale train --method peagle --size 10000 --train-s 300 --box-s 420 --out $OUT
         [--variant lr12e-4 --set training.lr=1.2e-3] [--run 2]   # a recipe variant; a repeat of a recipe
     python -m bench.scale record DIR/scale_train_<head>.json --data-build 2   # here: a row of the results
+        [--stopped-at STEP --note WHY]                    # a run that will not finish
+    python -m bench.scale export-checkpoint STATE CKPT_DIR --out DIR   # here: a head from a checkpoint's weights
+    python -m bench.scale record-regenerate FILE... --build 3 [--lengths]   # here: calls (+ set lengths) -> results
 
 A run is named by its recipe, ``<method>-<size>k[-<variant>]`` (its ``tag``), and ``--run`` (1, 2, ... for
 repeats of the same recipe): the head ``head-<tag>`` (``head-<tag>-run<N>`` for N > 1), the row ``(tag, run)``

@@ -327,13 +327,17 @@ def export_checkpoint(args) -> None:
     from safetensors.torch import load_file
 
     from bench.harness import OnlineRun, bench_recipe, build_head, load_recipe_target, special_ids
+    from pipelines.recipe import load_recipe
 
     state, ckpt = json.loads(Path(args.state).read_text()), Path(args.checkpoint)
     step = int(ckpt.name.rsplit("_", 1)[-1])
     rows = regenerated(keep_dir(args.keep))
     if len(rows) < state["size"]:
         raise SystemExit(f"only {len(rows)} regenerated conversations under {args.keep}, the run used {state['size']}")
-    recipe = bench_recipe(RECIPE, train_overrides(state["method"], state["overrides"]))
+    overrides = train_overrides(state["method"], state["overrides"])
+    # the recipe as the run resolved it: a GPU run's target dtype (its target_sha256 in the head) and attention,
+    # not this machine's CPU overrides
+    recipe = load_recipe(RECIPE, overrides) if state.get("environment", {}).get("cuda") else bench_recipe(RECIPE, overrides)
     model, tok = load_recipe_target(recipe)
     h = build_head(recipe, rows[: state["size"]], always_keep=special_ids(tok))
     weights = load_file(str(ckpt / "model.safetensors"))
