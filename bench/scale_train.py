@@ -331,6 +331,7 @@ def export_checkpoint(args) -> None:
 
     state, ckpt = json.loads(Path(args.state).read_text()), Path(args.checkpoint)
     step = int(ckpt.name.rsplit("_", 1)[-1])
+    weights = load_file(str(ckpt / "model.safetensors"))  # before the plan's minutes: a missing file fails here
     rows = regenerated(keep_dir(args.keep))
     if len(rows) < state["size"]:
         raise SystemExit(f"only {len(rows)} regenerated conversations under {args.keep}, the run used {state['size']}")
@@ -340,7 +341,6 @@ def export_checkpoint(args) -> None:
     recipe = load_recipe(RECIPE, overrides) if state.get("environment", {}).get("cuda") else bench_recipe(RECIPE, overrides)
     model, tok = load_recipe_target(recipe)
     h = build_head(recipe, rows[: state["size"]], always_keep=special_ids(tok))
-    weights = load_file(str(ckpt / "model.safetensors"))
     if not torch.equal(weights["d2t"], h.drafter.d2t.cpu()):
         raise SystemExit(f"{ckpt}: its draft vocabulary is not the rebuilt plan's: not trained on this set")
     missing, unexpected = h.drafter.load_state_dict(weights, strict=False)

@@ -56,3 +56,26 @@ def test_shard_flag_parses_and_refuses_bad_shards():
     for bad in ("3/3", "1", "-1/2", "a/b"):
         with pytest.raises(argparse.ArgumentTypeError, match="0 <= I < N"):
             _shard(bad)
+
+
+def test_set_lengths_counts_tokens_turns_and_sources():
+    """``bench.scale.set_lengths``: tokens per conversation from the chat template, the tail counts, turns, sources."""
+    from bench.scale import set_lengths
+
+    class Tok:  # one token per character of the contents, as a chat template's input_ids
+        def apply_chat_template(self, messages, tokenize, return_dict):
+            assert tokenize and return_dict
+            return {"input_ids": list("".join(m["content"] for m in messages))}
+
+    def conv(n_chars: int, turns: int, source: str) -> dict:
+        msgs = [m for _ in range(turns) for m in ({"role": "user", "content": ""},
+                                                  {"role": "assistant", "content": "x" * (n_chars // turns)})]
+        return {"messages": msgs, "source": source}
+
+    rows = [conv(100, 1, "self_instruct")] * 8 + [conv(3000, 2, "sharegpt"), conv(5000, 4, "sharegpt")]
+    got = set_lengths(rows, Tok())
+    assert got["conversations"] == 10 and got["tokens_total"] == 8 * 100 + 3000 + 5000
+    assert got["sources"] == {"self_instruct": 8, "sharegpt": 2}
+    assert (got["over_1024"], got["over_2048"], got["over_4096"]) == (2, 2, 1)
+    assert got["assistant_turns"] == {"1": 8, "2": 1, "4": 1}
+    assert got["tokens_percentiles"]["p50"] == 100 and got["tokens_percentiles"]["p100"] == 5000
