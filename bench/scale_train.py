@@ -336,8 +336,9 @@ def export_checkpoint(args) -> None:
     if len(rows) < state["size"]:
         raise SystemExit(f"only {len(rows)} regenerated conversations under {args.keep}, the run used {state['size']}")
     overrides = train_overrides(state["method"], state["overrides"])
-    # the recipe as the run resolved it: a GPU run's target dtype (its target_sha256 in the head) and attention,
-    # not this machine's CPU overrides
+    # the recipe as the run resolved it: a GPU run's target dtype and attention, not this machine's CPU overrides
+    # (target_sha256 in the head is this machine's conversion at that dtype: the asset checksum covers its
+    # config files, so it may differ from the training machine's)
     recipe = load_recipe(RECIPE, overrides) if state.get("environment", {}).get("cuda") else bench_recipe(RECIPE, overrides)
     model, tok = load_recipe_target(recipe)
     h = build_head(recipe, rows[: state["size"]], always_keep=special_ids(tok))
