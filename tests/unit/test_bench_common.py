@@ -50,12 +50,12 @@ def test_shard_flag_parses_and_refuses_bad_shards():
     """``bench.scale regenerate --shard I/N`` (several engines on one GPU): ``0 <= I < N`` or a clear error."""
     import argparse
 
-    from bench.scale import _shard
+    from bench.scale import parse_shard
 
-    assert _shard("1/3") == (1, 3)
+    assert parse_shard("1/3") == (1, 3)
     for bad in ("3/3", "1", "-1/2", "a/b"):
         with pytest.raises(argparse.ArgumentTypeError, match="0 <= I < N"):
-            _shard(bad)
+            parse_shard(bad)
 
 
 def test_set_lengths_counts_tokens_turns_and_sources():

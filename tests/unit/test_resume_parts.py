@@ -142,14 +142,10 @@ def test_checkpoint_that_lacks_a_trainable_weight_is_refused(runs, tmp_path):
 
 def test_parts_over_one_return_are_held_back(tmp_path, monkeypatch):
     """A call returns <= RETURN_PARTS files and <= RETURN_BYTES together, or none of the files over: the parts
-    past that stay in <keep>/return-rest for `run_scale.sh rest`, the first ones whole; returns_needed counts
-    the calls the same way (bench.resume_state)."""
-    from bench.resume_state import returns_needed
-
+    past that stay in <keep>/return-rest for `run_scale.sh rest`, the first ones whole; return_groups (whose
+    length bench.resume_state reports as calls) groups them the same way."""
     monkeypatch.setattr(scale_train, "RETURN_PARTS", 3)
     monkeypatch.setattr(scale_train, "RETURN_BYTES", 100)
-    monkeypatch.setattr("bench.resume_state.RETURN_PARTS", 3)
-    monkeypatch.setattr("bench.resume_state.RETURN_BYTES", 100)
     out, keep = tmp_path / "out", tmp_path / "keep"
     out.mkdir()
     parts = []
@@ -160,6 +156,6 @@ def test_parts_over_one_return_are_held_back(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["ckpt-x.tar.part00", "ckpt-x.tar.part01"]  # 80 <= 100
     assert [p.name for p in moved] == [f"ckpt-x.tar.part0{i}" for i in (2, 3, 4)]
     assert sorted(p.name for p in (keep / scale_train.REST_DIR).iterdir()) == [p.name for p in moved]
-    assert returns_needed([40, 40, 40, 10, 10]) == 2
-    assert returns_needed([10] * 7) == 3  # 3 files a call
+    assert len(scale_train.return_groups([40, 40, 40, 10, 10])) == 2
+    assert len(scale_train.return_groups([10] * 7)) == 3  # 3 files a call
     assert scale_train.hold_back(parts[:2], keep) == [] and not list((keep / scale_train.REST_DIR).iterdir())
