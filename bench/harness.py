@@ -5,14 +5,16 @@ What the train stage does, step for step (``pipelines.stages.train`` + ``pipelin
 
 * :func:`bench_recipe`: ``pipelines.recipe.load_recipe(path, overrides)``; on a machine without CUDA the target
   and capture run in float32 and the objective uses dense attention (``--set`` overrides, recorded);
-* :func:`build_head`: ``pipelines.train.plan_from_conversations`` (drafter config from the recipe's ``drafter``
-  section, d2t/t2d from the conversations' assistant-token counts, epoch length), then
-  ``pipelines.train.build_drafter`` (vocabulary mapping, init from the target, frozen embeddings unless
-  ``drafter.train_embed_tokens``) and ``peagle_core.objectives.objective_class(method)(plan.objective)``;
-  :func:`prepare` adds the target for the online capture;
-* :meth:`OnlineRun.samples_for_epoch`: streaming capture with ``pipelines.capture.capture_batch`` and the
-  recipe's ``capture`` section, the target loaded by ``pipelines.capture.load_target`` (the capture stage's
-  actor does the same per batch);
+* :func:`build_head`: the conversations tokenized once as capture tokenizes them (``pipelines.capture.tokenize_rows``),
+  ``pipelines.train.plan_from_tokenized`` (= ``plan_from_conversations``: drafter config from the recipe's
+  ``drafter`` section, d2t/t2d from the assistant-token counts, epoch length), then ``pipelines.train.build_drafter``
+  (vocabulary mapping, init from the target, frozen embeddings unless ``drafter.train_embed_tokens``) and
+  ``peagle_core.objectives.objective_class(method)(plan.objective)``; :func:`prepare` adds the target for the
+  online capture;
+* :meth:`OnlineRun.samples_for_epoch`: streaming capture of those tokenized rows with
+  ``pipelines.capture.capture_tokenized`` and the recipe's ``capture`` section, the target loaded by
+  ``pipelines.capture.load_target`` (the capture stage's actor does the same per batch); an epoch is a sequence,
+  captured a chunk at a time when read, so a resume runs the target only from its data position on;
 * :meth:`OnlineRun.train`: ``pipelines.train.train_in_process`` with the plan's ``training`` section;
 * :meth:`OnlineRun.export`: ``peagle_core.contract.export_head`` with the metadata the train stage writes.
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,11 +61,51 @@ def resolved(recipe, fields: Sequence[str] = RECORDED_FIELDS) -> dict[str, Any]:
     return out
 
 
+class CapturedEpoch(Sequence):
+    """One epoch's samples in its order, captured by the target ``chunk`` samples at a time when first read
+    (``pipelines.capture.capture_tokenized``): the trainer enters a sequence at a resume's data position
+    (``pipelines.train.loop.Trainer._remaining``), so the samples before it are never captured. Chunks are cut at
+    fixed indices of the epoch, so a resumed run captures the same batches as an uninterrupted one.
+
+    Items: ``{sample_id, input_ids int32 [N], loss_mask uint8 [N], aux [N, 3*Ht], final_hidden [N, Ht]}``.
+
+    Raises:
+        IndexError: an index outside the epoch.
+        RuntimeError: capture returned another number of samples than it was given.
+    """
+
+    def __init__(self, run: OnlineRun, order: list[int]) -> None:
+        self.run, self.order = run, order
+        self._chunk_index, self._chunk = -1, []
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> dict:
+        from pipelines.capture import capture_tokenized
+        from pipelines.capture.forward import pad_id
+
+        if not 0 <= i < len(self.order):
+            raise IndexError(f"sample {i} of an epoch of {len(self.order)}")
+        run, c = self.run, i // self.run.chunk
+        if c != self._chunk_index:
+            tokenized = [run.samples[j] for j in self.order[c * run.chunk:(c + 1) * run.chunk]]
+            self._chunk = capture_tokenized(run.model, tokenized, run.recipe.capture, run.plan.drafter.aux_layer_ids,
+                                            pad_token_id=pad_id(run.tokenizer),
+                                            max_length_tokens=run.recipe.data.max_length_tokens, stats=run.stats,
+                                            validate=False)
+            if len(self._chunk) != len(tokenized):
+                raise RuntimeError(f"capture returned {len(self._chunk)} samples for {len(tokenized)} rows")
+            self._chunk_index = c
+        return self._chunk[i - c * run.chunk]
+
+
 @dataclass
 class OnlineRun:
     """One training run's pieces, built by :func:`prepare`: the recipe and plan, the drafter and the target's
-    ``lm_head [V, Ht]``, the objective, the target (model, tokenizer) for the online capture, the
-    conversations, the capture's counters."""
+    ``lm_head [V, Ht]``, the objective, the target (model, tokenizer) for the online capture, the tokenized
+    conversations (:attr:`Head.samples`) with the index of each one's row among the ``num_rows`` conversations
+    given, the capture's counters."""
 
     recipe: Any
     plan: Any
@@ -72,7 +114,9 @@ class OnlineRun:
     objective: Any
     model: Any
     tokenizer: Any
-    rows: list[dict]
+    samples: list[dict]
+    sample_rows: list[int]
+    num_rows: int
     chunk: int = 256
     stats: Counter = field(default_factory=Counter)
 
@@ -80,18 +124,12 @@ class OnlineRun:
     def device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def samples_for_epoch(self, epoch: int) -> Iterator[dict]:
-        """Streaming capture of a seeded permutation of the conversations (the same order for the same epoch, so a
-        resume skips exactly the samples trained), ``chunk`` conversations per ``capture_batch`` call."""
-        from pipelines.capture import capture_batch
-
-        perm = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(epoch)).tolist()
-        rows = [self.rows[i] for i in perm]
-        r = self.recipe
-        for s in range(0, len(rows), self.chunk):
-            yield from capture_batch(self.model, self.tokenizer, rows[s:s + self.chunk], r.capture,
-                                     self.plan.drafter.aux_layer_ids, max_length_tokens=r.data.max_length_tokens,
-                                     stats=self.stats, validate=False)
+    def samples_for_epoch(self, epoch: int) -> CapturedEpoch:
+        """A seeded permutation of the conversations (the same order for the same epoch, so a resume skips exactly
+        the samples trained; the conversations tokenization dropped left out), captured as it is read."""
+        perm = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(epoch)).tolist()
+        sample_of = {row: k for k, row in enumerate(self.sample_rows)}
+        return CapturedEpoch(self, [sample_of[i] for i in perm if i in sample_of])
 
     def train(self, max_steps: int, *, drafter=None, update: dict | None = None, **kwargs):
         """``train_in_process`` for ``max_steps`` steps (the cosine horizon) on the plan's ``training`` section
@@ -141,25 +179,44 @@ class Head:
     drafter: Any
     lm_head: torch.Tensor
     objective: Any
+    samples: list[dict]
+    sample_rows: list[int]
 
 
 def build_head(recipe, rows: list[dict], *, always_keep: Sequence[int] = ()) -> Head:
     """:class:`Head` for ``rows`` (``{id, messages}``: what the draft vocabulary is counted on) under ``recipe``:
-    ``plan_from_conversations``, ``build_drafter`` after the worker's seed, ``objective_class(method)``.
+    the rows tokenized once (``pipelines.capture.tokenize_rows`` with ``data.max_length_tokens`` and
+    ``capture.on_too_long``; kept as :attr:`Head.samples`, ``{sample_id, input_ids int32 [N], loss_mask uint8 [N]}``,
+    with :attr:`Head.sample_rows`, each one's index in ``rows``), ``plan_from_tokenized``, ``build_drafter`` after
+    the worker's seed, ``objective_class(method)``.
 
     Raises:
-        ValueError: the recipe does not fit the target (``pipelines.train.plan_from_conversations``).
+        ValueError: the recipe does not fit the target (``pipelines.train.plan_from_tokenized``), or the target
+            tokenizer has no chat template.
     """
-    from peagle_core.objectives import objective_class
-    from pipelines.train import build_drafter, plan_from_conversations
+    from transformers import AutoTokenizer
 
-    plan = plan_from_conversations(recipe.training, recipe.drafter, recipe.target, rows,
-                                   max_length_tokens=recipe.data.max_length_tokens,
-                                   on_too_long=recipe.capture.on_too_long, always_keep_token_ids=always_keep)
+    from peagle_core.objectives import objective_class
+    from pipelines.assets import resolve_target
+    from pipelines.capture import row_sample_id, tokenize_rows
+    from pipelines.capture.rows import SAMPLE_ID
+    from pipelines.train import build_drafter, plan_from_tokenized
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(recipe.target)[0].path))
+    samples = tokenize_rows(tokenizer, rows, max_length_tokens=recipe.data.max_length_tokens,
+                            on_too_long=recipe.capture.on_too_long)
+    sample_rows, j = [], 0  # tokenization keeps the rows' order and drops some: walk both
+    for i, row in enumerate(rows):
+        if j < len(samples) and samples[j][SAMPLE_ID] == row_sample_id(row):
+            sample_rows.append(i)
+            j += 1
+    plan = plan_from_tokenized(recipe.training, recipe.drafter, recipe.target, samples,
+                               always_keep_token_ids=always_keep)
     torch.manual_seed(recipe.training.seed)  # the worker's init seed
     drafter, lm_head = build_drafter(plan)
     return Head(plan=plan, drafter=drafter, lm_head=lm_head,
-                objective=objective_class(recipe.training.method)(plan.objective))
+                objective=objective_class(recipe.training.method)(plan.objective), samples=samples,
+                sample_rows=sample_rows)
 
 
 def load_recipe_target(recipe):
@@ -181,6 +238,12 @@ def prepare(recipe, rows: list[dict], *, chunk: int = 256) -> OnlineRun:
     """:func:`build_head` for ``rows`` and the target for their online capture (the draft vocabulary keeps the
     tokenizer's eos and pad ids)."""
     model, tok = load_recipe_target(recipe)
-    h = build_head(recipe, rows, always_keep=special_ids(tok))
-    return OnlineRun(recipe=recipe, plan=h.plan, drafter=h.drafter, lm_head=h.lm_head, objective=h.objective,
-                     model=model, tokenizer=tok, rows=rows, chunk=chunk)
+    return online_run(recipe, build_head(recipe, rows, always_keep=special_ids(tok)), model, tok, len(rows),
+                      chunk=chunk)
+
+
+def online_run(recipe, head: Head, model, tokenizer, num_rows: int, *, chunk: int = 256) -> OnlineRun:
+    """:class:`OnlineRun` of ``head`` (built by :func:`build_head` on ``num_rows`` conversations) and the target."""
+    return OnlineRun(recipe=recipe, plan=head.plan, drafter=head.drafter, lm_head=head.lm_head,
+                     objective=head.objective, model=model, tokenizer=tokenizer, samples=head.samples,
+                     sample_rows=head.sample_rows, num_rows=num_rows, chunk=chunk)

@@ -337,7 +337,7 @@ def export_checkpoint(args) -> None:
     """
     from safetensors.torch import load_file
 
-    from bench.harness import OnlineRun, bench_recipe, build_head, load_recipe_target, special_ids
+    from bench.harness import bench_recipe, build_head, load_recipe_target, online_run, special_ids
     from pipelines.recipe import load_recipe
 
     state, ckpt = json.loads(Path(args.state).read_text()), Path(args.checkpoint)
@@ -358,8 +358,7 @@ def export_checkpoint(args) -> None:
     missing, unexpected = h.drafter.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if not k.startswith("embed_tokens")]:
         raise SystemExit(f"{ckpt}: missing {missing}, unexpected {unexpected}")
-    run = OnlineRun(recipe=recipe, plan=h.plan, drafter=h.drafter, lm_head=h.lm_head, objective=h.objective,
-                    model=model, tokenizer=tok, rows=rows[: state["size"]])
+    run = online_run(recipe, h, model, tok, state["size"])
     name = head_name(state["tag"], state["run"])
     head = run.export(Path(args.out) / f"head-{name}-step{step}", step=step,
                       extra={"conversations": state["size"], "run": state["run"], "from_checkpoint": str(ckpt.name),

@@ -126,7 +126,7 @@ def prepare_samples(
     stats = stats if stats is not None else Counter()
     out = []
     for row in rows:
-        sid = str(row.get(SAMPLE_ID) or row["id"])
+        sid = row_sample_id(row)
         stats["num_conversations"] += 1
         try:
             ids, mask = tokenize_conversation(tokenizer, row["messages"], sid)
@@ -145,6 +145,11 @@ def prepare_samples(
             continue
         out.append((sid, ids, mask))
     return out
+
+
+def row_sample_id(row: Mapping[str, Any]) -> str:
+    """A conversation row's sample id: its ``sample_id``, else its ``id`` (the id capture gives its sample)."""
+    return str(row.get(SAMPLE_ID) or row["id"])
 
 
 def tokenize_rows(

@@ -52,6 +52,7 @@ from pipelines.train.plan import (
     TrainPlan,
     plan_from_capture,
     plan_from_conversations,
+    plan_from_tokenized,
     total_steps,
 )
 from pipelines.train.target_weights import (
@@ -77,7 +78,7 @@ __all__ = [
     "chain_digest", "check_init_head", "epoch_file", "epoch_order", "estimate_steps_per_epoch", "fetch_init_head",
     "init_drafter_from_target", "iter_packed_batches", "latest_checkpoint",
     "load_init_weights", "load_target_embed", "load_target_lm_head", "load_target_tensor", "lr_multiplier",
-    "optimizer_digest", "plan_from_capture", "plan_from_conversations", "resolve_init_from",
+    "optimizer_digest", "plan_from_capture", "plan_from_conversations", "plan_from_tokenized", "resolve_init_from",
     "run_train", "total_steps",
     "train_in_process", "train_loop_per_worker",
 ]

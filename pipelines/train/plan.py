@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 PARALLEL_STRATEGIES = get_args(TrainingConfig.model_fields["parallel_strategy"].annotation)  # the recipe's Literal
 
 __all__ = [
-    "TrainPlan", "check_capture", "plan_from_capture", "plan_from_conversations",
+    "TrainPlan", "check_capture", "plan_from_capture", "plan_from_conversations", "plan_from_tokenized",
     "total_steps",
 ]
 
@@ -169,8 +169,20 @@ def plan_from_conversations(training: TrainingConfig, drafter: DrafterSpec, targ
     sizes = _Sizing(training, drafter, target, init_head)
     tokenizer = AutoTokenizer.from_pretrained(str(sizes.target_dir))
     samples = tokenize_rows(tokenizer, conversations, max_length_tokens=max_length_tokens, on_too_long=on_too_long)
-    counts = count_assistant_tokens(samples, sizes.drafter.vocab_size) if sizes.needs_counts else None
-    return sizes.plan([len(s[INPUT_IDS]) for s in samples], counts, always_keep_token_ids)
+    return sizes.plan_tokenized(samples, always_keep_token_ids)
+
+
+def plan_from_tokenized(training: TrainingConfig, drafter: DrafterSpec, target: TargetConfig,
+                        samples: Sequence[dict[str, Any]], *, always_keep_token_ids: Iterable[int] = (),
+                        init_head: InitHead | None = None) -> TrainPlan:
+    """:func:`plan_from_conversations` for conversations the caller tokenized already
+    (``pipelines.capture.tokenize_rows``: ``{sample_id, input_ids [N], loss_mask [N]}``), e.g. to keep them for an
+    online capture that runs the target only on what it trains (``bench.harness.OnlineRun``).
+
+    Raises:
+        ValueError: a bad configuration (checked before the samples are counted).
+    """
+    return _Sizing(training, drafter, target, init_head).plan_tokenized(samples, always_keep_token_ids)
 
 
 class _Sizing:
@@ -226,6 +238,11 @@ class _Sizing:
     def needs_counts(self) -> bool:
         """A pruned vocabulary chosen from this run's token counts (a warm start takes the head's instead)."""
         return self.pruned and self.init_head is None
+
+    def plan_tokenized(self, samples: Sequence[dict[str, Any]], always_keep: Iterable[int]) -> TrainPlan:
+        """:meth:`plan` from tokenized rows: their lengths and (for a pruned vocabulary) assistant-token counts."""
+        counts = count_assistant_tokens(samples, self.drafter.vocab_size) if self.needs_counts else None
+        return self.plan([len(s[INPUT_IDS]) for s in samples], counts, always_keep)
 
     def plan(self, lengths: Sequence[int], counts: torch.Tensor | None, always_keep: Iterable[int]) -> TrainPlan:
         """Raises:
