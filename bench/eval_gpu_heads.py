@@ -115,6 +115,8 @@ class Eval:
     session: int = 1
     today: str = ""
     notes: dict = field(default_factory=dict)  # what else the file holds (notes on sessions, ...): kept
+    baseline: bool = True  # measure no speculation first in a session that lacks it (its rows' speedup)
+    head_facts: dict = field(default_factory=dict)  # {(tag, run): more keys of that head's entry in "heads"}
 
     @classmethod
     def open(cls, args) -> Eval:
@@ -132,8 +134,8 @@ class Eval:
     def save(self, num_prompts: int) -> None:
         """Rewrite the result file (rows of earlier runs with the same ``--name`` are kept)."""
         listed = {(h["head"], h["run"]) for h in self.prev_heads}
-        heads = self.prev_heads + [{"head": t, "run": r, "dir": d} for (t, r), d in self.heads.items()
-                                   if (t, r) not in listed]
+        heads = self.prev_heads + [{"head": t, "run": r, "dir": d} | self.head_facts.get((t, r), {})
+                                   for (t, r), d in self.heads.items() if (t, r) not in listed]
         write_result(self.args.name, out_dir=self.path.parent, payload=self.notes | {
             "prompts": num_prompts, "max_tokens": self.args.max_tokens, "vllm": installed_vllm_version(),
             "engine": engine_record(self.args.engine),
@@ -144,11 +146,12 @@ class Eval:
                 and r.get("session") == self.session]
 
     def pending(self, set_name: str, conc: list[int], k_sweep: list[int]) -> dict:
-        """``{head: [K...]}`` still to measure on ``set_name`` (no speculation first when this session lacks it)."""
+        """``{head: [K...]}`` still to measure on ``set_name`` (no speculation first when this session lacks it and
+        ``baseline`` is set)."""
         done = {(r["eval_set"], r.get("head"), r.get("run"), r["K"], r["concurrency"]) for r in self.rows}
         out = {h: ks for h in self.heads
                if (ks := [k for k in k_sweep if any((set_name, *h, k, c) not in done for c in conc)])}
-        if out and not set(conc) <= {r["concurrency"] for r in self.none_rows(set_name)}:
+        if self.baseline and out and not set(conc) <= {r["concurrency"] for r in self.none_rows(set_name)}:
             out = {(NONE_LABEL, None): k_sweep} | out  # speed-ups are against no speculation of the same session
         return out
 
@@ -192,17 +195,23 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _run_set(ev: Eval, target: str, set_name: str, conc: list[int], prompts, k_sweep: list[int],
-             engine_env: dict) -> None:
-    """Every pending (head, K) on one eval set through the evaluate stage's function, then the offline check."""
+def run_set(ev: Eval, target: str, set_name: str, conc: list[int], prompts, k_sweep: list[int],
+            engine_env: dict, *, source_kind: str | None = None, engine_kwargs: dict | None = None) -> None:
+    """Every pending (head, K) on one eval set through the evaluate stage's function; the result file is
+    rewritten after each head.
+
+    ``source_kind``: the eval source the prompts come from (default ``set_name``; ``bench.long_context`` names a
+    set per history length). ``engine_kwargs``: vLLM kwargs (default ``ENGINES[--engine]``'s).
+    """
     from pipelines.evaluate.measure import evaluate
     from pipelines.recipe import EvalConfig, SourceConfig
 
     a = ev.args
-    engine_kwargs = ENGINES[a.engine][1]
+    engine_kwargs = ENGINES[a.engine][1] if engine_kwargs is None else engine_kwargs
     for head, ks in ev.pending(set_name, conc, k_sweep).items():
         method = "none" if head[0] == NONE_LABEL else ev.methods[head]
-        cfg = EvalConfig(sources=[SourceConfig(kind=set_name)], num_prompts=a.num_prompts, max_tokens=a.max_tokens,
+        cfg = EvalConfig(sources=[SourceConfig(kind=source_kind or set_name)], num_prompts=a.num_prompts,
+                         max_tokens=a.max_tokens,
                          num_speculative_tokens_sweep=ks, concurrency_sweep=conc, methods=[method],
                          include_offline_decoder=False, step_costs=a.step_costs or None)
         name = head[0] if head[1] in (None, 1) else f"{head[0]}-run{head[1]}"
@@ -249,7 +258,7 @@ def main() -> None:
             out.write_text(json.dumps(prompts))
             print(f"wrote {len(prompts)} prompts to {out}")
             continue
-        _run_set(ev, target, set_name, conc, prompts, [int(k) for k in args.k.split(",")], engine_env)
+        run_set(ev, target, set_name, conc, prompts, [int(k) for k in args.k.split(",")], engine_env)
         if args.offline_k and set_name == next(iter(sets)):
             _offline(ev, target, set_name, prompts)
 

@@ -5,13 +5,21 @@
 Every figure comes from a result file (``bench.report_fmt.load``); the sections live in one module per group:
 :mod:`bench.report_kernels` (drafting cost, training step, capture), :mod:`bench.report_decode` (reference
 decoder, DDP, GPU recipe, demo sweep), :mod:`bench.report_data` (warm-up, data path, the main job, shifted
-traffic), :mod:`bench.report_scale` and :mod:`bench.report_scale_eval` (data scaling), :mod:`bench.report_gpu_vllm`
-(GPU vLLM). Rerunning a benchmark and this command updates every figure.
+traffic), :mod:`bench.report_scale` and :mod:`bench.report_scale_eval` (data scaling),
+:mod:`bench.report_long_context` (acceptance by position in the sequence), :mod:`bench.report_gpu_vllm` (GPU vLLM).
+Rerunning a benchmark and this command updates every figure.
 """
 
 from __future__ import annotations
 
-from bench import report_data, report_decode, report_gpu_vllm, report_kernels, report_scale
+from bench import (
+    report_data,
+    report_decode,
+    report_gpu_vllm,
+    report_kernels,
+    report_long_context,
+    report_scale,
+)
 from bench.report_fmt import DOC, load
 
 __all__ = ["main"]
@@ -22,6 +30,7 @@ def main() -> None:
              "`bench/`, the device calls that produced them in `bench/device/`. These are measurements, not tests."), ""]
     for sections in (report_kernels.sections, report_decode.sections, report_data.sections, report_scale.sections):
         sections(lines)
+    report_long_context.acceptance_by_position(lines)
     report_data.shifted_traffic(lines)
     report_gpu_vllm.main_sections(lines, load)
     DOC.parent.mkdir(parents=True, exist_ok=True)

@@ -63,11 +63,9 @@ def load_eval_prompts(
         ValueError: MT-Bench ``turns: 2`` without ``engine``; every error of ``load_conversations``
             (a self_instruct source among them).
     """
-    from pipelines.data.prompts import load_conversations, sample
-
     out: dict[str, list[list[int]]] = {}
     for src in sources:
-        ds = sample(load_conversations(src, seed=seed, heldout=True), num_prompts, seed)
+        ds = eval_conversations(src, num_prompts=num_prompts, seed=seed)
         convs = list(ds["messages"])
         if src.kind == "mtbench" and src.turns == 2:
             convs = mtbench_two_turns(ds.to_list(), engine, max_tokens)
@@ -79,6 +77,20 @@ def load_eval_prompts(
             ids = kept
         out[src.eval_set_name()] = ids
     return out
+
+
+def eval_conversations(src: SourceConfig, *, num_prompts: int, seed: int = 0):
+    """The conversations evaluation asks of ``src``: ``num_prompts`` of its held-out rows drawn with ``seed``
+    (``pipelines.data.prompts.sample``: the first ``n`` of a larger draw are the ``n`` drawn), as a
+    ``datasets.Dataset`` with ``messages`` (and ``id``). :func:`load_eval_prompts` tokenizes them; a caller that
+    puts turns before them (``bench.long_context``) takes the messages.
+
+    Raises:
+        ValueError: every error of ``pipelines.data.prompts.load_conversations``.
+    """
+    from pipelines.data.prompts import load_conversations, sample
+
+    return sample(load_conversations(src, seed=seed, heldout=True), num_prompts, seed)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,86 @@
+"""Acceptance length by position in the sequence (issue 26 item 4): the rows of ``bench.long_context``
+(``bench/results/long_context.json``), the heads' training cut as that file recorded it, and the reading.
+"""
+
+from __future__ import annotations
+
+from bench.report_fmt import env, f, section, table
+from bench.report_scale import label, train_row
+
+RESULT = "long_context"  # bench.long_context --name
+# Literature anchor (issue 26 item 4): short-trained EAGLE-3 heads in a speculators study, AL by context length.
+ANCHOR_AL = {2048: 2.30, 20480: 1.08}
+
+
+def _cut_text(heads: list[dict]) -> str:
+    """The heads' training cut (``train_max_length_tokens`` of the result file's ``heads``): one number when they
+    agree, else per head."""
+    cuts = {h["head"]: h.get("train_max_length_tokens") for h in heads}
+    known = {c for c in cuts.values() if c is not None}
+    if not known:
+        return "The heads' training cut was not recorded (no recipe.yaml beside them)."
+    if len(known) == 1 and None not in cuts.values():
+        return (f"Every head here was trained on conversations cut at {known.pop():,} tokens (`data.max_length_tokens` "
+                "of its recipe), so longer histories put the question at positions it never trained on.")
+    return "Training cut (`data.max_length_tokens` of each head's recipe): " + ", ".join(
+        f"{h} {c:,}" if c is not None else f"{h} not recorded" for h, c in cuts.items()) + "."
+
+
+def acceptance_by_position(lines: list[str]) -> None:
+    """The section: the command and engine, how the prompts were built, the table per (head, L), the reading;
+    "not run" without the result file."""
+    r = section(lines, RESULT, "## Acceptance length by position in the sequence (issue 26 item 4)")
+    if r is None:
+        return
+    sets, e, ho = r["sets"], r["engine"], r["held_out"]
+    rows = sorted(r["rows"], key=lambda x: (x["head"] != "none", x["head"], x["run"] or 0,
+                                            sets[x["eval_set"]]["context_tokens"]))
+    runs = [(x["head"], x["run"]) for x in rows if x["head"] != "none"]
+    lines += [" ".join(f"`{c}`" for c in r["commands"]) + f" ({env(r, triton=False)}).", ""]
+    lines += [(f"{e['vllm']}, {e['dtype']}, {e['num_cpus']} CPUs, max_model_len "
+               f"{r['engine_kwargs']['max_model_len']:,}, greedy, c=1, K={r['K']}, {r['max_tokens']} new tokens. "
+               f"Each prompt is one of the first {r['prompts']} {r['questions']} questions (seed 0, the prompts "
+               "evaluation asks) after a chat history that adds >= L tokens to it: whole conversations (user turns "
+               f"and the target's own answers) of data build {ho['build']}'s held-out tail (its "
+               f"{ho['conversations']:,} conversations from index {ho['first']:,}, after every training run's prefix), "
+               "each question its own, the nearest conversation the same at every L; conversations that alone add "
+               f"more than {ho['max_conversation_tokens']:,} tokens are skipped. L = 0 is the bare question. AL = 1 + "
+               "accepted / drafts from vLLM's counters, one fresh engine per head and L; tokens/s = output tokens / "
+               "wall time of the requests, each request's prefill included, on CPU cores shared with other work, so "
+               "speed-ups across L are rough (AL does not depend on the machine's speed). "
+               + _cut_text(r["heads"])), ""]
+    out = []
+    for x in rows:
+        s = sets[x["eval_set"]]
+        name = "none" if x["head"] == "none" else label(x["head"], x["run"], runs)
+        out.append([name, x["K"], f"{s['context_tokens']:,}", f"{s['history_tokens_mean']:,.0f}",
+                    f"{s['prompt_tokens_mean']:,.0f}", x["num_drafts"] if x["K"] else "-", f(x["acceptance_length"]),
+                    " / ".join(f(p) for p in x["al_per_pos"]) or "-", f(x["tokens_per_s"], 1), f(x.get("speedup"))])
+    lines += table(["head", "K", "L (history >=)", "history tokens (mean)", "prompt tokens (mean)", "drafts", "AL",
+                    "acceptance per position", "tokens/s", "speed-up"], out)
+    lines += ["", _reading(rows, sets, runs), ""]
+    other = [f"{label(h['head'], h['run'], runs)} (data build {b})" for h in r["heads"]
+             if (b := train_row(h["head"], h["run"]).get("data_build")) not in (None, ho["build"])]
+    if other:
+        lines += [(f"Trained on another data build than the histories': {', '.join(other)}; that build is another "
+                   "regenerated set (its own self-instruct prompts, the target's answers), so the histories are new "
+                   "to these heads too."), ""]
+
+
+def _reading(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str:
+    """Per head: AL at its shortest and longest history, and the anchor."""
+    parts = []
+    for head in dict.fromkeys(runs):
+        mine = [x for x in rows if (x["head"], x["run"]) == head]
+        lo, hi = mine[0], mine[-1]  # rows are sorted by L
+        if lo is hi:
+            continue
+        slo, shi = sets[lo["eval_set"]], sets[hi["eval_set"]]
+        parts.append(f"{label(*head, runs)} AL {lo['acceptance_length']:.2f} at L = {slo['context_tokens']:,} "
+                     f"({slo['prompt_tokens_mean']:,.0f} prompt tokens) and {hi['acceptance_length']:.2f} at L = "
+                     f"{shi['context_tokens']:,} ({shi['prompt_tokens_mean']:,.0f}), "
+                     f"{hi['acceptance_length'] / lo['acceptance_length'] - 1:+.0%}")
+    (l2, a2), (l20, a20) = ANCHOR_AL.items()
+    return ("Reading: " + "; ".join(parts) + f". For scale, short-trained EAGLE-3 heads in a speculators study fall from "
+            f"AL {a2:.2f} at {l2 // 1024}k to {a20:.2f} at {l20 // 1024}k tokens (issue 26 item 4); here the longest "
+            "history is bounded by the target's context (max_model_len above).")
