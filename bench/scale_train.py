@@ -57,6 +57,7 @@ class _Clock:
     def on_step(self, step: int) -> None:
         m = self.marks
         m.setdefault("first_step", step)
+        m.setdefault("t_first", time.perf_counter())
         if step - m["first_step"] >= self.warmup and "t_warm" not in m:
             m["t_warm"], m["step_warm"] = time.perf_counter(), step
         m["t_last"], m["step_last"] = time.perf_counter(), step
@@ -81,7 +82,14 @@ def train(args) -> None:
     form = args.return_form or DEFAULT_FORM
     if form not in FORMS:
         raise SystemExit(f"--return-form {form!r}: choose one of {sorted(FORMS)}")
+    phases, t = {}, time.perf_counter()  # seconds of this call outside its box, per phase (in the call's record)
+
+    def lap(phase: str) -> None:
+        nonlocal t
+        phases[phase], t = round(time.perf_counter() - t, 1), time.perf_counter()
+
     restore_checkpoint([Path(d).expanduser() for d in args.from_parts], keep, name)  # a new machine's resume
+    lap("restore_parts_s")
     state = json.loads(state_path.read_text()) if state_path.exists() else {"calls": []}
     if state.get("done"):
         print(f"{name} already trained: {state['head_dir']}")
@@ -90,7 +98,9 @@ def train(args) -> None:
     rows = regenerated(keep)
     if len(rows) < args.size:
         raise SystemExit(f"only {len(rows)} regenerated conversations in {keep}/regen, --size {args.size}")
+    lap("read_set_s")
     run = prepare(recipe, rows[: args.size], chunk=args.chunk)
+    lap("tokenize_and_plan_s")
     if "horizon" not in state:  # calibrate on a throwaway copy: warm-up steps, then timed steps
         s_per_step = run.seconds_per_step(warmup_steps=args.warmup_steps_excluded, timed_steps=args.calib_steps)
         state.update(tag=tag, run=args.run, method=args.method, size=args.size, variant=args.variant,
@@ -100,12 +110,16 @@ def train(args) -> None:
                      train_s_goal=args.train_s, steps_per_epoch=run.plan.steps_per_epoch,
                      tokens_per_epoch=run.plan.num_tokens)
         state_path.write_text(json.dumps(state, indent=2))
+        lap("calibration_s")
     call, res = _train_call(run, state["horizon"], ckpt, args)
+    t = time.perf_counter()
+    call["phases"] = phases
     state["calls"].append(call)
     if res is None and args.out:  # stopped at a checkpoint: what a new machine resumes from
         parts = return_checkpoint(ckpt, Path(args.out), name, form)
         call["returned"] = {"form": form, "parts": len(parts), "bytes": sum(p.stat().st_size for p in parts),
                             "held_back": len(hold_back(parts, keep))}
+        lap("return_checkpoint_s")
     if res is not None:
         head = run.export(keep / f"head-{name}", step=res.step, extra={"conversations": args.size, "run": args.run})
         state.update(done=True, steps=res.step, epochs=res.step / max(1, state["steps_per_epoch"]), head_dir=str(head))
@@ -143,6 +157,9 @@ def _train_call(run, horizon: int, ckpt: Path, args) -> tuple[dict, object | Non
     call = {"wall_s": time.perf_counter() - t0, "box_s": args.box_s, "first_step": m.get("first_step"),
             "last_step": m.get("step_last"), "stopped_at_checkpoint": stopped, "timed_s": clock.timed_s(),
             "timed_steps": clock.timed_steps(),
+            # before the first step ends: the checkpoint loaded, the first batch captured, its kernels compiled
+            "to_first_step_s": round(m["t_first"] - t0, 1) if "t_first" in m else None,
+            "warmup_s": round(m["t_warm"] - m["t_first"], 1) if "t_warm" in m else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "final": history[-1] if history else None}
     return call, res

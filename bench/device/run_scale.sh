@@ -28,6 +28,9 @@
 #                                .carry/w2); then the same train call with carry .carry/scale-ckpt. More than 3 parts
 #                                (P-EAGLE: 6) are more than one carry: parts 00-02 go first in .carry/scale-ckpt-a with
 #                                `keep_carry.sh .carry/scale-ckpt-a`, the rest and the json in .carry/scale-ckpt.
+#   return NAME                the latest checkpoint of run NAME in ~/keep returned as a stopped call returns it, without
+#                              training (a train call that ran into its timeout past a checkpoint); then `rest`
+#   rest                       the parts the last call held back
 # Usage: bash bench/device/run_scale.sh STEP [ARGS...]
 set -u
 STEP=${1:-}; shift
@@ -92,7 +95,14 @@ for l in sys.stdin:
     m = json.loads(l); print(int(m['step']), round(m['loss'], 3), 'acc', [round(m.get(f'acc_d{i}', 0), 3) for i in range(8)], round(m.get('tokens_per_s', 0)))"
     rm -f "$OUT/train.log"
     save ;;
+  return)  # NAME (e.g. peagle-99k-600s-run2): its latest checkpoint in ~/keep, packed without training (after a
+           # train call that ran into its timeout past a checkpoint); then `rest` at once
+    . bench/device/env.sh
+    python3 -c "
+import sys; from pathlib import Path; from bench.scale_train import hold_back, return_checkpoint
+k = Path.home() / 'keep'; print(len(hold_back(return_checkpoint(k / f'ckpt-{sys.argv[1]}', Path(sys.argv[2]), sys.argv[1]), k)), 'parts held back')" "$1" "$OUT"
+    ls "$OUT" ;;
   rest)  # the parts that the last train call held back (over one call's 8 files / 64 MiB)
     mv ~/keep/return-rest/* "$OUT/" && ls "$OUT" ;;
-  *) echo "usage: bash bench/device/run_scale.sh prompts NUM | regenerate SIZE BUDGET_S | restore | train METHOD SIZE TRAIN_S [BOX_S [flags...]] | rest"; exit 2 ;;
+  *) echo "usage: bash bench/device/run_scale.sh prompts NUM | regenerate SIZE BUDGET_S | restore | train METHOD SIZE TRAIN_S [BOX_S [flags...]] | return NAME | rest"; exit 2 ;;
 esac

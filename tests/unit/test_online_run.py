@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench.harness import OnlineRun
+from bench.harness import OnlineRun, tokenize_in_parallel
 from pipelines import capture
 from pipelines.recipe import CaptureConfig
 
@@ -61,3 +61,15 @@ def test_epoch_is_the_permuted_capture_and_a_resume_captures_from_its_chunk(mode
     assert captured["rows"] == len(rows) - 1 - 2 * CHUNK  # the samples of chunks 2.. only, each captured once
     with pytest.raises(IndexError):
         resumed[len(resumed)]
+
+
+def test_tokenizing_in_worker_processes_gives_the_one_process_list(tmp_path, tok):  # noqa: F811
+    rows = many_convos(23)
+    rows.insert(7, convo("empty", "hi", " "))  # dropped in its slice, as in one call
+    tok.save_pretrained(tmp_path / "tok")
+    want = capture.tokenize_rows(tok, rows, max_length_tokens=MAX_LEN)
+    got = tokenize_in_parallel(str(tmp_path / "tok"), rows, max_length_tokens=MAX_LEN, on_too_long="truncate",
+                               workers=2, min_rows=0)
+    assert [s["sample_id"] for s in got] == [s["sample_id"] for s in want] and len(got) == 23
+    for g, w in zip(got, want, strict=True):
+        assert (g["input_ids"] == w["input_ids"]).all() and (g["loss_mask"] == w["loss_mask"]).all()
