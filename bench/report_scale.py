@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bench.report_fmt import DOC, approx, f, load, sci, section, table
 from bench.scale import CHUNK_CONVERSATIONS, DATA_DIR, head_ref, parse_shard
+from bench.teacher_forced import HELD_OUT_SET
 
 DEVICE_MINUTES_PER_SESSION = 30  # a session's device time (the workplace's lease limit)
 SCALE_EVAL = "scale_vllm_cpu_eval"  # bench.eval_gpu_heads --name of the heads' vLLM evaluation
@@ -282,6 +283,62 @@ def _teacher_forced_reading(runs: list[dict]) -> str:
             "data and GPU budget.")
 
 
+# bench.teacher_forced on one 99k head: its training domain (held-out self-instruct) against the eval sets
+TEACHER_FORCED_DOMAINS = ["teacher_forced_99k_selfinstruct_heldout", "teacher_forced_99k_sharegpt",
+                          "teacher_forced_99k_humaneval", "teacher_forced_99k_selfinstruct_heldout_384"]
+
+
+def teacher_forced_domains(lines: list[str]) -> None:
+    """Issue 26 item 3: one 99k head's teacher-forced accuracy on held-out conversations of its own training domain
+    (self-instruct) and on the eval sets, beside its training run's last recorded window."""
+    runs = [r for r in (load(n) for n in TEACHER_FORCED_DOMAINS) if r is not None]
+    lines += ["## Deep positions (issue 26 item 3): the same head on its training domain and on the eval sets", ""]
+    if not runs:
+        lines += ["Not run.", ""]
+        return
+    r0 = runs[0]
+    head = Path(r0["head"]).name
+    lines += [(f"`python -m bench.teacher_forced --head {r0['head']} --set SET --k {r0['K']}` (CPU, float32; "
+               f"{r0['prompts']} prompts per set, the target's greedy answer of {r0['max_tokens']} tokens; set "
+               f"`{HELD_OUT_SET}`: first user turns of the 100k set's held-out self-instruct conversations, "
+               "`--keep outputs/keep99`). Columns as in the teacher-forced section above."), ""]
+
+    def pos(xs: list[float]) -> str:
+        return " / ".join(f(x, 3) for x in xs)
+
+    lines += table(["sequences", "teacher-forced acc per depth", "chain over all anchors (AL)", "decoder AL"],
+                   [[f"{r['eval_set']}, {r['max_tokens']} tokens", pos(r["teacher_forced_acc"]), (f"{pos(r['chain_acceptance_per_pos'])} "
+                     f"({f(r['chain_al'])})"), f(r["decoder_al"])] for r in runs])
+    same = [r for r in runs if r["max_tokens"] == r0["max_tokens"]]  # answers as long as the first run's
+    own = next((r for r in same if r["eval_set"] == HELD_OUT_SET), None)
+    others = [r for r in same if r["eval_set"] != HELD_OUT_SET]
+    longer = [r for r in runs if r["eval_set"] == HELD_OUT_SET and r["max_tokens"] > r0["max_tokens"]]
+    base, _, step = head.rpartition("-step")  # bench.scale export-checkpoint: head-<name>-step<N>
+    final = last_final(train_row(*head_ref(base if step.isdigit() else head)))
+    if final:
+        lines += ["", (f"Its run's last recorded training window (step {final['step']:.0f}, batches new to the head: "
+                       f"under one epoch) scored {pos([final[f'acc_d{d}'] for d in range(r0['K'])])} per depth.")]
+    if own and others:
+        d0 = ", ".join(f"{r['eval_set']} {f(r['teacher_forced_acc'][0], 3)}" for r in others)
+        lines += ["", (f"Reading: {head} scores {f(own['teacher_forced_acc'][0], 3)} at depth 0 and chain AL "
+                       f"{f(own['chain_al'])} on conversations of its own training domain it never saw, against {d0} "
+                       "on the eval sets: the gap between training accuracy and vLLM acceptance is "
+                       + ("mostly the domain (what the head was trained on), not generalisation to new "
+                          "conversations."
+                          if own["teacher_forced_acc"][0] - max(r["teacher_forced_acc"][0] for r in others) > 0.05
+                          else "not the domain: the head scores about as low on new conversations of its own "
+                          "domain."))]
+    if own and longer:
+        lo = longer[-1]
+        lines += [(f"With answers of {lo['max_tokens']} tokens instead of {own['max_tokens']} the same prompts give "
+                   f"{f(lo['teacher_forced_acc'][0], 3)} at depth 0 and chain AL {f(lo['chain_al'])} (decoder AL "
+                   f"{f(lo['decoder_al'])}): accuracy "
+                   + ("grows along an answer, so evaluations of the first 96-128 tokens understate a long answer's AL."
+                      if lo["teacher_forced_acc"][0] - own["teacher_forced_acc"][0] > 0.02 else
+                      "does not grow along an answer."))]
+    lines += [""]
+
+
 def plot_al_vs_data(rows: list[dict]) -> str | None:
     """``docs/img/scale_al_vs_data.png``: AL at K=5 per head size, one line per (method, set, GPU time), first runs
     of the base and ``600s`` recipes; None if no plot."""
@@ -318,6 +375,54 @@ def plot_al_vs_data(rows: list[dict]) -> str | None:
     return str(out.relative_to(DOC.parents[1]))
 
 
+BUDGET_VARIANTS = ("", "180s", "600s")  # recipes that differ from the base only in GPU-seconds (bench.scale --variant)
+
+
+def head_run(label: str, run: int = 1) -> tuple[dict, int | None]:
+    """The ``scale_train`` row of an evaluated head and the step it was exported at: a head exported from a
+    checkpoint is labelled ``<tag>-step<N>`` (``bench.scale export-checkpoint``); ({}, None) when there is none."""
+    tag, _, step = label.rpartition("-step")
+    if tag and step.isdigit():
+        return train_row(tag, run), int(step)
+    row = train_row(label, run)
+    return row, row.get("steps")
+
+
+def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
+    """``docs/img/scale_al_vs_gpu_s.png``: AL at K=5, c=1 per head against the GPU-seconds it trained (the run's
+    goal, times step / horizon for a head exported before the horizon), one line per (method, conversations, set),
+    every run of the budget-only recipes (:data:`BUDGET_VARIANTS`); None if no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    pts: dict[tuple, list[tuple[float, float]]] = {}
+    for r in rows:
+        run, step = head_run(r["head"], r.get("run", 1)) if r["head"] != "none" else ({}, None)
+        if not run or not step or run["variant"] not in BUDGET_VARIANTS or (r["K"], r["concurrency"]) != (5, 1):
+            continue
+        gpu_s = run["train_s_goal"] * min(1.0, step / run["horizon"])
+        pts.setdefault((run["method"], run["size"], r["eval_set"]), []).append((gpu_s, r["acceptance_length"]))
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for (method, size, s_), xy in sorted(pts.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{method}, {size:,} conv., {s_}")
+    ax.set_xlabel("GPU-seconds of training (H100, after warm-up)")
+    ax.set_ylabel("AL, vLLM, K=5")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = DOC.parent / "img" / "scale_al_vs_gpu_s.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return str(out.relative_to(DOC.parents[1]))
+
+
 def sections(lines: list[str]) -> None:
     from bench import report_scale_eval
 
@@ -326,6 +431,7 @@ def sections(lines: list[str]) -> None:
     report_scale_eval.scaling_eval(lines)
     teacher_forced(lines)
     deep_positions(lines)
+    teacher_forced_domains(lines)
     resume_state(lines)
 
 

@@ -9,7 +9,15 @@ sessions); the rows name a head by its recipe ``tag`` and ``run``.
 from __future__ import annotations
 
 from bench.report_fmt import env, f, sci, section, span, table
-from bench.report_scale import SCALE_EVAL, label, last_final, plot_al_vs_data, train_row, train_rows
+from bench.report_scale import (
+    SCALE_EVAL,
+    label,
+    last_final,
+    plot_al_vs_data,
+    plot_al_vs_gpu_s,
+    train_row,
+    train_rows,
+)
 
 GOAL_AL = {"humaneval": 2.2, "mtbench": 2.0}  # P-EAGLE on the largest set, K=5 (issue 14)
 GOAL_RATIO = 1.15  # P-EAGLE / EAGLE-3 AL at K=7 on HumanEval, equal data and GPU time
@@ -76,6 +84,10 @@ def scaling_eval(lines: list[str]) -> None:
     plot = plot_al_vs_data(x.rows)
     if plot:
         lines += [f"AL (K=5, c=1) against training conversations: `{plot}`.", ""]
+    plot = plot_al_vs_gpu_s(x.rows)
+    if plot:
+        lines += [(f"AL (K=5, c=1) against the GPU-seconds each head trained: `{plot}` (every run of the base, 180s "
+                   "and 600s recipes; a head exported from a checkpoint counts the run's goal x step / horizon)."), ""]
 
 
 def _heads_table(x: Rows) -> list[str]:

@@ -26,11 +26,35 @@ from __future__ import annotations
 
 import argparse
 import copy
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.common import write_result
+
+HELD_OUT_SET = "selfinstruct-heldout"
+
+
+def held_out_prompts(keep: str | None, build: int, tokenizer, num: int) -> list[list[int]]:
+    """Prompt ids of the first user turns (after the system turn, if any) of the first ``num`` held-out self-instruct conversations of data build
+    ``build`` under ``keep`` (``bench.long_context.held_out_pool``), as evaluation tokenizes a prompt.
+
+    Raises:
+        SystemExit: no ``keep``, or fewer such conversations than ``num``.
+    """
+    from bench.long_context import held_out_pool
+    from pipelines.data.selfinstruct import SOURCE
+    from pipelines.evaluate.prompts import prompt_token_ids
+
+    if keep is None:
+        raise SystemExit(f"--set {HELD_OUT_SET} needs --keep (the regenerated set of --build {build})")
+    rows, _ = held_out_pool(Path(keep), build)
+    firsts = [r["messages"][:1 + [m["role"] for m in r["messages"]].index("user")]  # its system turn, if any
+              for r in rows if r["id"].startswith(f"{SOURCE}/")][:num]
+    if len(firsts) < num:
+        raise SystemExit(f"{len(firsts)} held-out self-instruct conversations, --num-prompts {num}")
+    return prompt_token_ids(firsts, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,7 +73,11 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head", required=True, help="exported P-EAGLE head directory")
-    p.add_argument("--set", default="humaneval", help="eval source kind (pipelines.evaluate.prompts)")
+    p.add_argument("--set", default="humaneval", help="eval source kind (pipelines.evaluate.prompts), or "
+                   f"{HELD_OUT_SET}: first user turns of the held-out self-instruct conversations of --build under "
+                   "--keep (bench.long_context.held_out_pool: the training runs' own domain, never trained on)")
+    p.add_argument("--keep", default=None, help=f"with --set {HELD_OUT_SET}: the regenerated set (bench.scale --keep)")
+    p.add_argument("--build", type=int, default=3, help=f"with --set {HELD_OUT_SET}: its data build")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=5)
@@ -60,8 +88,11 @@ def main(argv: list[str] | None = None) -> None:
 
     path = ensure_target(DEFAULT_TARGET, "float32").path
     model, tok = load_target(path, "float32")
-    (prompts,) = load_eval_prompts([SourceConfig(kind=args.set)], tok, num_prompts=args.num_prompts,
-                                   max_prompt_tokens=512).values()
+    if args.set == HELD_OUT_SET:
+        prompts = held_out_prompts(args.keep, args.build, tok, args.num_prompts)
+    else:
+        (prompts,) = load_eval_prompts([SourceConfig(kind=args.set)], tok, num_prompts=args.num_prompts,
+                                       max_prompt_tokens=512).values()
     drafter = load_head(args.head, dtype=torch.float32,
                         target_embed_tokens=model.get_input_embeddings().weight.detach()).eval()
     K, mask_id = args.k, drafter.config.mask_token_id
