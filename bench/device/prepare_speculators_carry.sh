@@ -5,7 +5,7 @@
 # speculators' metadata also requires torchvision and torchaudio (never imported; the image has 0.26.0 / 2.11.0) and
 # pins torch <= 2.14.1, transformers <= 5.19.0, numpy <= 2.5.4, datasets <= 5.1.0: the image's torch, transformers
 # and numpy fit, datasets is carried at 5.1.0 (the Ray carry's 5.2.0 is over the pin). No vLLM: the trainer is fed by
-# peagle's capture (bench.speculators_side.CaptureTransfer), not by a vLLM server.
+# peagle's capture (bench.speculators_data.CaptureTransfer), not by a vLLM server.
 #
 #   .carry/spec/*.whl   installed there with `pip install --no-index --no-deps --target ~/keep/spec-site`
 #                       (bench/device/run_speculators.sh install), pydantic's five only where ~/keep/site has none

@@ -11,14 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.speculators_side import (
-    CaptureTransfer,
-    flat_config_without_vllm,
-    peagle_head,
-    spec_argv,
-    speculators_sample,
-    write_data,
-)
+from bench.speculators_data import CaptureTransfer, speculators_sample, write_data
+from bench.speculators_heads import flat_config_without_vllm, peagle_head
+from bench.speculators_side import spec_argv
 from peagle_core.contract import HeadContractError, load_head, validate_head
 from peagle_core.target import final_norm
 from peagle_core.vocab import vocab_mapping_from_counts
