@@ -15,6 +15,7 @@ State lives in ``--keep`` as ``scale_train_<head>.json`` (one run); ``record STA
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -222,21 +223,23 @@ def return_groups(part_bytes: list[int]) -> list[list[int]]:
 
 def hold_back(parts: list[Path], keep: Path) -> list[Path]:
     """Move the parts past one call's return (:data:`RETURN_PARTS` files, :data:`RETURN_BYTES` together, in
-    name order) to ``<keep>/return-rest/`` for the next call (``run_scale.sh rest``) and say so; returns the
-    moved paths. The device returns none of a call's files over its limits, so this keeps the first parts
-    whole instead (2026-11-25: a P-EAGLE checkpoint of 78 MiB came back without its part 04)."""
+    name order) to ``<keep>/return-rest/<i>/``, one folder per later call (:func:`return_groups`), for the next
+    calls (``run_scale.sh rest``, once per folder) and say so; returns the moved paths. The device returns none of
+    a call's files over its limits, so this keeps the first parts whole instead (2026-11-25: a P-EAGLE checkpoint
+    of 78 MiB came back without its part 04)."""
     rest = keep / REST_DIR
-    for old in rest.glob("*") if rest.is_dir() else ():
-        old.unlink()
+    shutil.rmtree(rest, ignore_errors=True)  # an earlier call's leftovers are of an older checkpoint
     parts = sorted(parts)
-    first = return_groups([p.stat().st_size for p in parts])[0]
-    moved = []
-    for p in parts[len(first):]:
-        rest.mkdir(parents=True, exist_ok=True)
-        moved.append(Path(p.replace(rest / p.name)))
+    groups = return_groups([p.stat().st_size for p in parts])
+    moved, at = [], len(groups[0])
+    for i, group in enumerate(groups[1:], start=1):
+        (rest / str(i)).mkdir(parents=True)
+        for p in parts[at:at + len(group)]:
+            moved.append(Path(p.replace(rest / str(i) / p.name)))
+        at += len(group)
     if moved:
-        print(f"{len(moved)} of {len(parts)} parts are over one call's return: held in {rest}; return them with "
-              f"`run_scale.sh rest` before the machine goes back")
+        print(f"{len(moved)} of {len(parts)} parts are over one call's return: held in {rest} for {len(groups) - 1} "
+              f"more call(s); return them with `run_scale.sh rest` (once per call) before the machine goes back")
     return moved
 
 
@@ -248,7 +251,6 @@ def return_checkpoint(ckpt_root: Path, out: Path, name: str, form: str = DEFAULT
         ValueError: no checkpoint under ``ckpt_root``, or ``form`` unknown / not applicable
             (``compact_checkpoint``).
     """
-    import shutil
     import tempfile
 
     from pipelines.train import SAMPLE_LOG_DIR, latest_checkpoint
@@ -277,8 +279,6 @@ def restore_checkpoint(dirs: list[Path], keep: Path, name: str) -> int | None:
     Raises:
         ValueError: parts missing or of two checkpoints mixed (``untar_parts``), or no checkpoint in them.
     """
-    import json
-    import shutil
     import tempfile
 
     from pipelines.train import STATE_FILE, latest_checkpoint

@@ -30,7 +30,7 @@
 #                                `keep_carry.sh .carry/scale-ckpt-a`, the rest and the json in .carry/scale-ckpt.
 #   return NAME                the latest checkpoint of run NAME in ~/keep returned as a stopped call returns it, without
 #                              training (a train call that ran into its timeout past a checkpoint); then `rest`
-#   rest                       the parts the last call held back
+#   rest                       the next share of the parts the last call held back (repeat while it says more)
 # Usage: bash bench/device/run_scale.sh STEP [ARGS...]
 set -u
 STEP=${1:-}; shift
@@ -102,7 +102,10 @@ for l in sys.stdin:
 import sys; from pathlib import Path; from bench.scale_train import hold_back, return_checkpoint
 k = Path.home() / 'keep'; print(len(hold_back(return_checkpoint(k / f'ckpt-{sys.argv[1]}', Path(sys.argv[2]), sys.argv[1]), k)), 'parts held back')" "$1" "$OUT"
     ls "$OUT" ;;
-  rest)  # the parts that the last train call held back (over one call's 8 files / 64 MiB)
-    mv ~/keep/return-rest/* "$OUT/" && ls "$OUT" ;;
+  rest)  # the next call's share of the parts the last train/return call held back (one call: 8 files, 64 MiB)
+    D=$(ls ~/keep/return-rest 2>/dev/null | sort -n | head -1)
+    [ -n "$D" ] || { echo "nothing held back in ~/keep/return-rest"; exit 1; }
+    mv ~/keep/return-rest/"$D"/* "$OUT/" && rmdir ~/keep/return-rest/"$D" && ls "$OUT"
+    echo "$(ls ~/keep/return-rest | wc -l) more rest call(s)" ;;
   *) echo "usage: bash bench/device/run_scale.sh prompts NUM | regenerate SIZE BUDGET_S | restore | train METHOD SIZE TRAIN_S [BOX_S [flags...]] | return NAME | rest"; exit 2 ;;
 esac

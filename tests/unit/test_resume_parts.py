@@ -155,7 +155,17 @@ def test_parts_over_one_return_are_held_back(tmp_path, monkeypatch):
     moved = scale_train.hold_back(parts, keep)
     assert sorted(p.name for p in out.iterdir()) == ["ckpt-x.tar.part00", "ckpt-x.tar.part01"]  # 80 <= 100
     assert [p.name for p in moved] == [f"ckpt-x.tar.part0{i}" for i in (2, 3, 4)]
-    assert sorted(p.name for p in (keep / scale_train.REST_DIR).iterdir()) == [p.name for p in moved]
+    assert sorted(p.name for p in (keep / scale_train.REST_DIR / "1").iterdir()) == [p.name for p in moved]
     assert len(scale_train.return_groups([40, 40, 40, 10, 10])) == 2
     assert len(scale_train.return_groups([10] * 7)) == 3  # 3 files a call
-    assert scale_train.hold_back(parts[:2], keep) == [] and not list((keep / scale_train.REST_DIR).iterdir())
+    assert scale_train.hold_back(parts[:2], keep) == [] and not (keep / scale_train.REST_DIR).exists()
+    # parts for 3 calls: one folder per later call, in order (run_scale.sh rest returns the lowest-numbered one)
+    many = []
+    for i in range(8):
+        many.append(out / f"ckpt-y.tar.part{i:02d}")
+        many[-1].write_bytes(b"y" * 10)
+    scale_train.hold_back(many, keep)
+    rest = keep / scale_train.REST_DIR
+    assert sorted(d.name for d in rest.iterdir()) == ["1", "2"]
+    assert [sorted(p.name for p in (rest / d).iterdir()) for d in ("1", "2")] == [
+        [f"ckpt-y.tar.part0{i}" for i in (3, 4, 5)], [f"ckpt-y.tar.part0{i}" for i in (6, 7)]]
