@@ -19,7 +19,8 @@ as pyproject.toml's ``gpu`` extra: 0.26 is the newest release for torch 2.11 / C
 those keys; an exported head carries both ``mask_token_id`` and ``ptd_token_id`` (same value), an imported
 one may carry any of them (e.g. only ``pard_token``), and :func:`validate_head` checks the keys against the
 installed vLLM (``vllm_version``) or every release of the range. :func:`upgrade_head` adds the missing keys to
-a head exported before (``peagle head upgrade DIR``).
+a head exported before (``peagle head upgrade DIR``). Those rules live in :mod:`peagle_core.mask_token`; this module
+re-exports their names.
 
 ``d2t``/``t2d`` are written only for a pruned draft vocabulary: with ``draft_vocab_size ==
 vocab_size`` vLLM has no ``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor
@@ -35,11 +36,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -47,6 +46,19 @@ from safetensors.torch import load_file, save_file
 from peagle_core.atomic import atomic_write_text, recover_dir, replace_dir, temp_dir_for
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_config import NUM_AUX_HIDDEN_STATES, DrafterConfig
+from peagle_core.mask_token import (
+    MASK_TOKEN_KEYS,
+    NO_MASK_TOKEN,
+    VLLM_RANGE,
+    VLLM_SPEC,
+    HeadContractError,
+    MaskTokenKey,
+    check_mask_token_keys,
+    head_mask_token_id,
+    mask_token_keys,
+    vllm_release,
+    vllm_supported,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
@@ -62,139 +74,6 @@ REQUIRED_CONFIG_KEYS = (
     "head_dim", "intermediate_size", "rms_norm_eps", "vocab_size", "draft_vocab_size", "target_hidden_size",
     "eagle_config",
 )
-
-# vLLM releases (major, minor) a head must load in: lower bound included, upper excluded. pyproject.toml's `gpu`
-# extra states the same range (tests/unit/test_contract.py keeps them equal).
-VLLM_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((0, 26), (0, 34))
-VLLM_SPEC = f">={VLLM_RANGE[0][0]}.{VLLM_RANGE[0][1]},<{VLLM_RANGE[1][0]}.{VLLM_RANGE[1][1]}"
-UPGRADE_COMMAND = "peagle head upgrade"  # pipelines/cli/head.py: adds the missing keys (upgrade_head)
-
-
-class MaskTokenKey(NamedTuple):
-    """A top-level ``config.json`` key vLLM reads a parallel-drafting head's mask token id from.
-
-    ``read_since``: the first vLLM release of :data:`VLLM_RANGE` known to read it (every later one of the range
-    does); ``exported``: :func:`head_config_dict` writes it.
-    """
-
-    name: str
-    read_since: tuple[int, int]
-    exported: bool
-
-
-# The one table of mask-token keys. Checked in the sources of vLLM 0.26 and 0.32
-# (v1/spec_decode/llm_base_proposer.py::_init_parallel_drafting_params): 0.26 reads pard_token, then ptd_token_id;
-# 0.32 reads mask_token_id first, then pard_token, then ptd_token_id. 0.27-0.31 were not checked: they are held to
-# 0.26's rule (mask_token_id is trusted from 0.32 on); 0.33 to 0.32's.
-MASK_TOKEN_KEYS: tuple[MaskTokenKey, ...] = (
-    MaskTokenKey("mask_token_id", (0, 32), exported=True),
-    MaskTokenKey("ptd_token_id", (0, 26), exported=True),   # parallel token drafting (P-EAGLE's own key in 0.26)
-    MaskTokenKey("pard_token", (0, 26), exported=False),    # PARD's key; imported heads may carry only this one
-)
-
-
-class HeadContractError(ValueError):
-    """A head directory violates the vLLM contract or does not fit its target; names the field."""
-
-
-def vllm_release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a vLLM version string (``"0.32.0"``, ``"0.32.0+cpu"``, ``"0.33.1.dev4+g1a2b"``).
-
-    Raises:
-        ValueError: the string does not start with ``MAJOR.MINOR``.
-    """
-    m = re.match(r"\s*v?(\d+)\.(\d+)", version)
-    if m is None:
-        raise ValueError(f"vLLM version {version!r} does not start with MAJOR.MINOR")
-    return int(m.group(1)), int(m.group(2))
-
-
-def vllm_supported(version: str) -> bool:
-    """Whether ``version`` lies in :data:`VLLM_RANGE` (the releases peagle heads are checked against).
-
-    Raises:
-        ValueError: as :func:`vllm_release`.
-    """
-    return VLLM_RANGE[0] <= vllm_release(version) < VLLM_RANGE[1]
-
-
-def mask_token_keys(vllm_version: str) -> tuple[str, ...]:
-    """The ``config.json`` keys vLLM ``vllm_version`` reads a parallel-drafting head's mask token from
-    (:data:`MASK_TOKEN_KEYS`), e.g. ``("ptd_token_id", "pard_token")`` for ``"0.26.0"``.
-
-    Raises:
-        ValueError: an unparsable version, or one outside :data:`VLLM_RANGE` (whose keys were never checked).
-    """
-    if not vllm_supported(vllm_version):
-        raise ValueError(f"vLLM {vllm_version} is outside the releases peagle heads are checked against "
-                         f"(vllm{VLLM_SPEC}): install one of them, or check that release's "
-                         "llm_base_proposer.py and extend peagle_core.contract.MASK_TOKEN_KEYS and VLLM_RANGE")
-    return _keys_read_by(vllm_release(vllm_version))
-
-
-def _keys_read_by(release: tuple[int, int]) -> tuple[str, ...]:
-    return tuple(k.name for k in MASK_TOKEN_KEYS if k.read_since <= release)
-
-
-def _rule_releases() -> list[tuple[int, int]]:
-    """One release per distinct rule of :data:`VLLM_RANGE`: its first release and every ``read_since`` inside it."""
-    lo, hi = VLLM_RANGE
-    return sorted({lo} | {k.read_since for k in MASK_TOKEN_KEYS if lo < k.read_since < hi})
-
-
-_NO_MASK_TOKEN = (f"config.json has no mask token id (any of {[k.name for k in MASK_TOKEN_KEYS]}) but parallel_drafting "
-                  "is requested: serve this head without parallel_drafting (an EAGLE-3 head) or export a P-EAGLE head")
-
-
-def head_mask_token_id(config: Mapping[str, Any]) -> int | None:
-    """The parallel-drafting mask token id a head's ``config.json`` carries under any key of
-    :data:`MASK_TOKEN_KEYS` (a null value counts as absent), or None (an EAGLE-3 head).
-
-    Raises:
-        HeadContractError: a key holds something other than an integer, or two keys disagree (vLLM releases
-            would draft with different tokens: 0.32 reads ``mask_token_id`` first, 0.26 ``pard_token``).
-    """
-    found: dict[str, Any] = {k.name: config[k.name] for k in MASK_TOKEN_KEYS if config.get(k.name) is not None}
-    for name, value in found.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise HeadContractError(f"config.json {name}={value!r}: a mask token id is an integer token id")
-    if len(set(found.values())) > 1:
-        raise HeadContractError(f"config.json mask token keys disagree: {found}; vLLM releases read different "
-                                "keys, so they must hold the same token id: fix config.json or re-export the head")
-    return next(iter(found.values()), None)
-
-
-def check_mask_token_keys(config: Mapping[str, Any], vllm_version: str | None = None) -> None:
-    """Check that vLLM ``vllm_version`` (None: every release of :data:`VLLM_RANGE`) finds the mask token of a
-    parallel-drafting head's ``config.json``.
-
-    Raises:
-        HeadContractError: no mask token key at all, disagreeing keys, a null one (vLLM takes a key that is
-            present even when null), or a release that reads none of the keys present (naming the keys it
-            reads and the fix: ``peagle head upgrade DIR`` or a re-export).
-        ValueError: ``vllm_version`` unparsable or outside :data:`VLLM_RANGE`.
-    """
-    if head_mask_token_id(config) is None:
-        raise HeadContractError(_NO_MASK_TOKEN)
-    nulls = [k.name for k in MASK_TOKEN_KEYS if k.name in config and config[k.name] is None]
-    if nulls:
-        raise HeadContractError(f"config.json has {nulls} set to null: vLLM reads a key that is present even when "
-                                "null; drop it or set it to the mask token id")
-    present = [k.name for k in MASK_TOKEN_KEYS if k.name in config]
-    if vllm_version is not None:
-        mask_token_keys(vllm_version)  # ValueError: unparsable, or outside the range
-        releases = [vllm_release(vllm_version)]
-    else:
-        releases = _rule_releases()
-    for release in releases:
-        reads = _keys_read_by(release)
-        if not set(reads) & set(present):
-            add = [k.name for k in MASK_TOKEN_KEYS if k.exported and k.name not in present]
-            raise HeadContractError(
-                f"config.json carries the parallel-drafting mask token as {present} only, but vLLM "
-                f"{release[0]}.{release[1]} reads it from {list(reads)} and refuses the head without one: add "
-                f"{add} with `{UPGRADE_COMMAND} HEAD_DIR` (or re-export the head with this peagle)")
-
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -480,30 +359,15 @@ def validate_head(
     if parallel_drafting and for_vllm:
         check_mask_token_keys(config, vllm_version)
     elif parallel_drafting and cfg.mask_token_id is None:
-        raise HeadContractError(_NO_MASK_TOKEN)
+        raise HeadContractError(NO_MASK_TOKEN)
     if target_config is not None:
         _check_fits_target(config, cfg, target_config)
 
     from safetensors import safe_open
 
     with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
-        names = set(f.keys())
         expected = expected_weight_shapes(cfg, parallel_drafting=parallel_drafting)
-        missing = sorted(set(expected) - names - {EMBED})
-        if missing:
-            hint = (" (mask_hidden is required with parallel_drafting=True)" if "mask_hidden" in missing else "")
-            raise HeadContractError(f"{WEIGHTS_FILE} lacks tensors {missing[:6]}{hint}")
-        unknown = sorted(names - set(expected) - {"mask_hidden"})
-        if unknown:
-            hint = (" (d2t/t2d only exist for a pruned vocabulary: draft_vocab_size < vocab_size; vLLM fails "
-                    "to load them otherwise)" if set(unknown) & set(VOCAB_MAP_TENSORS) else "")
-            raise HeadContractError(f"{WEIGHTS_FILE} has tensors vLLM does not expect: {unknown[:6]}{hint}")
-        for name, shape in expected.items():
-            if name not in names:
-                continue
-            got = tuple(f.get_slice(name).get_shape())
-            if got != shape:
-                raise HeadContractError(f"{WEIGHTS_FILE}: {name} has shape {got}, config implies {shape}")
+        _check_tensor_shapes(f, expected)
         if dtype is not None:
             want = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]
             got = f.get_slice("fc.weight").get_dtype()
@@ -517,6 +381,31 @@ def validate_head(
     if bool((torch.arange(d2t.numel()) + d2t >= cfg.vocab_size).any()) or bool((d2t < 0).any()):
         raise HeadContractError(f"d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size})")
     return config
+
+
+def _check_tensor_shapes(f: Any, expected: dict[str, tuple[int, ...]]) -> None:
+    """The tensors of an open safetensors file ``f`` against :func:`expected_weight_shapes`: none missing (but
+    ``embed_tokens``), none vLLM does not expect (``mask_hidden`` tolerated without parallel drafting), the shapes.
+
+    Raises:
+        HeadContractError: naming the tensors, and the fix where there is one.
+    """
+    names = set(f.keys())
+    missing = sorted(set(expected) - names - {EMBED})
+    if missing:
+        hint = (" (mask_hidden is required with parallel_drafting=True)" if "mask_hidden" in missing else "")
+        raise HeadContractError(f"{WEIGHTS_FILE} lacks tensors {missing[:6]}{hint}")
+    unknown = sorted(names - set(expected) - {"mask_hidden"})
+    if unknown:
+        hint = (" (d2t/t2d only exist for a pruned vocabulary: draft_vocab_size < vocab_size; vLLM fails "
+                "to load them otherwise)" if set(unknown) & set(VOCAB_MAP_TENSORS) else "")
+        raise HeadContractError(f"{WEIGHTS_FILE} has tensors vLLM does not expect: {unknown[:6]}{hint}")
+    for name, shape in expected.items():
+        if name not in names:
+            continue
+        got = tuple(f.get_slice(name).get_shape())
+        if got != shape:
+            raise HeadContractError(f"{WEIGHTS_FILE}: {name} has shape {got}, config implies {shape}")
 
 
 def _check_fits_target(config: dict, cfg: DrafterConfig, target_config: Any) -> None:

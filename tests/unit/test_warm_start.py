@@ -77,6 +77,7 @@ def samples(num: int = 16, seed: int = 0) -> list[dict]:
 
 
 def fit(plan: T.TrainPlan, rows: list[dict]) -> tuple[T.TrainResult, Eagle3Drafter]:
+    torch.manual_seed(plan.training.seed)  # the worker's init seed: the same drafter whatever ran before
     drafter, lm_head = T.build_drafter(plan)
     objective = objective_class(plan.training.method)(plan.objective)
     res = T.train_in_process(lambda epoch: iter(rows), drafter, lm_head, objective, plan.training, device="cpu",
