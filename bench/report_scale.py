@@ -200,8 +200,10 @@ def heads_table(lines: list[str]) -> None:
         out.append([label(r["tag"], r["run"], runs), r["size"], r["date"], r["data_build"], f"{r['train_s_goal']:.0f}",
                     timed, r["steps"], f(r["epochs"]), f(r["calib_s_per_step"], 3),
                     f(fin.get("sim_acceptance_length")), acc])
-    for x in st.get("not_run", []):
-        out.append([f"{x['method']}-{x['size'] // 1000}k", x["size"], _not_run_reason(x["size"])] + ["-"] * 8)
+    for x in st.get("not_run", []):  # reason "regeneration": computed; else the recorded reason
+        name = f"{x['method']}-{x['size'] // 1000}k" + (f"-{x['train_s']}s" if x.get("train_s") else "")
+        why = _not_run_reason(x["size"]) if x["reason"] == "regeneration" else f"not run: {x['reason']}"
+        out.append([name, x["size"], why] + ["-"] * 8)
     lines += table(["run", "conversations", "date", "data build", "GPU s", "timed s", "steps", "epochs", "s/step",
                     "sim AL (train)", "accuracy per draft position"], out)
     notes = [f"- {label(r['tag'], r['run'], runs)}: {r['note']}." for r in rows if r.get("note")]
