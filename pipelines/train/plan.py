@@ -11,7 +11,8 @@ Two sources, one builder each:
 * :func:`plan_from_capture`: a materialized capture (manifest lengths, ``token_counts.safetensors``;
   its ``capture_meta.json`` is checked against the drafter first);
 * :func:`plan_from_conversations`: streaming capture (nothing on disk): the conversations are
-  tokenized once (no target forward) for lengths and counts.
+  tokenized once (no target forward) for lengths and counts; :func:`plan_from_tokenized` takes them tokenized
+  by the caller (who keeps them for its own capture).
 
 A warm start (``training.init_from``, :mod:`pipelines.train.warm_start`) is checked here against the
 drafter, before any data is read, and gives the plan its ``d2t``/``t2d`` (no token counts needed).
