@@ -8,7 +8,7 @@ sessions); the rows name a head by its recipe ``tag`` and ``run``.
 
 from __future__ import annotations
 
-from bench.report_fmt import env, f, sci, section, span, table
+from bench.report_fmt import env, f, load, sci, section, span, table
 from bench.report_scale import (
     SCALE_EVAL,
     label,
@@ -84,6 +84,7 @@ def scaling_eval(lines: list[str]) -> None:
     plot = plot_al_vs_data(x.rows)
     if plot:
         lines += [f"AL (K=5, c=1) against training conversations: `{plot}`.", ""]
+    lines += _longer_answers(x)
     plot = plot_al_vs_gpu_s(x.rows)
     if plot:
         lines += [(f"AL (K=5, c=1) against the GPU-seconds each head trained: `{plot}` (every run of the base, 180s "
@@ -276,3 +277,27 @@ def _reading_spread(x: Rows) -> str:
             f"{long[0]['data_build']} and {long[1]['data_build']} and {100 * more_steps:.0f}% more steps in the second: "
             + ("more than" if _shown(b, a) > spread else "within") + f" the spread seen at {ref['train_s_goal']:.0f} "
             "GPU-s, not explained.")
+
+
+SCALE_EVAL_LONG = "scale_vllm_cpu_eval_384"  # the same evaluation with longer answers (--max-tokens 384)
+
+
+def _longer_answers(x: Rows) -> list[str]:
+    """The heads of :data:`SCALE_EVAL_LONG` against their rows here (same set, K, concurrency): AL with longer
+    answers; [] when not run."""
+    ev = load(SCALE_EVAL_LONG)
+    if ev is None:
+        return []
+    cells = []
+    for r in ev["rows"]:
+        short = x.al((r["head"], r.get("run") or 1), r["eval_set"], r["K"], r["concurrency"])
+        if r["head"] != "none" and short is not None:
+            cells.append(f"{x.name((r['head'], r.get('run') or 1))} {f(r['acceptance_length'])} ({f(short)} at "
+                         f"{x.ev['max_tokens']} tokens; {r['eval_set']}, K={r['K']}, c={r['concurrency']})")
+    if not cells:
+        return []
+    return [(f"Longer answers (`bench.eval_gpu_heads ... --max-tokens {ev['max_tokens']} --name {SCALE_EVAL_LONG}`, "
+             f"{env(ev)}, {ev['prompts']} prompts): AL " + "; ".join(cells) + ". The heads accept more later in an "
+             "answer (the teacher-forced section below shows it per depth); every other AL here is of the first "
+             f"{x.ev['max_tokens']} tokens."), ""]
+
