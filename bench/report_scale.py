@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.report_fmt import DOC, approx, f, load, sci, section, table
-from bench.scale import CHUNK_CONVERSATIONS, DATA_DIR, head_ref, parse_shard
+from bench.scale import CHUNK_CONVERSATIONS, DATA_DIR, checkpoint_ref, head_ref, parse_shard
 from bench.teacher_forced import HELD_OUT_SET
 
-DEVICE_MINUTES_PER_SESSION = 30  # a session's device time (the workplace's lease limit)
 SCALE_EVAL = "scale_vllm_cpu_eval"  # bench.eval_gpu_heads --name of the heads' vLLM evaluation
 
 
@@ -167,19 +166,6 @@ def deep_positions(lines: list[str]) -> None:
                "reaches it at this data and GPU budget."), ""]
 
 
-def _not_run_reason(size: int) -> str:
-    """Why a size was not trained: its regeneration's GPU time (at the first build's tokens per conversation and
-    tokens/s) against a session's device minutes."""
-    g = load("scale_regenerate")
-    calls = [c for c in g["calls"] if c.get("build", 1) == 1]
-    tokens, wall = _regen_totals(calls)
-    need = tokens / calls[-1]["size"] * size
-    minutes = need / (tokens / wall) / 60
-    return (f"not run: regeneration of {size // 1000}k conversations (~{approx(need / 1e6, 1)}M tokens, "
-            f"~{approx(minutes, 10)} GPU-min at {approx(tokens / wall / 1e3, 1)}k tok/s) does not fit one session's "
-            f"{DEVICE_MINUTES_PER_SESSION} device-minutes")
-
-
 def heads_table(lines: list[str]) -> None:
     """Issue 14 item 6: the data-scaling runs of ``bench.scale`` (training side; the vLLM evaluation is separate)."""
     st = load("scale_train")
@@ -200,10 +186,9 @@ def heads_table(lines: list[str]) -> None:
         out.append([label(r["tag"], r["run"], runs), r["size"], r["date"], r["data_build"], f"{r['train_s_goal']:.0f}",
                     timed, r["steps"], f(r["epochs"]), f(r["calib_s_per_step"], 3),
                     f(fin.get("sim_acceptance_length")), acc])
-    for x in st.get("not_run", []):  # reason "regeneration": computed; else the recorded reason
+    for x in st.get("not_run", []):
         name = f"{x['method']}-{x['size'] // 1000}k" + (f"-{x['train_s']}s" if x.get("train_s") else "")
-        why = _not_run_reason(x["size"]) if x["reason"] == "regeneration" else f"not run: {x['reason']}"
-        out.append([name, x["size"], why] + ["-"] * 8)
+        out.append([name, x["size"], f"not run: {x['reason']}"] + ["-"] * 8)
     lines += table(["run", "conversations", "date", "data build", "GPU s", "timed s", "steps", "epochs", "s/step",
                     "sim AL (train)", "accuracy per draft position"], out)
     notes = [f"- {label(r['tag'], r['run'], runs)}: {r['note']}." for r in rows if r.get("note")]
@@ -315,8 +300,7 @@ def teacher_forced_domains(lines: list[str]) -> None:
     own = next((r for r in same if r["eval_set"] == HELD_OUT_SET), None)
     others = [r for r in same if r["eval_set"] != HELD_OUT_SET]
     longer = [r for r in runs if r["eval_set"] == HELD_OUT_SET and r["max_tokens"] > r0["max_tokens"]]
-    base, _, step = head.rpartition("-step")  # bench.scale export-checkpoint: head-<name>-step<N>
-    final = last_final(train_row(*head_ref(base if step.isdigit() else head)))
+    final = last_final(train_row(*head_ref(checkpoint_ref(head)[0])))
     if final:
         lines += ["", (f"Its run's last recorded training window (step {final['step']:.0f}, batches new to the head: "
                        f"under one epoch) scored {pos([final[f'acc_d{d}'] for d in range(r0['K'])])} per depth.")]
@@ -341,15 +325,33 @@ def teacher_forced_domains(lines: list[str]) -> None:
     lines += [""]
 
 
-def plot_al_vs_data(rows: list[dict]) -> str | None:
-    """``docs/img/scale_al_vs_data.png``: AL at K=5 per head size, one line per (method, set, GPU time), first runs
-    of the base and ``600s`` recipes; None if no plot."""
+def _pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None without matplotlib (the plots are then left out)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _save(plt, fig, name: str) -> str:
+    """``fig`` laid out and written to ``docs/img/<name>``, then closed; its path from the repository root."""
+    fig.tight_layout()
+    out = DOC.parent / "img" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return str(out.relative_to(DOC.parents[1]))
+
+
+def plot_al_vs_data(rows: list[dict]) -> str | None:
+    """``docs/img/scale_al_vs_data.png``: AL at K=5 per head size, one line per (method, set, GPU time), first runs
+    of the base and ``600s`` recipes; None if no plot."""
+    plt = _pyplot()
+    if plt is None:
         return None
     pts: dict[tuple, list[tuple[int, float]]] = {}
     for r in rows:
@@ -369,12 +371,7 @@ def plot_al_vs_data(rows: list[dict]) -> str | None:
     ax.set_xlabel("training conversations")
     ax.set_ylabel("AL, vLLM, K=5")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = DOC.parent / "img" / "scale_al_vs_data.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return str(out.relative_to(DOC.parents[1]))
+    return _save(plt, fig, "scale_al_vs_data.png")
 
 
 BUDGET_VARIANTS = ("", "180s", "600s")  # recipes that differ from the base only in GPU-seconds (bench.scale --variant)
@@ -383,23 +380,17 @@ BUDGET_VARIANTS = ("", "180s", "600s")  # recipes that differ from the base only
 def head_run(label: str, run: int = 1) -> tuple[dict, int | None]:
     """The ``scale_train`` row of an evaluated head and the step it was exported at: a head exported from a
     checkpoint is labelled ``<tag>-step<N>`` (``bench.scale export-checkpoint``); ({}, None) when there is none."""
-    tag, _, step = label.rpartition("-step")
-    if tag and step.isdigit():
-        return train_row(tag, run), int(step)
-    row = train_row(label, run)
-    return row, row.get("steps")
+    tag, step = checkpoint_ref(label)
+    row = train_row(tag, run)
+    return row, step if step is not None else row.get("steps")
 
 
 def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     """``docs/img/scale_al_vs_gpu_s.png``: AL at K=5, c=1 per head against the GPU-seconds it trained (the run's
     goal, times step / horizon for a head exported before the horizon), one line per (method, conversations, set),
     every run of the budget-only recipes (:data:`BUDGET_VARIANTS`); None if no plot."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     pts: dict[tuple, list[tuple[float, float]]] = {}
     for r in rows:
@@ -417,12 +408,7 @@ def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     ax.set_xlabel("GPU-seconds of training (H100, after warm-up)")
     ax.set_ylabel("AL, vLLM, K=5")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = DOC.parent / "img" / "scale_al_vs_gpu_s.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return str(out.relative_to(DOC.parents[1]))
+    return _save(plt, fig, "scale_al_vs_gpu_s.png")
 
 
 def sections(lines: list[str]) -> None:

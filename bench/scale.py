@@ -65,6 +65,17 @@ def head_name(tag: str, run: int = 1) -> str:
     return tag if run == 1 else f"{tag}-run{run}"
 
 
+def checkpoint_head_name(name: str, step: int) -> str:
+    """``<name>-step<N>``: a head exported from run ``name``'s step-``N`` checkpoint (``export-checkpoint``)."""
+    return f"{name}-step{step}"
+
+
+def checkpoint_ref(label: str) -> tuple[str, int | None]:
+    """``(name, step)`` of a :func:`checkpoint_head_name` label; ``(label, None)`` for any other label."""
+    name, _, step = label.rpartition("-step")
+    return (name, int(step)) if name and step.isdigit() else (label, None)
+
+
 def head_ref(dir_name: str) -> tuple[str, int]:
     """``(tag, run)`` of a head directory name (``head-<tag>`` or ``head-<tag>-run<N>``), inverse of
     :func:`head_name`."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, environment, keep_dir
-from bench.scale import LAYERS, PART_BYTES, RECIPE, head_name, regenerated, scale_tag
+from bench.scale import LAYERS, PART_BYTES, RECIPE, checkpoint_head_name, head_name, regenerated, scale_tag
 from pipelines.train.compact import FORMS
 
 # The table's recipe: configs/smollm2-135m-scale.yaml with these overrides (plus the method's and LAYERS').
@@ -377,7 +377,7 @@ def export_checkpoint(args) -> None:
         raise SystemExit(f"{ckpt}: missing {missing}, unexpected {unexpected}")
     run = online_run(recipe, h, model, tok, state["size"])
     name = head_name(state["tag"], state["run"])
-    head = run.export(Path(args.out) / f"head-{name}-step{step}", step=step,
+    head = run.export(Path(args.out) / f"head-{checkpoint_head_name(name, step)}", step=step,
                       extra={"conversations": state["size"], "run": state["run"], "from_checkpoint": str(ckpt.name),
                              "horizon": state["horizon"]})
     print(f"{head}: step {step} of {state['horizon']}")

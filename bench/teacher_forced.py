@@ -57,6 +57,23 @@ def held_out_prompts(keep: str | None, build: int, tokenizer, num: int) -> list[
     return prompt_token_ids(firsts, tokenizer)
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head", required=True, help="exported P-EAGLE head directory")
+    p.add_argument("--set", default="humaneval", help="eval source kind (pipelines.evaluate.prompts), or "
+                   f"{HELD_OUT_SET}: first user turns of the held-out self-instruct conversations of --build under "
+                   "--keep (bench.long_context.held_out_pool: the training runs' own domain, never trained on)")
+    p.add_argument("--keep", default=None, help=f"with --set {HELD_OUT_SET}: the regenerated set (bench.scale --keep)")
+    p.add_argument("--build", type=int, default=3, help=f"with --set {HELD_OUT_SET}: its data build")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--capture-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="target dtype of the teacher-forced hidden states (bench.scale trains on bfloat16 ones)")
+    p.add_argument("--name", default=None, help="result name under bench/results (default teacher_forced_<set>)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
     from peagle_core.batch import pack_samples
     from peagle_core.contract import load_head
@@ -71,20 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     from pipelines.recipe import CaptureConfig, SourceConfig
     from pipelines.train import load_target_lm_head
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head", required=True, help="exported P-EAGLE head directory")
-    p.add_argument("--set", default="humaneval", help="eval source kind (pipelines.evaluate.prompts), or "
-                   f"{HELD_OUT_SET}: first user turns of the held-out self-instruct conversations of --build under "
-                   "--keep (bench.long_context.held_out_pool: the training runs' own domain, never trained on)")
-    p.add_argument("--keep", default=None, help=f"with --set {HELD_OUT_SET}: the regenerated set (bench.scale --keep)")
-    p.add_argument("--build", type=int, default=3, help=f"with --set {HELD_OUT_SET}: its data build")
-    p.add_argument("--num-prompts", type=int, default=10)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--k", type=int, default=5)
-    p.add_argument("--capture-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="target dtype of the teacher-forced hidden states (bench.scale trains on bfloat16 ones)")
-    p.add_argument("--name", default=None, help="result name under bench/results (default teacher_forced_<set>)")
-    args = p.parse_args(argv)
+    args = _parser().parse_args(argv)
 
     path = ensure_target(DEFAULT_TARGET, "float32").path
     model, tok = load_target(path, "float32")
