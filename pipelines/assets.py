@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.atomic import recover_dir, replace_dir, temp_dir_for
+from peagle_core.checksums import sha256_file
 from pipelines import settings
 
 log = logging.getLogger(__name__)
@@ -190,14 +191,6 @@ def gguf_path(name: str = DEFAULT_TARGET) -> Path:
 
 # ----------------------------------------------------------------------------------------------
 # manifest
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _records_digest(files: dict[str, dict[str, Any]]) -> str:
