@@ -46,14 +46,14 @@ def speculators_sample(sample: dict[str, Any], norm_weight: torch.Tensor) -> dic
 
 
 def final_norm_weight(target_dir: str | Path) -> torch.Tensor:
-    """``[Ht]`` the target's final norm weight (``model.norm.weight``), read with safetensors."""
-    from safetensors import safe_open
+    """``[Ht]`` the target's final norm weight (``model.norm.weight``, ``pipelines.train.load_target_tensor``).
 
-    for f in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            if "model.norm.weight" in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                return st.get_tensor("model.norm.weight")
-    raise ValueError(f"{target_dir}: no model.norm.weight in its safetensors files")
+    Raises:
+        ValueError: no such tensor in the target's safetensors files.
+    """
+    from pipelines.train import load_target_tensor
+
+    return load_target_tensor(target_dir, ["model.norm.weight"])[1]
 
 
 # ----------------------------------------------------------------------------------------------
