@@ -7,7 +7,6 @@ Shape legend: N tokens of one conversation, Ht target hidden.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +74,12 @@ def write_dataset(tokenized: list[dict[str, Any]], out: Path) -> None:
     ds.save_to_disk(str(out))
 
 
-def write_data(out: Path, rows: list[dict], recipe, plan, tokenizer, *, model=None) -> dict:
-    """speculators' data directory for ``rows`` (``{id, messages}``), tokenized as peagle's capture tokenizes
-    them (``recipe.data.max_length_tokens``, ``recipe.capture.on_too_long``): the dataset, ``d2t-<Vd>.npy`` /
+def write_data(out: Path, tokenized: list[dict], recipe, plan, tokenizer, *, model=None,
+               tokenize_s: float | None = None) -> dict:
+    """speculators' data directory for conversations tokenized as peagle's capture tokenizes them
+    (``pipelines.capture.tokenize_rows`` with ``recipe.data.max_length_tokens`` and ``recipe.capture.on_too_long``:
+    ``{sample_id, input_ids [N], loss_mask [N]}``; ``tokenize_s``, the seconds that took, is recorded): the dataset,
+    ``d2t-<Vd>.npy`` /
     ``t2d-<Vd>.npy`` from peagle's ``plan`` (its draft vocabulary), :data:`SIDE_FILE`; with ``model`` (the target)
     also every sample's hidden states as ``hidden_states/hs_<i>.safetensors`` (speculators' ``file`` backend).
 
@@ -86,13 +88,10 @@ def write_data(out: Path, rows: list[dict], recipe, plan, tokenizer, *, model=No
     """
     from safetensors.torch import save_file
 
-    from pipelines.capture import capture_tokenized, tokenize_rows
+    from pipelines.capture import capture_tokenized
     from pipelines.capture.forward import pad_id
 
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    tokenized = tokenize_rows(tokenizer, rows, max_length_tokens=recipe.data.max_length_tokens,
-                              on_too_long=recipe.capture.on_too_long)
     write_dataset(tokenized, out)
     vd = plan.drafter.draft_vocab_size
     if plan.d2t is not None:
@@ -104,7 +103,7 @@ def write_data(out: Path, rows: list[dict], recipe, plan, tokenizer, *, model=No
             "draft_vocab_size": vd, "vocab_size": plan.drafter.vocab_size, "pad_token_id": pad_id(tokenizer),
             "max_length_tokens": recipe.data.max_length_tokens, "capture": recipe.capture.model_dump(mode="json"),
             "num_conversations": len(tokenized), "num_tokens": int(sum(len(r["input_ids"]) for r in tokenized)),
-            "hidden_states": "files" if model is not None else "online", "tokenize_s": time.perf_counter() - t0}
+            "hidden_states": "files" if model is not None else "online", "tokenize_s": tokenize_s}
     if model is not None:
         hs, w = out / HS_DIR, final_norm_weight(plan.target_dir)
         hs.mkdir(exist_ok=True)

@@ -326,28 +326,31 @@ def data(args) -> None:
     """``--size`` regenerated conversations of ``--keep`` -> speculators' data directory ``--out``: peagle's
     plan (the recipe of ``bench.scale_train`` for ``--method``: its draft vocabulary, aux ids, mask token)."""
     from bench.common import keep_dir
-    from bench.harness import bench_recipe, load_recipe_target, special_ids
+    from bench.harness import bench_recipe, load_recipe_target, special_ids, tokenize_in_parallel
     from bench.scale import RECIPE as SCALE_RECIPE
     from bench.scale import regenerated
     from bench.scale_train import train_overrides
-    from pipelines.train import plan_from_conversations
+    from pipelines.assets import resolve_target
+    from pipelines.train import plan_from_tokenized
 
     rows = regenerated(keep_dir(args.keep))[: args.size]
     if len(rows) < args.size:
         raise SystemExit(f"only {len(rows)} regenerated conversations under {args.keep}/regen, asked for {args.size}")
     recipe = bench_recipe(SCALE_RECIPE, train_overrides("peagle", list(args.set or [])))
+    target_dir = str(resolve_target(recipe.target)[0].path)
     if args.hidden_states == "files":
         model, tok = load_recipe_target(recipe)
     else:  # the target runs in the trainer's workers: only its tokenizer here
         from transformers import AutoTokenizer
 
-        from pipelines.assets import resolve_target
-
-        model, tok = None, AutoTokenizer.from_pretrained(str(resolve_target(recipe.target)[0].path))
-    plan = plan_from_conversations(recipe.training, recipe.drafter, recipe.target, rows,
-                                   max_length_tokens=recipe.data.max_length_tokens,
-                                   on_too_long=recipe.capture.on_too_long, always_keep_token_ids=special_ids(tok))
-    side = write_data(Path(args.out).expanduser(), rows, recipe, plan, tok, model=model)
+        model, tok = None, AutoTokenizer.from_pretrained(target_dir)
+    t0 = time.perf_counter()  # tokenized once, for the plan and the data set
+    tokenized = tokenize_in_parallel(target_dir, rows, max_length_tokens=recipe.data.max_length_tokens,
+                                     on_too_long=recipe.capture.on_too_long)
+    tokenize_s = time.perf_counter() - t0
+    plan = plan_from_tokenized(recipe.training, recipe.drafter, recipe.target, tokenized,
+                               always_keep_token_ids=special_ids(tok))
+    side = write_data(Path(args.out).expanduser(), tokenized, recipe, plan, tok, model=model, tokenize_s=tokenize_s)
     print(json.dumps({k: side[k] for k in ("num_conversations", "num_tokens", "aux_layer_ids", "mask_token_id",
                                            "draft_vocab_size", "hidden_states", "tokenize_s")}))
 

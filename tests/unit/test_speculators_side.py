@@ -17,7 +17,7 @@ from bench.speculators_side import spec_argv
 from peagle_core.contract import HeadContractError, load_head, validate_head
 from peagle_core.target import final_norm
 from peagle_core.vocab import vocab_mapping_from_counts
-from pipelines.capture import capture_tokenized
+from pipelines.capture import capture_tokenized, tokenize_rows
 from pipelines.recipe.stages import CaptureConfig
 
 from .conftest import HIDDEN, MASK_ID, VOCAB, make_drafter, tiny_target_config
@@ -77,7 +77,8 @@ def spec_data(tmp_path, tiny_target, tiny_chat_tokenizer):
                            drafter=SimpleNamespace(draft_vocab_size=64, vocab_size=VOCAB, aux_layer_ids=AUX,
                                                    mask_token_id=MASK_ID, target_num_hidden_layers=5))
     out = tmp_path / "data"
-    side = write_data(out, ROWS, recipe, plan, tiny_chat_tokenizer, model=tiny_target)
+    tokenized = tokenize_rows(tiny_chat_tokenizer, ROWS, max_length_tokens=40, on_too_long="truncate")
+    side = write_data(out, tokenized, recipe, plan, tiny_chat_tokenizer, model=tiny_target)
     return out, side, target_dir
 
 
