@@ -55,15 +55,17 @@ SPECULATORS_VERSION = "0.9.0"
 # 1024-token conversations, the plan's 8192-token draft vocabulary, frozen target embeddings); optimizer, loss,
 # COD ratios, anchors cap and norm flags are speculators' own defaults (muon lr 1e-3, kl_div, r 0.7 / 0.2,
 # max_anchors 512; eagle3: norm_before_fc, norm_output; peagle: neither).
+# --loss-implementation eager: its fused Triton loss does not trace under the image's torch 2.11 (dynamo's
+# "ListVariable(length=21) is already tracked for mutation" on loss_forward_kernel/loss_backward_kernel.configs,
+# the first GPU call of 2026-11-25); the eager loss is the same objective.
 COMMON_FLAGS = ("--epochs", "1", "--total-seq-len", "16384", "--train-data-ratio", "0.999", "--on-missing", "raise",
-                "--hidden-states-dtype", "bfloat16", "--log-freq", "10",
+                "--hidden-states-dtype", "bfloat16", "--log-freq", "10", "--loss-implementation", "eager",
                 "--scheduler-type", "cosine", "--scheduler-warmup-steps", "50")
 RECIPE = {"peagle": ("--num-layers", "4", "--draft-arch", "llama", "--num-depths", "8"),
           "eagle3": ("--num-layers", "1", "--draft-arch", "llama", "--ttt-steps", "7", "--ttt-step-loss-decay", "0.8")}
 CKPT_EVERY_STEPS = 100  # the run's mid-epoch checkpoints (bench.scale_train: training.checkpoint_every_steps=100)
 SHAPE_FLAGS = ("--num-layers", "--draft-arch")  # what --from-pretrained (a config-only directory) replaces
-CPU_FLAGS = ("--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0",
-             "--loss-implementation", "eager")  # no Triton on the CPU box: the fused losses need it
+CPU_FLAGS = ("--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,6 +374,8 @@ def record(args) -> None:
         env = rec.pop("environment", {})
         row = {"tag": rec["tag"], "date": env.get("date", "")[:10], "device": env.get("device"),
                "versions": {k: env.get(k) for k in ("torch", "transformers", "triton", "cuda")}} | rec
+        if args.note:
+            row["note"] = args.note
         if rec["method"] in smi:
             row["gpu_smi_calls"] = smi[rec["method"]]
             row["gpu_mem_used_peak_gib"] = max(c["mem_used_peak_mib"] for c in smi[rec["method"]]) / 1024
@@ -417,6 +421,7 @@ def main() -> None:
     p = sub.add_parser("record", help="returned spec_train_<tag>.json files -> bench/results/speculators_train.json")
     p.add_argument("files", nargs="+")
     p.add_argument("--gpu", action="append", help="spec_gpu_<method>.jsonl returned beside them")
+    p.add_argument("--note", help="what the record alone does not say (calls lost, flags changed)")
     p.set_defaults(fn=record)
     args = ap.parse_args()
     args.fn(args)
