@@ -89,6 +89,12 @@ class DrafterSpec(Section):
         "them (no [V, H] gradient/optimizer state: much cheaper on CPU) and the head omits embed_tokens, so "
         "vLLM shares the target's; the mask token then keeps the target's embedding of mask_token_id.",
     )
+    norm_before_residual: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None,
+        description="True: the first layer's residual is its normed hidden state (vLLM llama_eagle3.py's "
+        "norm_before_residual; speculators' P-EAGLE and EAGLE-3 heads set it). None or False: the un-normed fc "
+        "output (None leaves the stage keys of earlier recipes unchanged).",
+    )
 
     @field_validator("num_speculative_tokens")
     @classmethod
@@ -122,7 +128,8 @@ class DrafterSpec(Section):
             if mask_token_id is None:
                 raise ValueError("drafter.mask_token_id is required for method='peagle' (a reserved, unused token id)")
         return DrafterConfig.from_target(hf_config, num_hidden_layers=self.num_layers, mask_token_id=mask_token_id,
-                                         draft_vocab_size=self.draft_vocab_size, aux_layer_ids=aux_layer_ids)
+                                         draft_vocab_size=self.draft_vocab_size, aux_layer_ids=aux_layer_ids,
+                                         norm_before_residual=bool(self.norm_before_residual))
 
 
 class TrainingConfig(Section):

@@ -65,6 +65,20 @@ def test_defaults_resolve_for_embedded_target():
     assert r.resolved_aux_layer_ids() == (2, 15, 27) == default_aux_layer_ids(30)
 
 
+def test_norm_before_residual_reaches_the_head_config():
+    """``drafter.norm_before_residual`` (speculators' heads set it) is the exported head's vLLM flag."""
+    from peagle_core.contract import drafter_config_from_head, head_config_dict
+
+    hf = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+          "intermediate_size": 1536, "vocab_size": 49152, "rope_theta": 100000.0}
+    for flag in (False, True):
+        spec = recipe_from_dict({"name": "t"}, [f"drafter.norm_before_residual={str(flag).lower()}"]).drafter
+        cfg = spec.to_drafter_config(hf, target=TargetConfig())
+        head = head_config_dict(cfg, dtype="float32")
+        assert head["norm_before_residual"] is flag
+        assert drafter_config_from_head(head).norm_before_residual is flag
+
+
 def _err(data, *overrides) -> str:
     with pytest.raises(ValueError) as e:
         recipe_from_dict({"name": "t", **data}, list(overrides))
