@@ -132,6 +132,9 @@ def side_by_side(lines: list[str]) -> None:
                           _al(cpu[(SCALE_EVAL, "mtbench")]), _al(cpu[(SCALE_EVAL_LONG, "humaneval")])])
         if p is not None:
             ratios.append((s, p, heads))
+    for x in r.get("not_run", []):
+        train.append([f"spec-{x['method']}, {x['train_s']} GPU-s", "speculators", f"not run: {x['reason']}"]
+                     + ["-"] * 8)
     lines += table(["run", "trainer", "date", "GPU s goal", "steps", "epochs", "s/step", "tokens/s",
                     "peak alloc GiB", "nvidia-smi peak GiB", "last-window acc per depth"], train)
     lines += ["", f"The heads in vLLM, greedy, K={K}, c={C}: AL (acceptance at positions 1 / 2 / 3).", ""]
