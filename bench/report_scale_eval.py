@@ -8,7 +8,7 @@ sessions); the rows name a head by its recipe ``tag`` and ``run``.
 
 from __future__ import annotations
 
-from bench.report_fmt import env, f, load, sci, section, span, table
+from bench.report_fmt import env, f, load, met, sci, section, span, table
 from bench.report_scale import (
     SCALE_EVAL,
     label,
@@ -280,6 +280,7 @@ def _reading_spread(x: Rows) -> str:
 
 
 SCALE_EVAL_LONG = "scale_vllm_cpu_eval_384"  # the same evaluation with longer answers (--max-tokens 384)
+POS3_GOAL = 0.10  # issue 26: acceptance at position 3 in vLLM
 
 
 def _longer_answers(x: Rows) -> list[str]:
@@ -288,16 +289,22 @@ def _longer_answers(x: Rows) -> list[str]:
     ev = load(SCALE_EVAL_LONG)
     if ev is None:
         return []
-    cells = []
+    cells, pos3 = [], []  # pos3: (long, short) acceptance at position 3 of each head
     for r in ev["rows"]:
-        short = x.al((r["head"], r.get("run") or 1), r["eval_set"], r["K"], r["concurrency"])
+        short = x.get((r["head"], r.get("run") or 1), r["eval_set"], r["K"], r["concurrency"])
         if r["head"] != "none" and short is not None:
-            cells.append(f"{x.name((r['head'], r.get('run') or 1))} {f(r['acceptance_length'])} ({f(short)} at "
+            name = x.name((r["head"], r.get("run") or 1))
+            cells.append(f"{name} {f(r['acceptance_length'])}, position 3 {f(r['al_per_pos'][2])} "
+                         f"({f(short['acceptance_length'])}, position 3 {f(short['al_per_pos'][2])} at "
                          f"{x.ev['max_tokens']} tokens; {r['eval_set']}, K={r['K']}, c={r['concurrency']})")
+            pos3.append((r["al_per_pos"][2], short["al_per_pos"][2], name))
     if not cells:
         return []
+    best = max(pos3)
     return [(f"Longer answers (`bench.eval_gpu_heads ... --max-tokens {ev['max_tokens']} --name {SCALE_EVAL_LONG}`, "
              f"{env(ev)}, {ev['prompts']} prompts): AL " + "; ".join(cells) + ". The heads accept more later in an "
              "answer (the teacher-forced section below shows it per depth); every other AL here is of the first "
-             f"{x.ev['max_tokens']} tokens."), ""]
+             f"{x.ev['max_tokens']} tokens. Acceptance at position 3 (goal >= {POS3_GOAL}): {best[2]} "
+             f"{f(best[0])} on {ev['max_tokens']}-token answers ({met(best[0] >= POS3_GOAL)} there, {ev['prompts']} "
+             f"prompts), {f(best[1])} on the first {x.ev['max_tokens']} tokens ({met(best[1] >= POS3_GOAL)})."), ""]
 
