@@ -15,6 +15,7 @@ from bench.scale import head_name
 
 RESULT = "speculators_train"  # bench.speculators_side record
 GPU_EVAL = "gpu_vllm_serving"  # bench/device/run_gpu_serving.sh --name
+DEPTHS_RESULT = "speculators_depths"  # bench.speculators_depths
 K, C = 5, 1  # the goals' cell: greedy, K=5, c=1
 DEPTHS = 5
 METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3"}
@@ -67,7 +68,8 @@ def recipe_differences(p: dict) -> str:
             "what `bench.speculators_side` leaves at speculators' defaults: its optimizer (muon, lr 1e-3, against "
             f"peagle's AdamW, lr {p['recipe']['training.lr']:g}), COD ratios (0.7 / 0.2 against peagle's "
             f"{t.cod_ratio:g} / {t.cod_min_ratio:g}), anchors per step (at most 512) and `norm_before_residual` (true "
-            "in its head's config, false in peagle's). Which of them makes the difference was not measured.")
+            "in its head's config, false in peagle's). Which of them makes the difference was not measured by "
+            "an ablation; the loss elements per depth below point at the anchors cap.")
 
 
 def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
@@ -121,6 +123,25 @@ def teacher_forced(lines: list[str]) -> None:
                        "do in vLLM, so the difference is in the heads, not in how they are served.")]
 
 
+def depth_shares(lines: list[str]) -> None:
+    """Loss elements per depth and step in both trainers (``bench.speculators_depths``)."""
+    r = load(DEPTHS_RESULT)
+    if r is None:
+        return
+    spec, pea = r["rows"]
+    cells = [f"{x['trainer']}{' (' + x['run'] + ')' if x.get('run') else ''} "
+             f"{' / '.join(f'{c:,.0f}' for c in x['per_depth'])} ({x['depth0_share']:.0%} at depth 0)"
+             for x in (spec, pea)]
+    lines += ["", (f"Loss elements per training step and depth 0-{len(spec['per_depth']) - 1} (`{r['command']}`: "
+                   f"speculators' own multipack sampler and COD function on the first {r['conversations']:,} "
+                   f"conversations of the set, {spec['batches']} batches; peagle's from its last training window): "
+                   + "; ".join(cells) + ". Both trainers average the loss uniformly over these elements, so "
+                   f"speculators' steps put {spec['depth0_share']:.0%} of the loss on depth 0 (every position of a "
+                   f"packed batch there; depths >= 1 drawn from at most {spec['settings']['max_anchors']} anchors) "
+                   f"and peagle's {pea['depth0_share']:.0%}: the likeliest cause of its better position 1 and its "
+                   "near-zero positions >= 3, not yet tested by an ablation at equal GPU-seconds.")]
+
+
 def side_by_side(lines: list[str]) -> None:
     """The section: training (steps, s/step, tokens/s, memory, last-window accuracy per depth), the evaluations
     at K=5, c=1 and the goals' ratios; "not run" without the result file."""
@@ -172,5 +193,6 @@ def side_by_side(lines: list[str]) -> None:
     for s, p, heads in ratios:
         lines += ["", *goals_and_reading(s, p, heads)]
     teacher_forced(lines)
+    depth_shares(lines)
     notes = [f"- {x['tag']}: {x['note']}" for x in r["rows"] if x.get("note")]
     lines += ["", *notes, ""] if notes else [""]
