@@ -221,9 +221,10 @@ class Objective(ABC):
         """
 
     @abstractmethod
-    def loss_count(self, batch: PackedBatch, elements: Elements) -> int:
-        """The number of loss elements the summed loss is divided by when no
-        ``loss_scale_denominator`` is given (a count, >= 0; the objectives divide by at least 1).
+    def loss_count(self, batch: PackedBatch, elements: Elements) -> float:
+        """The summed weight of the loss elements (their number where each weighs 1) that the summed
+        loss is divided by when no ``loss_scale_denominator`` is given (>= 0; the objectives divide by
+        at least 1).
 
         Under DDP/FSDP (gradients averaged over W ranks) sum it over ranks and pass
         ``loss_scale_denominator = max(global_sum, 1) / W`` for an exact global mean.

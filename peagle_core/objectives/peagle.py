@@ -8,7 +8,9 @@ into segments by ``peagle_core.partition``.
 Per segment of Algorithm 1 (one segment when ``num_partitions == 1``): one forward over the
 segment's context (depth-0 keys left of it) and own slots, in ``forward_order`` (by document,
 depth, anchor), and one backward of its loss elements' scaled loss sum. The loss is KL (or CE)
-averaged over all COD-kept loss elements of the batch with uniform weight.
+averaged over all COD-kept loss elements of the batch with uniform weight (the paper's and the public
+ports'), or with weight ``depth_decay ** d`` per element of depth d (a weighted mean; an ablation of
+how much of the loss depth 0 carries, issue 26).
 
 Shape legend: N tokens of a packed sequence, M elements, T slots in one forward, K depths,
 H drafter hidden, Ht target hidden, Vd draft vocab.
@@ -41,12 +43,15 @@ class PEagleConfig(ObjectiveConfig):
         cod_ratio: r, COD keep ratio per depth (depth d keeps max(r^d, r_min) of depth 0).
         cod_min_ratio: r_min.
         num_partitions: S, segments of Algorithm 1 (1 = one forward+backward).
+        depth_decay: gamma in (0, 1]: a loss element of depth d weighs ``gamma ** d`` and the loss is
+            the weighted mean (1.0 = uniform, P-EAGLE Sec. 4).
     """
 
     num_depths: int = 8
     cod_ratio: float = 0.8
     cod_min_ratio: float = 0.2
     num_partitions: int = 1
+    depth_decay: float = 1.0
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming an out-of-range option."""
@@ -59,12 +64,15 @@ class PEagleConfig(ObjectiveConfig):
             raise ValueError(f"cod_min_ratio={self.cod_min_ratio} must be in [0, 1]")
         if self.num_partitions < 1:
             raise ValueError(f"num_partitions={self.num_partitions} must be >= 1")
+        if not 0.0 < self.depth_decay <= 1.0:
+            raise ValueError(f"depth_decay={self.depth_decay} must be in (0, 1]")
 
 
 @register_objective("peagle")
 class PEagleObjective(Objective):
     """P-EAGLE: all K depths of every anchor in one forward (per segment), KL/CE averaged over
-    the COD-kept loss elements with uniform weight (P-EAGLE Sec. 4; public ports)."""
+    the COD-kept loss elements with uniform weight (P-EAGLE Sec. 4; public ports) or weight
+    ``depth_decay ** d`` at depth d."""
 
     config_cls = PEagleConfig
     cfg: PEagleConfig
@@ -73,6 +81,10 @@ class PEagleObjective(Objective):
     def num_depths(self) -> int:
         """K, the parallel depths trained."""
         return self.cfg.num_depths
+
+    def depth_weights(self, depth: torch.Tensor) -> torch.Tensor:
+        """``[m]`` float32 loss weight ``depth_decay ** d`` of elements of depth ``depth [m]`` (int64)."""
+        return torch.full(depth.shape, self.cfg.depth_decay, dtype=torch.float32, device=depth.device) ** depth
 
     def check_drafter(self, drafter: Eagle3Drafter) -> None:
         """Raises ``ValueError`` for a head without ``mask_token_id`` / ``mask_hidden``."""
@@ -113,12 +125,15 @@ class PEagleObjective(Objective):
         if rows.numel() == 0:
             return (normed.sum() + d.lm_head.weight.sum()) * 0.0
         sub = el.index(rows)
-        scale = torch.full((rows.numel(),), 1.0 / denom, device=normed.device, dtype=torch.float32)
+        scale = self.depth_weights(sub.depth) / denom
         return self._loss_rows(d, batch, normed[0, rows], sub, W_t, scale, stats)
 
-    def loss_count(self, batch: PackedBatch, elements: Elements) -> int:
-        """All COD-kept loss elements of the batch (every depth, weight 1)."""
-        return elements.num_loss_elements
+    def loss_count(self, batch: PackedBatch, elements: Elements) -> float:
+        """The summed weight of the COD-kept loss elements of the batch (their number when
+        ``depth_decay`` is 1)."""
+        if self.cfg.depth_decay == 1.0:
+            return float(elements.num_loss_elements)
+        return float(self.depth_weights(elements.depth[elements.loss]).double().sum())
 
     def _prepare(
         self, drafter: nn.Module, batch: PackedBatch, target_lm_head: torch.Tensor,

@@ -147,6 +147,12 @@ class TrainingConfig(Section):
     cod_ratio: float = Field(0.8, gt=0.0, le=1.0, description="COD keep ratio r: depth d keeps max(r^d, r_min).")
     cod_min_ratio: float = Field(0.2, gt=0.0, le=1.0, description="COD floor r_min.")
     num_partitions: int = Field(1, ge=1, description="Sequence partitions S (Algorithm 1); 1 = unpartitioned.")
+    depth_decay: Annotated[float | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, gt=0.0, le=1.0,
+        description="P-EAGLE loss weight of depth d is depth_decay^d (a weighted mean over the COD-kept "
+        "elements); None: uniform, the paper's (and the stage keys of earlier recipes unchanged). Method "
+        "peagle only (EAGLE-3 weighs its steps with ttt_decay).",
+    )
     ttt_steps: int = Field(7, ge=1, description="EAGLE-3 test-time-training steps (method eagle3).")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 loss weight of step i is decay^i.")
     loss: Literal["kl", "ce"] = Field("kl", description="KL(target || draft) or cross-entropy on target argmax.")
@@ -199,11 +205,14 @@ class TrainingConfig(Section):
                 f"training.cod_min_ratio={self.cod_min_ratio} > training.cod_ratio={self.cod_ratio}; "
                 "set r_min <= r (defaults 0.2 and 0.8)"
             )
+        if self.depth_decay is not None and self.method != "peagle":
+            raise ValueError(f"training.depth_decay={self.depth_decay} weighs P-EAGLE depths; method "
+                             f"{self.method!r} weighs its TTT steps with training.ttt_decay")
         return self
 
     def objective_config(self, num_speculative_tokens: int) -> ObjectiveConfig:
         """The ``peagle_core`` config of this section's objective: ``PEagleConfig`` (K = ``num_speculative_tokens``
-        depths, COD ratios, partitions) for ``method="peagle"``, ``Eagle3TTTConfig`` (``ttt_steps`` steps
+        depths, COD ratios, partitions, depth weights) for ``method="peagle"``, ``Eagle3TTTConfig`` (``ttt_steps`` steps
         weighted ``ttt_decay**i``) for ``"eagle3"``; both with ``loss``, ``attention`` and ``seed``."""
         from peagle_core.objectives import Eagle3TTTConfig, PEagleConfig
 
@@ -211,7 +220,8 @@ class TrainingConfig(Section):
         if self.method == "eagle3":
             return Eagle3TTTConfig(num_steps=self.ttt_steps, step_weight=self.ttt_decay, **common)
         return PEagleConfig(num_depths=num_speculative_tokens, cod_ratio=self.cod_ratio,
-                            cod_min_ratio=self.cod_min_ratio, num_partitions=self.num_partitions, **common)
+                            cod_min_ratio=self.cod_min_ratio, num_partitions=self.num_partitions,
+                            depth_decay=1.0 if self.depth_decay is None else self.depth_decay, **common)
 
 
 class EvalConfig(Section):

@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
@@ -107,14 +107,14 @@ def digest(*parts: Any) -> str:
 def stage_key(name: str, upstream_key: str, sections: tuple) -> str:
     """Key of stage ``name``: its recipe ``sections`` (pydantic models dumped as JSON, without the fields marked
     ``KEY_NEUTRAL_WHEN_NONE`` that are None) + the upstream key."""
-    dumped = [_key_dump(s) for s in sections]
+    dumped = [key_dump(s) if hasattr(s, "model_dump") else s for s in sections]
     return digest(name, upstream_key, dumped)
 
 
-def _key_dump(section: Any) -> Any:
-    if not hasattr(section, "model_dump"):
-        return section
-    dumped = section.model_dump(mode="json")
+def key_dump(section: Any, exclude: Iterable[str] = ()) -> dict:
+    """A recipe section as a stage key sees it: its JSON dump without the fields ``exclude`` and without the
+    fields marked ``KEY_NEUTRAL_WHEN_NONE`` that are None (for ``Stage.sections`` that leave fields out)."""
+    dumped = section.model_dump(mode="json", exclude=set(exclude))
     _drop_neutral(section, dumped)
     return dumped
 

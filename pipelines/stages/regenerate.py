@@ -16,7 +16,7 @@ from pathlib import Path
 
 from peagle_core.atomic import atomic_write_text
 from pipelines.preflight import Machine, Problem
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, write_json
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, key_dump, write_json
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RegenerateStage(Stage):
     @staticmethod
     def sections(recipe):
         # aux layer ids do not change the regenerated text: they key the capture only
-        return (recipe.target.model_dump(mode="json", exclude={"aux_layer_ids"}), recipe.data, recipe.regenerate)
+        return (key_dump(recipe.target, exclude={"aux_layer_ids"}), recipe.data, recipe.regenerate)
 
     def run(self) -> RegenerateOutput:
         from pipelines.data.prompt_dataset import load_prompt_dataset

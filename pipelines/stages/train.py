@@ -25,7 +25,7 @@ from typing import Any
 
 from pipelines import settings
 from pipelines.preflight import Machine, Problem, Severity, not_installed
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, tree_bytes
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, key_dump, tree_bytes
 from pipelines.stages.capture import CaptureOutput, backend_problems
 from pipelines.stages.regenerate import RegenerateOutput
 
@@ -97,7 +97,7 @@ class TrainStage(Stage):
     def sections(self, recipe):
         # how many failures to recover from does not change the head: not in the key; a warm start is keyed
         # on the head it resolved to (absent when None: older recipes keep their keys)
-        training = recipe.training.model_dump(mode="json", exclude={"max_failures", "init_from"})
+        training = key_dump(recipe.training, exclude={"max_failures", "init_from"})
         if recipe.training.init_from is not None:
             assert self._init_head is not None and self._init_head.ref == recipe.training.init_from
             training["init_from"] = self._init_head.key()

@@ -231,6 +231,24 @@ def test_metrics_per_depth_and_loss_mean():
     assert m["sim_acceptance_length"] >= 1.0
 
 
+def test_depth_decay_is_a_weighted_mean_of_the_depth_losses():
+    """``depth_decay`` g: loss = sum_d g^d * loss_d * count_d / sum_d g^d * count_d; the per-depth metrics
+    stay unweighted and g = 1 is the uniform mean."""
+    head = tiny_head()
+    b = tiny_pack()
+    loss1, m1 = _loss(head, b, num_depths=3, cod_ratio=1.0, loss_impl="plain")
+    loss_w, m = _loss(head, b, num_depths=3, cod_ratio=1.0, loss_impl="plain", depth_decay=0.25)
+    counts, means = [m[f"count_d{d}"] for d in range(3)], [m[f"loss_d{d}"] for d in range(3)]
+    assert means == [m1[f"loss_d{d}"] for d in range(3)]
+    w = [0.25**d * c for d, c in enumerate(counts)]
+    assert abs(float(loss_w) - sum(wi * x for wi, x in zip(w, means)) / sum(w)) < 1e-5
+    assert abs(float(loss_w) - float(loss1)) > 1e-4  # the depths' means differ: the weight shows
+    obj = build_objective("peagle", num_depths=3, cod_ratio=1.0, depth_decay=0.25)
+    assert obj.loss_count(b, obj.build_elements(b, head)) == pytest.approx(sum(w))
+    with pytest.raises(ValueError, match="depth_decay"):
+        build_objective("peagle", depth_decay=0.0)
+
+
 def test_kl_matches_explicit_computation_with_pruned_vocab():
     # Draft vocab of 40 ids: the KL target is the target distribution restricted and renormalized.
     head = tiny_head(draft_vocab_size=40)

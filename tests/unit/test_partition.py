@@ -33,31 +33,32 @@ def test_segments_written_out_n5_k3():
     assert [el.as_tuples()[i] for i in segs[1].indices.tolist()] == [(0, 0), (1, 0), (2, 0), (1, 1), (3, 0)]
 
 
-def _grads(head, S, batch, seed=0, no_sync=None):
+def _grads(head, S, batch, seed=0, no_sync=None, depth_decay=1.0):
     head.zero_grad(set_to_none=True)
     obj = build_objective("peagle", num_depths=4, cod_ratio=0.7, cod_min_ratio=0.2, num_partitions=S,
-                          attention="dense", loss_impl="torch", loss_chunk_rows=7, seed=seed)
+                          attention="dense", loss_impl="torch", loss_chunk_rows=7, seed=seed,
+                          depth_decay=depth_decay)
     m = obj.forward_backward(head, batch, target_lm_head=target_head(), no_sync=no_sync)
     return m, {n: p.grad.clone() for n, p in head.named_parameters()}
 
 
-def _reference_grads(head, batch, seed=0):
+def _reference_grads(head, batch, seed=0, depth_decay=1.0):
     """Single pass through plain autograd (materialized logits) with the same COD draw."""
     head.zero_grad(set_to_none=True)
     obj = build_objective("peagle", num_depths=4, cod_ratio=0.7, cod_min_ratio=0.2, attention="dense",
-                          loss_impl="plain", seed=seed)
+                          loss_impl="plain", seed=seed, depth_decay=depth_decay)
     loss, m = obj.compute_loss(head, batch, target_lm_head=target_head())
     loss.backward()
     return m, {n: p.grad.clone() for n, p in head.named_parameters()}
 
 
-@pytest.mark.parametrize("S", [1, 2, 4, 7])
-def test_partition_gradients_equal_single_pass(S):
+@pytest.mark.parametrize("S,depth_decay", [(1, 1.0), (2, 1.0), (4, 1.0), (7, 1.0), (4, 0.5)])
+def test_partition_gradients_equal_single_pass(S, depth_decay):
     torch.manual_seed(0)
     head = tiny_head()
     batch = tiny_pack((9, 7, 11, 6), max_tokens=64)  # 4 documents, 33 tokens
-    m1, g1 = _reference_grads(head, batch)
-    mS, gS = _grads(head, S, batch)
+    m1, g1 = _reference_grads(head, batch, depth_decay=depth_decay)
+    mS, gS = _grads(head, S, batch, depth_decay=depth_decay)
     assert m1["num_loss_elements"] == mS["num_loss_elements"] > 0
     assert 0 < m1["count_d3"] < m1["count_d1"] < m1["count_d0"]  # COD really dropped elements
     assert abs(m1["loss"] - mS["loss"]) <= 1e-5 * abs(m1["loss"])

@@ -79,6 +79,16 @@ def test_norm_before_residual_reaches_the_head_config():
         assert drafter_config_from_head(head).norm_before_residual is flag
 
 
+def test_depth_decay_reaches_the_objective_and_only_peagle():
+    """``training.depth_decay`` (None = uniform) is the P-EAGLE objective's depth weight; EAGLE-3 refuses it."""
+    assert recipe_from_dict({"name": "t"}).training.objective_config(5).depth_decay == 1.0
+    cfg = recipe_from_dict({"name": "t"}, ["training.depth_decay=0.5"]).training.objective_config(5)
+    assert cfg.depth_decay == 0.5
+    assert "training.depth_decay" in _err({}, "training.depth_decay=0")
+    msg = _err({}, "training.method=eagle3", "training.depth_decay=0.5")
+    assert "training.depth_decay" in msg and "ttt_decay" in msg
+
+
 def _err(data, *overrides) -> str:
     with pytest.raises(ValueError) as e:
         recipe_from_dict({"name": "t", **data}, list(overrides))

@@ -83,9 +83,11 @@ def test_stage_keys_do_not_depend_on_class_names(config, tmp_path):
     assert keys == KEYS[config]
 
 
-def test_key_follows_upstream_sections(ci_recipe, tmp_path):
+@pytest.mark.parametrize("override", ["training.lr=0.001", "training.depth_decay=0.5"])
+def test_key_follows_upstream_sections(ci_recipe, tmp_path, override):
+    """A training field moves the train stage's key and the keys after it (a key-neutral field too, once set)."""
     base = PipelineRun(ci_recipe, run_dir=tmp_path)
-    changed = PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["training.lr=0.001"]), run_dir=tmp_path)
+    changed = PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", [override]), run_dir=tmp_path)
     same, moved = STAGES[:STAGES.index("train")], STAGES[STAGES.index("train"):]
     assert all(base.key(s) == changed.key(s) for s in same)
     assert all(base.key(s) != changed.key(s) for s in moved)
