@@ -99,6 +99,26 @@ def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
     return out
 
 
+MIN_CONDITIONING_ANCHORS = 20  # a conditional acceptance from fewer anchors is left out as noise
+
+
+def conditional_acceptance(r: dict) -> list[tuple[int, float, int]]:
+    """``(position p >= 2, acceptance at p given positions 1..p-1 accepted, anchors conditioned on)`` of a
+    ``bench.teacher_forced`` result: ``chain[p] / chain[p-1]`` of its chain over all anchors, where at least
+    ``MIN_CONDITIONING_ANCHORS`` anchors had positions 1..p-1 right."""
+    chain, n = r["chain_acceptance_per_pos"], r["chain_anchors"]
+    out = []
+    for p in range(2, len(chain) + 1):
+        given = round(chain[p - 2] * n)
+        if given >= MIN_CONDITIONING_ANCHORS:
+            out.append((p, chain[p - 1] / chain[p - 2], given))
+    return out
+
+
+def _conditional_cell(r: dict) -> str:
+    return " / ".join(f"{f(c, 2)} ({given})" for _, c, given in conditional_acceptance(r)) or "-"
+
+
 def teacher_forced(lines: list[str]) -> None:
     """Both heads on the same sequences outside vLLM (``bench.teacher_forced``): accuracy per depth given the
     target's context, the chain over all anchors and peagle's reference decoder."""
@@ -109,11 +129,12 @@ def teacher_forced(lines: list[str]) -> None:
     lines += ["", (f"The same heads outside vLLM (`python -m bench.teacher_forced --head DIR --set SET --k {r0['K']}`, "
                    f"CPU, {r0['capture_dtype']}, {r0['prompts']} prompts per set, the target's greedy answers of "
                    f"{r0['max_tokens']} tokens; columns as in the teacher-forced sections above):"), ""]
-    lines += table(["head", "sequences", "teacher-forced acc per depth", "chain per position (AL)", "decoder AL"],
+    lines += table(["head", "sequences", "teacher-forced acc per depth", "chain per position (AL)",
+                    "position p >= 2 given 1..p-1 accepted (anchors)", "decoder AL"],
                    [[Path(r["head"]).name.removeprefix("head-"), r["eval_set"],
                      " / ".join(f(x, 3) for x in r["teacher_forced_acc"]),
                      f"{' / '.join(f(x, 3) for x in r['chain_acceptance_per_pos'])} ({f(r['chain_al'])})",
-                     f(r["decoder_al"])] for r in runs])
+                     _conditional_cell(r), f(r["decoder_al"])] for r in runs])
     by = {(Path(r["head"]).name.startswith("head-spec-"), r["eval_set"]): r["teacher_forced_acc"] for r in runs}
     both = [e for (spec, e) in by if spec and (False, e) in by]
     if both:
@@ -121,6 +142,26 @@ def teacher_forced(lines: list[str]) -> None:
                         f"{f(by[(False, e)][1], 3)} vs {f(by[(True, e)][1], 3)}" for e in both)
         lines += ["", (f"Reading: peagle's head vs speculators' on the same sequences: {cmp}. The heads differ as they "
                        "do in vLLM, so the difference is in the heads, not in how they are served.")]
+        runs_by = {(Path(r["head"]).name.startswith("head-spec-"), r["eval_set"]): r for r in runs}
+        cond = {k: conditional_acceptance(r) for k, r in runs_by.items()}
+        deep = "; ".join(f"{e}: peagle {', '.join(f(c, 2) for _, c, _ in cond[(False, e)])} vs speculators "
+                         f"{', '.join(f(c, 2) for _, c, _ in cond[(True, e)])}" for e in both)
+        better = all(pc >= sc for e in both for (_, pc, _), (_, sc, _) in zip(cond[(False, e)], cond[(True, e)]))
+        text = [("Deep positions (issue 26, item 3): given positions 1..p-1 accepted, the acceptance at positions "
+                 f"p = 2, 3, ... (from at least {MIN_CONDITIONING_ANCHORS} anchors) is {deep}.")]
+        if better:
+            text.append("Where the earlier positions hold, peagle's deep slots are better than speculators' on every "
+                        "set; its chain is cut at position 1, where its depth 0 is far weaker.")
+        e = max(both, key=lambda e: len(cond[(False, e)]))
+        c = cond[(False, e)]
+        if len(c) >= 2:
+            spec0 = runs_by[(True, e)]["chain_acceptance_per_pos"][0]
+            text.append(f"Position 3 is the product of position 1 and these: with speculators' position 1 ({f(spec0, 2)}) "
+                        f"and peagle's conditionals on {e}, it would be {f(spec0 * c[0][1] * c[1][1], 2)} (arithmetic, "
+                        "not a measurement: the conditionals need not hold when depth 0 changes).")
+        text.append("speculators' trainer puts far more of the loss on depth 0 (below); `training.depth_decay` "
+                    "weighs peagle's depths for that ablation (not run yet).")
+        lines += ["", " ".join(text)]
 
 
 def depth_shares(lines: list[str]) -> None:

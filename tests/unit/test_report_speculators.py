@@ -30,3 +30,12 @@ def test_peagle_rate_is_over_the_timed_calls_and_the_last_window():
     assert t["s_per_step"] == pytest.approx(0.5)
     assert t["tokens_per_s"] == pytest.approx(16_000 / 0.5)
     assert t["peak_mem_gib"] == 8.5 and t["acc"][0] == 0.5
+
+
+def test_conditional_acceptance_divides_the_chain_and_drops_thin_positions():
+    """Position p given 1..p-1 accepted = chain[p] / chain[p-1], only from >= MIN_CONDITIONING_ANCHORS anchors."""
+    r = {"chain_acceptance_per_pos": [0.5, 0.2, 0.05, 0.01], "chain_anchors": 100}
+    got = rs.conditional_acceptance(r)
+    assert [(p, given) for p, _, given in got] == [(2, 50), (3, 20)]  # position 4: 5 anchors had 1..3 right
+    assert [c for _, c, _ in got] == pytest.approx([0.4, 0.25])
+    assert rs.conditional_acceptance({"chain_acceptance_per_pos": [0.1, 0.0], "chain_anchors": 100}) == []
