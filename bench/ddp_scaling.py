@@ -48,7 +48,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -58,6 +57,7 @@ from pathlib import Path
 import torch
 
 from bench.common import TARGET_SHAPES, write_result
+from pipelines.ports import free_port
 
 SMOKE_SHAPE = {"hidden_size": 36, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 6,
                "intermediate_size": 50, "vocab_size": 99, "num_hidden_layers": 7, "rope_theta": 10000.0}
@@ -199,12 +199,6 @@ def run_ray(cfg: dict, num_workers: int, *, use_gpu: bool, cpus_per_worker: int,
     return {**result.return_value, "fit_wall_s": time.perf_counter() - t0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torch_worker(rank: int, world: int, cfg: dict, port: int, out_file: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -241,7 +235,7 @@ def run_torch(cfg: dict, num_workers: int, *, use_gpu: bool, cpus_per_worker: in
     out_file = storage / f"torch-w{num_workers}.json"
     cfg = {**cfg, "use_gpu": use_gpu}
     t0 = time.perf_counter()
-    mp.spawn(_torch_worker, args=(num_workers, cfg, _free_port(), str(out_file)), nprocs=num_workers, join=True)
+    mp.spawn(_torch_worker, args=(num_workers, cfg, free_port(), str(out_file)), nprocs=num_workers, join=True)
     return {**json.loads(out_file.read_text()), "fit_wall_s": time.perf_counter() - t0}
 
 

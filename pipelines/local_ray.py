@@ -43,6 +43,7 @@ import typer
 
 from peagle_core.atomic import atomic_write_text
 from pipelines import settings
+from pipelines.ports import free_port
 
 STATE_FILE = "peagle_head.json"
 TOKEN_FILE = "auth_token"
@@ -61,12 +62,6 @@ class HeadInfo:
     def client_env(self) -> dict[str, str]:
         """Env vars for ``ray`` CLI calls (job submit/logs/stop) against this head."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path, "RAY_ADDRESS": self.dashboard_url}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_open(host: str, port: int) -> bool:

@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from pipelines.ports import free_port
 from pipelines.serve.ingress import SERVED_HEADER  # Ray-free module
 
 MODEL_ID = "smollm2-135m-instruct"
@@ -43,12 +43,6 @@ def serve_cluster(*, key_env: str, key: str, num_cpus: int = 4):
         serve.shutdown()
         ray.shutdown()
         os.environ.pop(key_env, None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_serve_args(**kw):

@@ -4,7 +4,6 @@ on, rank 0 buffers its metrics (one outage, one warning) and they all arrive onc
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,10 @@ import pytest
 from peagle_core.contract import validate_head
 from pipelines import settings
 from pipelines import train as T
+from pipelines.ports import free_port
 from tests.integration.test_train import capture, ray_local, run  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MlflowServer:

@@ -4,13 +4,13 @@ step and full state dicts (P-EAGLE with S=2 sequence partitions, EAGLE-3 TTT).""
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
 
 from peagle_core.batch import PackedBatch, pack_samples
 from peagle_core.objectives import build_objective
+from pipelines.ports import free_port
 from pipelines.recipe import TrainingConfig
 from tests.unit.test_objective import MASK_ID, random_sample, target_head, tiny_head
 
@@ -104,19 +104,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """Rank 0's results of both methods from one 2-process gloo run."""
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     return torch.load(out / "result.pt", weights_only=True)
 
 
@@ -277,7 +271,7 @@ def test_trainer_fsdp_checkpoint_resume_and_export(tmp_path):
     from peagle_core.contract import export_head, validate_head
     from pipelines import train as T
 
-    mp.spawn(_trainer_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_trainer_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     res = torch.load(tmp_path / "trainer.pt", weights_only=True)
     ha, hb = res["history_a"], res["history_b"]
     assert [h["step"] for h in ha] == [1.0, 2.0, 3.0, 4.0] and res["meta_step"] == 2
