@@ -1,13 +1,13 @@
 """The ``peagle`` command line without Ray: help, flags, one-line errors and exit codes."""
 
 import json
-import socket
 
 import pytest
 from typer.testing import CliRunner
 
 from pipelines.cli import app
 from pipelines.cli.run import stage_app
+from pipelines.ports import free_port
 from tests.conftest import CONFIGS
 
 pytestmark = pytest.mark.unit
@@ -140,9 +140,7 @@ def test_registry_bad_reference_is_one_line(store, tmp_path):
 
 
 def test_registry_unreachable_server_is_one_line():
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     res = invoke("registry", "list", "--tracking-uri", f"http://127.0.0.1:{port}")
     assert res.exit_code == 1
     assert "not reachable" in one_error_line(res)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from pipelines import settings
+from pipelines.ports import free_port
 from pipelines.registry import client as mlflow_client
 from pipelines.registry import promotion
 from pipelines.registry import register as reg
@@ -117,13 +118,9 @@ def test_interrupted_promotion_is_completed_not_reversed(uri, tmp_path):
 
 
 def test_guard_fails_fast_on_a_dead_server(monkeypatch):
-    import socket
-
     for k in mlflow_client.BOUNDED_HTTP_ENV:
         monkeypatch.delenv(k, raising=False)
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(reg.TrackingUnreachableError) as e, reg.tracking_guard(dead, hint="re-run later"):
         pytest.fail("the body must not run against a dead server")

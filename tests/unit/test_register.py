@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipelines import settings
+from pipelines.ports import free_port
 from pipelines.registry import register as reg
 from pipelines.registry.refs import HeadRef
 
@@ -109,7 +110,6 @@ def test_head_ref_resolves_to_a_pinned_version(uri, tmp_path, monkeypatch):
     """One resolver for every caller: an alias pins to its version and head_sha256 tag, a version keeps itself;
     a model, alias or version the registry does not have is a ValueError naming the field (or None with
     missing_ok); a registry that does not answer is not "no such version": MLflow's error propagates."""
-    import socket
 
     from mlflow.exceptions import MlflowException
 
@@ -129,9 +129,7 @@ def test_head_ref_resolves_to_a_pinned_version(uri, tmp_path, monkeypatch):
         assert HeadRef.parse(missing).resolve(uri, missing_ok=True) is None
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(MlflowException) as e:
         HeadRef.parse("models:/peagle-x@champion").resolve(dead, missing_ok=True)
     assert not isinstance(e.value, ValueError)
