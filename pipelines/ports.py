@@ -2,10 +2,10 @@
 a torch.distributed rendezvous.
 
 A port from ``bind(("127.0.0.1", 0))`` lies in the kernel's ephemeral range, which every outgoing connection
-also draws from: on a box where Ray's processes open many connections, one of them took such a port between
-the pick and Ray Serve's bind (``Failed to bind to address '127.0.0.1:44933'``, CI 2026-11-26). Ports here are
-chosen below that range and above Ray's default worker ports (10002-19999), where only an explicit bind can
-take them, and never twice in one process.
+also draws from, and Ray's processes open many: in CI (2026-11-26) Ray Serve's proxy found 127.0.0.1:44933,
+picked that way moments before, already taken (``Failed to bind to address``). Ports here are chosen below
+that range and above Ray's default worker ports (10002-19999), where only an explicit bind can take them,
+and never twice in one process.
 """
 
 from __future__ import annotations
