@@ -135,14 +135,14 @@ def teacher_forced(lines: list[str]) -> None:
                      " / ".join(f(x, 3) for x in r["teacher_forced_acc"]),
                      f"{' / '.join(f(x, 3) for x in r['chain_acceptance_per_pos'])} ({f(r['chain_al'])})",
                      _conditional_cell(r), f(r["decoder_al"])] for r in runs])
-    by = {(Path(r["head"]).name.startswith("head-spec-"), r["eval_set"]): r["teacher_forced_acc"] for r in runs}
+    runs_by = {(Path(r["head"]).name.startswith("head-spec-"), r["eval_set"]): r for r in runs}
+    by = {k: r["teacher_forced_acc"] for k, r in runs_by.items()}
     both = [e for (spec, e) in by if spec and (False, e) in by]
     if both:
         cmp = "; ".join(f"{e}: depth 0 {f(by[(False, e)][0], 3)} vs {f(by[(True, e)][0], 3)}, depth 1 "
                         f"{f(by[(False, e)][1], 3)} vs {f(by[(True, e)][1], 3)}" for e in both)
         lines += ["", (f"Reading: peagle's head vs speculators' on the same sequences: {cmp}. The heads differ as they "
                        "do in vLLM, so the difference is in the heads, not in how they are served.")]
-        runs_by = {(Path(r["head"]).name.startswith("head-spec-"), r["eval_set"]): r for r in runs}
         cond = {k: conditional_acceptance(r) for k, r in runs_by.items()}
         deep = "; ".join(f"{e}: peagle {', '.join(f(c, 2) for _, c, _ in cond[(False, e)])} vs speculators "
                          f"{', '.join(f(c, 2) for _, c, _ in cond[(True, e)])}" for e in both)
