@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import RESULTS, write_result
+from bench.common import RESULTS, environment, write_result
 from pipelines.preflight import installed_vllm_version
 
 SWEEP = [3, 5, 7]
@@ -117,6 +117,7 @@ class Eval:
     notes: dict = field(default_factory=dict)  # what else the file holds (notes on sessions, ...): kept
     baseline: bool = True  # measure no speculation first in a session that lacks it (its rows' speedup)
     head_facts: dict = field(default_factory=dict)  # {(tag, run): more keys of that head's entry in "heads"}
+    device: str = ""  # bench.common.environment's device, recorded per row (a file's rows span machines)
 
     @classmethod
     def open(cls, args) -> Eval:
@@ -129,7 +130,7 @@ class Eval:
         notes = {k: v for k, v in prev.items() if k not in RECORD_KEYS}
         return cls(args=args, heads=heads, methods=methods, path=path, rows=rows, offline=prev.get("offline", []),
                    prev_heads=prev.get("heads", []), session=session_for(rows, today, args.new_session), today=today,
-                   notes=notes)
+                   notes=notes, device=environment()["device"])
 
     def save(self, num_prompts: int) -> None:
         """Rewrite the result file (rows of earlier runs with the same ``--name`` are kept)."""
@@ -158,7 +159,8 @@ class Eval:
     def add(self, report_rows: list[dict], head: tuple[str, int | None], set_name: str, engine_env: dict) -> None:
         base = {r["concurrency"]: r["tokens_per_s"] for r in self.none_rows(set_name)}
         for r in report_rows:
-            r.update(head=head[0], run=head[1], eval_set=set_name, date=self.today, session=self.session,
+            r.update(head=head[0], run=head[1], eval_set=set_name, date=self.today, device=self.device,
+                     session=self.session,
                      engine=self.args.engine, engine_env=engine_env, head_dir=self.heads.get(head),
                      speedup=r["tokens_per_s"] / base[r["concurrency"]] if base.get(r["concurrency"])
                      else (1.0 if head[0] == NONE_LABEL else None))

@@ -32,8 +32,11 @@ def step_ms(row: dict) -> float:
 
 
 def _lease(row: dict) -> str:
-    """The lease (machine) that measured ``row``: its start where recorded, else the row's date."""
-    return row.get("lease", row["date"])
+    """The lease (machine) that measured ``row``: its start where recorded, else the row's date, with the GPU where
+    the row records it (``bench.eval_gpu_heads`` rows since 2026-11-26; the earlier leases' rows, all on H100s as
+    each version of the file's environment says, were given theirs then)."""
+    lease = row.get("lease", row["date"])
+    return f"{lease} ({row['device'].removeprefix('NVIDIA ')})" if row.get("device") else lease
 
 
 def _none_rows(rows: list[dict]):
@@ -78,7 +81,8 @@ def serving(lines: list[str], data: dict | None) -> None:
         lines += ["not run", ""]
         return
     rows = [r for r in data["rows"] if r.get("engine") == "gpu"]
-    lines += [(f"{_env(data)}; vLLM {data['vllm']}; `bash bench/device/run_gpu_serving.sh SETS K_SWEEP "
+    lines += [(f"Latest lease: {_env(data)} (each lease's GPU below); vLLM {data['vllm']}; "
+               "`bash bench/device/run_gpu_serving.sh SETS K_SWEEP "
               f"{data['prompts']} {data['max_tokens']}` (`bench.eval_gpu_heads --engine gpu --step-costs`): "
               f"{data['prompts']} prompts per set, {data['max_tokens']} new tokens, greedy, bfloat16, CUDA graphs; "
               "concurrency c = waves of c requests through the offline API (the evaluate stage's engine worker; "
