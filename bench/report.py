@@ -16,6 +16,7 @@ from __future__ import annotations
 from bench import (
     report_data,
     report_decode,
+    report_depths,
     report_gpu_vllm,
     report_kernels,
     report_long_context,
@@ -34,6 +35,7 @@ def main() -> None:
         sections(lines)
     report_long_context.acceptance_by_position(lines)
     report_speculators.side_by_side(lines)
+    report_depths.depth_ablations(lines)
     report_data.shifted_traffic(lines)
     report_gpu_vllm.main_sections(lines, load)
     DOC.parent.mkdir(parents=True, exist_ok=True)

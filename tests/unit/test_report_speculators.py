@@ -39,3 +39,14 @@ def test_conditional_acceptance_divides_the_chain_and_drops_thin_positions():
     assert [(p, given) for p, _, given in got] == [(2, 50), (3, 20)]  # position 4: 5 anchors had 1..3 right
     assert [c for _, c, _ in got] == pytest.approx([0.4, 0.25])
     assert rs.conditional_acceptance({"chain_acceptance_per_pos": [0.1, 0.0], "chain_anchors": 100}) == []
+
+
+def test_speculators_accuracy_key_follows_the_method():
+    """P-EAGLE logs position_i_acc; EAGLE-3 only the chain full_acc_i (and cond_acc_i)."""
+    assert rs.SPEC_ACC["peagle"].format(d=2) == "position_2_acc"
+    assert rs.SPEC_ACC["eagle3"].format(d=2) == "full_acc_2"
+
+
+def test_compare_reads_small_differences_as_equal():
+    assert rs._compare(0.30, 0.32) == "about equal"
+    assert rs._compare(0.40, 0.30) == "peagle's higher" and rs._compare(0.28, 0.32) == "speculators' higher"

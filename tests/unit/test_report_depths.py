@@ -1,0 +1,59 @@
+"""bench.report_depths: the loss share of depth 0 and the reading of the ablations of one machine and day."""
+
+import pytest
+
+from bench import report_depths as rd
+
+
+def _run(tag: str, run: int = 1, *, overrides=(), counts=(100.0, 50.0, 50.0), device="NVIDIA H200",
+         date="2026-11-26") -> dict:
+    final = {f"count_d{d}": c for d, c in enumerate(counts)}
+    return {"tag": tag, "run": run, "method": "peagle", "size": rd.SIZE, "train_s_goal": rd.TRAIN_S, "done": True,
+            "overrides": list(overrides), "device": device, "date": date, "calls": [{"final": final}]}
+
+
+def test_depth0_share_weighs_each_depth_by_the_runs_decay():
+    assert rd.depth0_share(_run("uniform")) == pytest.approx(100 / 200)
+    decayed = _run("decay", overrides=["training.depth_decay=0.5"])
+    assert rd.depth0_share(decayed) == pytest.approx(100 / (100 + 25 + 12.5))
+    assert rd.depth0_share({"calls": [{"final": {"step": 1}}]}) is None  # no per-depth counts logged
+
+
+def _eval(al: float, pos: list[float]) -> dict:
+    return {"acceptance_length": al, "al_per_pos": pos}
+
+
+def test_reading_compares_variants_with_the_base_runs_of_the_same_machine_and_day(monkeypatch):
+    runs = [_run("peagle-29k-180s", 1, device="NVIDIA H100", date="2026-11-24"),
+            _run("peagle-29k-180s", 3), _run("peagle-29k-cod003-180s", counts=(100.0, 5.0, 5.0),
+                                             overrides=["training.cod_ratio=0.03"]),
+            _run("peagle-29k-decay05-180s", overrides=["training.depth_decay=0.5"])]
+    evals = {("peagle-29k-180s", 3): _eval(1.40, [0.30, 0.08, 0.01]),
+             ("peagle-29k-cod003-180s", 1): _eval(1.80, [0.60, 0.15, 0.00]),
+             ("peagle-29k-decay05-180s", 1): _eval(1.35, [0.28, 0.06, 0.12])}
+
+    def row(name, tag, run, eval_set):
+        return evals.get((tag, run)) if name == rd.SCALE_EVAL and eval_set == "humaneval" else None
+
+    monkeypatch.setattr(rd, "eval_row", row)
+    text = rd.reading(runs, {})
+    assert text.startswith("Reading (H200, 2026-11-26): the base recipe decodes AL 1.40 ")  # not the H100 run
+    assert "cod003-180s 1.80 (position 1 0.60, depth-0 share 0.91), decay05-180s 1.35" in text
+    assert "1 of the 2 variants that move the loss toward depth 0 raise position 1" in text
+    assert "position 3 reaches the goal" in text and "0.12" in text  # decay05's position 3
+    evals[("peagle-29k-decay05-180s", 1)] = _eval(1.50, [0.40, 0.06, 0.02])
+    text = rd.reading(runs, {})
+    assert "Every variant that moves the loss toward depth 0 (2) raises position 1" in text
+    assert "positions >= 3 stay below the goal" in text
+
+
+def test_reading_says_when_the_conditional_does_not_follow_the_depth0_share(monkeypatch):
+    runs = [_run("peagle-29k-180s", 3), _run("peagle-29k-cod003-180s", counts=(100.0, 5.0, 5.0),
+                                             overrides=["training.cod_ratio=0.03"])]
+    monkeypatch.setattr(rd, "eval_row", lambda name, tag, run, s: _eval(1.5 if "cod" in tag else 1.4, [0.5, 0.1, 0.0])
+                        if name == rd.SCALE_EVAL and s == "humaneval" else None)
+    chain = {"chain_acceptance_per_pos": [0.5, 0.1, 0.01], "chain_anchors": 1000}
+    tf = {"head-peagle-29k-180s-run3": chain, "head-peagle-29k-cod003-180s": chain}
+    text = rd.reading(runs, tf)
+    assert "given position 1: 180s-run3 0.20, cod003-180s 0.20." in text
+    assert "It stays within 0.20-0.20 while the depth-0 share goes from 0.50 to 0.91" in text
