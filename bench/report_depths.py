@@ -75,12 +75,12 @@ def depth_ablations(lines: list[str]) -> None:
                f"p given 1..p-1 accepted (anchors; >= {MIN_CONDITIONING_ANCHORS}). Runs on different machines and "
                "days compare only loosely (the horizon comes from a 20-step calibration on that machine: 'timed s')."),
               ""]
-    rows = []
+    rows, pairs = [], [(x["tag"], x["run"]) for x in runs]
     for r in runs:
         name = head_name(r["tag"], r["run"])
         t = tf.get(f"head-{name}")
         fin = last_final(r)
-        rows.append([label(r["tag"], r["run"], [(x["tag"], x["run"]) for x in runs]), f"{r['device'].removeprefix('NVIDIA ')}, {r['date']}",
+        rows.append([label(r["tag"], r["run"], pairs), f"{r['device'].removeprefix('NVIDIA ')}, {r['date']}",
                      ", ".join(r.get("overrides") or []) or "-", f"{r['steps']} ({last_call_timed(r):.0f})",
                      f(depth0_share(r)), " / ".join(f(fin.get(f"acc_d{d}")) for d in range(3)),
                      _al_cell(eval_row(SCALE_EVAL, r["tag"], r["run"], "humaneval")),

