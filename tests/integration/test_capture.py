@@ -163,7 +163,7 @@ class PidFileShardActor(CaptureShardActor):
 
 
 def test_sigkill_capture_actor_mid_shard_loses_and_duplicates_nothing(reference, convos, tmp_path, monkeypatch):
-    """The actor is SIGKILLed once its first shard is on disk (it is then capturing the second): Ray Data
+    """The actor is SIGKILLed once one shard is on disk (it is then capturing its second): Ray Data
     restarts it and retries its task (its actor-pool defaults), the run finishes by itself with the
     uninterrupted run's manifest (0 missing, 0 duplicate samples) and no partial shard; a re-run keeps all."""
     ref_dir, _ = reference
@@ -191,7 +191,9 @@ def test_sigkill_capture_actor_mid_shard_loses_and_duplicates_nothing(reference,
     thread.join(1)
     assert killed, f"no actor held its second shard within 300 s: {sorted(p.name for p in tmp_path.iterdir())}"
     assert dead(killed["pid"]), f"pid {killed['pid']} still runs after SIGKILL"
-    assert killed["shards"] == [shards.shard_name(0)], killed  # killed while the second shard was being captured
+    # killed while its second shard was being captured: exactly one shard on disk (which one the actor got first
+    # is Ray Data's order of arrival: CI on 2026-11-26 saw shard 1 written first)
+    assert len(killed["shards"]) == 1 and killed["shards"][0] in {shards.shard_name(i) for i in range(4)}, killed
     assert int(pid_file.read_text()) != killed["pid"], "no new actor process finished the run"
     assert (res.num_shards, res.num_shards_reused) == (4, 0), res
     want = shards.load_manifest(ref_dir).to_pylist()
