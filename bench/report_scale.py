@@ -31,6 +31,11 @@ def label(tag: str, run: int | None, runs: list[tuple[str, int]]) -> str:
     return tag if run is None or sum(t == tag for t, _ in set(runs)) < 2 else f"{tag} #{run}"
 
 
+def timed_s(run: dict) -> float:
+    """Timed training seconds (after warm-up) over the calls of a ``bench.scale`` run whose records came back."""
+    return sum(c.get("timed_s") or 0.0 for c in run.get("calls") or [])
+
+
 def last_final(run: dict | None, up_to_step: int | None = None) -> dict:
     """The last training window of a ``bench.scale`` run: the ``final`` metrics of its last call that trained
     (a call that only exports the finished head has none), with ``up_to_step`` the last one at or before that
@@ -182,7 +187,7 @@ def heads_table(lines: list[str]) -> None:
     for r in rows:
         fin = last_final(r)
         acc = " / ".join(f(fin.get(f"acc_d{i}"), 2) for i in range(16) if fin.get(f"count_d{i}"))
-        timed = f"{sum(c.get('timed_s') or 0 for c in r['calls']):.0f}"
+        timed = f"{timed_s(r):.0f}"
         if (r["calls"][0].get("first_step") or 1) > 1:  # the record of the earlier calls was not returned
             timed += f" (steps {r['calls'][0]['first_step']}-{r['steps']} only)"
         out.append([label(r["tag"], r["run"], runs), r["size"], r["date"], r["data_build"], f"{r['train_s_goal']:.0f}",

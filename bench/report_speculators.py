@@ -55,7 +55,8 @@ def eval_row(name: str, head: str, run: int | None, eval_set: str) -> dict | Non
                  and x["eval_set"] == eval_set and (x["K"], x["concurrency"]) == (K, C)), None)
 
 
-def _al(row: dict | None) -> str:
+def al_cell(row: dict | None) -> str:
+    """An evaluation row as ``AL (acceptance at positions 1 / 2 / 3)``; "not run" for None."""
     if row is None:
         return "not run"
     return f"{f(row['acceptance_length'])} ({' / '.join(f(a) for a in row['al_per_pos'][:3])})"
@@ -237,9 +238,9 @@ def side_by_side(lines: list[str]) -> None:
             gpu = eval_row(GPU_EVAL, gpu_label, None, "humaneval")
             cpu = {(n, e): eval_row(n, tag, run, e) for n in (SCALE_EVAL, SCALE_EVAL_LONG)
                    for e in ("humaneval", "mtbench")}
-            evals.append([tag if run is None else label(tag, run, runs), _al(gpu),
-                          f"{gpu['speedup']:.2f}x" if gpu else "-", _al(cpu[(SCALE_EVAL, "humaneval")]),
-                          _al(cpu[(SCALE_EVAL, "mtbench")]), _al(cpu[(SCALE_EVAL_LONG, "humaneval")])])
+            evals.append([tag if run is None else label(tag, run, runs), al_cell(gpu),
+                          f"{gpu['speedup']:.2f}x" if gpu else "-", al_cell(cpu[(SCALE_EVAL, "humaneval")]),
+                          al_cell(cpu[(SCALE_EVAL, "mtbench")]), al_cell(cpu[(SCALE_EVAL_LONG, "humaneval")])])
         if p is not None:
             ratios.append((s, p, heads))
     for x in r.get("not_run", []):
