@@ -284,7 +284,7 @@ def restore_checkpoint(dirs: list[Path], keep: Path, name: str) -> int | None:
     from pipelines.train import STATE_FILE, latest_checkpoint
     from pipelines.train.compact import expand_checkpoint
 
-    parts = [p for d in dirs for p in Path(d).glob(f"ckpt-{name}.tar.part*")]
+    parts = _unique_parts([p for d in dirs for p in Path(d).glob(f"ckpt-{name}.tar.part*")])
     if not parts:
         return None
     keep.mkdir(parents=True, exist_ok=True)
@@ -314,6 +314,21 @@ def restore_checkpoint(dirs: list[Path], keep: Path, name: str) -> int | None:
         if p.parent.resolve() == keep.resolve():
             p.unlink()
     return step
+
+
+def _unique_parts(parts: list[Path]) -> list[Path]:
+    """One path per part name: the same part carried twice (kept in ``~/keep`` by an earlier call and carried
+    again, 2026-11-26) is one part, not a gap in the numbering.
+
+    Raises:
+        ValueError: two parts of one name with different bytes (two checkpoints' parts mixed).
+    """
+    by_name: dict[str, Path] = {}
+    for p in parts:
+        seen = by_name.setdefault(p.name, p)
+        if seen is not p and seen.read_bytes() != p.read_bytes():
+            raise ValueError(f"{seen} and {p} differ: parts of two checkpoints of one run")
+    return list(by_name.values())
 
 
 def record(args) -> None:

@@ -5,7 +5,8 @@
 # and concurrency, with each step split (--step-costs). Rows go to
 # ~/keep/gpu_vllm_serving.json (seeded from bench/results on a new machine) and come back after every call; a
 # second call resumes where the first stopped. Needs install_vllm.sh and install_target.sh on this warm machine.
-# Usage: bash bench/device/run_gpu_serving.sh SETS [K_SWEEP [NUM_PROMPTS [MAX_TOKENS]]]
+# Usage: [EVAL_FLAGS=...] bash bench/device/run_gpu_serving.sh SETS [K_SWEEP [NUM_PROMPTS [MAX_TOKENS]]]
+#   EVAL_FLAGS: more bench.eval_gpu_heads flags, e.g. --new-session on a machine of another GPU the same day
 #   e.g. run_gpu_serving.sh humaneval:1,4,16,64 3,5,7,11 64 256
 set -u
 T0=$SECONDS
@@ -18,6 +19,6 @@ HEADS=$(for d in ~/keep/head-peagle-* ~/keep/head-eagle3-* ~/keep/head-spec-*; d
 SETS=$(for s in ${1//;/ }; do echo "--set $s"; done)
 timeout $((580 - (SECONDS - T0))) python3 -m bench.eval_gpu_heads --engine gpu --step-costs $HEADS $SETS \
   --k "${2:-3,5,7,11}" --num-prompts "${3:-64}" --max-tokens "${4:-256}" --name $NAME --results-dir ~/keep \
-  --out ~/keep/gpu-eval 2>&1 | grep -E '^\{|Error|error' | cut -c1-400
+  --out ~/keep/gpu-eval ${EVAL_FLAGS:-} 2>&1 | grep -E '^\{|Error|error' | cut -c1-400
 echo "rc=$? after $((SECONDS - T0)) s"
 save

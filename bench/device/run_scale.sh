@@ -28,6 +28,9 @@
 #                                .carry/w2); then the same train call with carry .carry/scale-ckpt. More than 3 parts
 #                                (P-EAGLE: 6) are more than one carry: parts 00-02 go first in .carry/scale-ckpt-a with
 #                                `keep_carry.sh .carry/scale-ckpt-a`, the rest and the json in .carry/scale-ckpt.
+#   detach train METHOD SIZE TRAIN_S BOX_S [flags...]   the same training in its own process session, running on
+#                              past the call (one start per machine: BOX_S up to what the machine has left)
+#   wait [SECONDS]             follow the detached run; at its end return what `train` returns (then `rest`)
 #   return NAME                the latest checkpoint of run NAME in ~/keep returned as a stopped call returns it, without
 #                              training (a train call that ran into its timeout past a checkpoint); then `rest`
 #   rest                       the next share of the parts the last call held back (repeat while it says more)
@@ -38,6 +41,13 @@ STEP=${1:-}; shift
 untar_chunks() {
   mkdir -p ~/keep/regen
   for t in $(ls .carry/scale-data/chunks-*.tar.part00 2>/dev/null); do cat "${t%.part00}".part* | tar -C ~/keep/regen -xf -; done
+}
+# the training log's step lines (stdin) as step, loss, accuracy per depth, tokens/s
+steps() {
+  python3 -c "
+import json, sys
+for l in sys.stdin:
+    m = json.loads(l); print(int(m['step']), round(m['loss'], 3), 'acc', [round(m.get(f'acc_d{i}', 0), 3) for i in range(8)], round(m.get('tokens_per_s', 0)))"
 }
 case "$STEP" in
   prompts)
@@ -89,12 +99,41 @@ case "$STEP" in
     timeout 580 python3 -m bench.scale train --method "$1" --size "$2" --train-s "$3" --box-s "${4:-420}" --out "$OUT" \
       "${FROM[@]}" "${@:5}" > "$OUT/train.log" 2>&1
     echo "rc=$?"; grep -v Loading "$OUT/train.log" | grep -v '^{"step"' | tail -4 | cut -c1-1200
-    grep '^{"step"' "$OUT/train.log" | python3 -c "
-import json, sys
-for l in sys.stdin:
-    m = json.loads(l); print(int(m['step']), round(m['loss'], 3), 'acc', [round(m.get(f'acc_d{i}', 0), 3) for i in range(8)], round(m.get('tokens_per_s', 0)))"
+    grep '^{"step"' "$OUT/train.log" | steps
     rm -f "$OUT/train.log"
     save ;;
+  detach)  # train METHOD SIZE TRAIN_S BOX_S [flags...]: the same train, in its own process session (setsid), so it runs
+           # on past this call until it ends or the machine goes back; follow it with `wait`. The call's overhead (99k:
+           # ~250-320 s of tokenizing, planning, loading and compiling) is then paid once per machine, and BOX_S is
+           # what this machine has left (30 minutes held, less setup and ~5 minutes of overhead), not the 580 s of a call.
+           # It runs from a copy of the tree in ~/keep/src (later calls replace the checkout) and resumes from the
+           # parts carried in .carry/scale-ckpt, copied to ~/keep/from-parts first.
+    [ "${1:-}" = train ] || { echo "usage: run_scale.sh detach train METHOD SIZE TRAIN_S BOX_S [flags...]"; exit 2; }
+    shift
+    . bench/device/env.sh
+    D=~/keep/detached; [ -f $D/pid ] && kill -0 "$(cat $D/pid)" 2>/dev/null && { echo "a detached run is on"; exit 1; }
+    rm -rf $D ~/keep/src ~/keep/from-parts; mkdir -p $D/out ~/keep/src ~/keep/from-parts
+    tar --exclude=./.carry --exclude=./.git --exclude=./outputs -cf - . | tar -C ~/keep/src -xf -
+    [ -d .carry/scale-ckpt ] && cp .carry/scale-ckpt/* ~/keep/from-parts/
+    # the session leader writes its own pid (setsid forks when its caller leads a process group); the subshell's own
+    # output goes to the log too: one left on this call's stdout kept a caller's pipe open until the run ended
+    (cd ~/keep/src && exec setsid bash -c 'echo $$ > "$0/pid"; exec python3 -m bench.scale train "$@"' $D --method "$1" \
+      --size "$2" --train-s "$3" --box-s "$4" --out $D/out --from-parts ~/keep --from-parts ~/keep/from-parts "${@:5}") \
+      > $D/train.log 2>&1 < /dev/null &
+    sleep "${DETACH_SLEEP:-20}"; tail -3 $D/train.log | cut -c1-600; echo "detached run pid $(cat $D/pid)" ;;
+  wait)  # [SECONDS]: follow the detached run for SECONDS (default 540) or until it ends; every call prints its progress
+         # (one line per 100 steps) and, once it has ended, returns what it made (`train`'s files: the head, or the
+         # checkpoint's first parts: then `rest` at once) and its record. Calls back to back: 30 s idle loses the machine.
+    . bench/device/env.sh
+    D=~/keep/detached; PID=$(cat $D/pid 2>/dev/null) || { echo "no detached run"; exit 1; }
+    END=$((SECONDS + ${1:-540}))
+    while kill -0 "$PID" 2>/dev/null && [ $SECONDS -lt $END ]; do sleep 5; done
+    grep '^{"step"' $D/train.log | tail -"${WAIT_LINES:-12}" | steps
+    if kill -0 "$PID" 2>/dev/null; then echo "running"; else
+      echo "ended"; grep -v Loading $D/train.log | grep -v '^{"step"' | tail -6 | cut -c1-1500
+      mv $D/out/* "$OUT/" 2>/dev/null; find ~/keep -maxdepth 1 -name 'scale_train_*.json' -newer $D/pid -exec cp {} "$OUT/r/" \;
+      ls "$OUT" "$OUT/r"
+    fi ;;
   return)  # NAME (e.g. peagle-99k-600s-run2): its latest checkpoint in ~/keep, packed without training (after a
            # train call that ran into its timeout past a checkpoint); then `rest` at once
     . bench/device/env.sh
@@ -107,5 +146,5 @@ k = Path.home() / 'keep'; print(len(hold_back(return_checkpoint(k / f'ckpt-{sys.
     [ -n "$D" ] || { echo "nothing held back in ~/keep/return-rest"; exit 1; }
     mv ~/keep/return-rest/"$D"/* "$OUT/" && rmdir ~/keep/return-rest/"$D" && ls "$OUT"
     echo "$(ls ~/keep/return-rest | wc -l) more rest call(s)" ;;
-  *) echo "usage: bash bench/device/run_scale.sh prompts NUM | regenerate SIZE BUDGET_S | restore | train METHOD SIZE TRAIN_S [BOX_S [flags...]] | return NAME | rest"; exit 2 ;;
+  *) echo "usage: bash bench/device/run_scale.sh prompts NUM | regenerate SIZE BUDGET_S | restore | train METHOD SIZE TRAIN_S [BOX_S [flags...]] | detach train ... | wait [SECONDS] | return NAME | rest"; exit 2 ;;
 esac

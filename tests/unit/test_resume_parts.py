@@ -169,3 +169,19 @@ def test_parts_over_one_return_are_held_back(tmp_path, monkeypatch):
     assert sorted(d.name for d in rest.iterdir()) == ["1", "2"]
     assert [sorted(p.name for p in (rest / d).iterdir()) for d in ("1", "2")] == [
         [f"ckpt-y.tar.part0{i}" for i in (3, 4, 5)], [f"ckpt-y.tar.part0{i}" for i in (6, 7)]]
+
+
+def test_a_part_carried_twice_is_one_part(runs, tmp_path, monkeypatch):
+    """A new machine that kept parts 00-02 in ~/keep and is carried parts 03-05 twice (once kept, once in the
+    checkout) restores; a part of another checkpoint under the same name is refused."""
+    _, stopped = runs
+    monkeypatch.setattr(scale_train, "PART_BYTES", 32 * 1024)
+    parts = scale_train.return_checkpoint(stopped, tmp_path / "out", "t", "full")
+    again = tmp_path / "again"
+    again.mkdir()
+    for p in parts[1:]:
+        (again / p.name).write_bytes(p.read_bytes())
+    assert scale_train.restore_checkpoint([tmp_path / "out", again], tmp_path / "keep", "t") == STOP
+    (again / parts[-1].name).write_bytes(b"x" + parts[-1].read_bytes()[1:])
+    with pytest.raises(ValueError, match="parts of two checkpoints"):
+        scale_train.restore_checkpoint([tmp_path / "out", again], tmp_path / "keep2", "t")
