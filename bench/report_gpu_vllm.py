@@ -75,6 +75,16 @@ def _label(row: dict) -> str:
     return row["head"] + (f" #{row['run']}" if (row.get("run") or 1) > 1 else "")
 
 
+def verdict(speedup: float, noise: float) -> str:
+    """Whether the best tokens/s over no speculation (``speedup``) pays, given ``noise``: the median ratio between
+    repeats of one cell on different leases (1.0 when none was repeated). Within ``[1/noise, noise]`` it breaks even."""
+    if speedup > noise:
+        return "pays"
+    if speedup >= 1 / noise and noise > 1:
+        return f"breaks even at best (within the {noise:.2f}x spread of repeats)"
+    return "breaks even at best" if speedup >= 1 else "does not pay at any measured (K, c)"
+
+
 def serving(lines: list[str], data: dict | None) -> None:
     lines += ["## GPU vLLM: SmolLM2 with trained heads (issue 25 item 5a)", ""]
     if data is None:
@@ -116,18 +126,19 @@ def serving(lines: list[str], data: dict | None) -> None:
         for r in rs:
             runs[(r["head"], r["K"], r["concurrency"])].append(r["tokens_per_s"])
         spread = [(max(v) / min(v), k) for k, v in runs.items() if len(v) > 1]
+        noise = sorted(x for x, _ in spread)[len(spread) // 2] if spread else 1.0  # the median repeat's ratio
         if spread:
             worst, (head, k, c) = max(spread)
             lines += [(f"Repeats of one head on two leases: tokens/s differ by up to {worst:.2f}x between runs "
-                       f"({head} K={k} c={c}), median {sorted(x for x, _ in spread)[len(spread) // 2]:.2f}x over "
-                       f"{len(spread)} cells: ratios within that are noise."), ""]
+                       f"({head} K={k} c={c}), median {noise:.2f}x over {len(spread)} cells: ratios within that are "
+                       "noise."), ""]
         spec = [r for r in rs if r["head"] != "none" and r.get("speedup")]
         if spec:
             best = max(spec, key=lambda r: r["speedup"])
-            verdict = ("pays" if best["speedup"] > 1 else "does not pay at any measured (K, c)")
-            lines += [(f"Speculation {verdict} on {set_name}: best {_label(best)} K={best['K']} c={best['concurrency']} "
-                      f"at {best['speedup']:.2f}x no speculation (AL {best['acceptance_length']:.2f} against a "
-                      f"break-even AL of {break_even_al(best, none(best)):.2f})."), ""]
+            lines += [(f"Speculation {verdict(best['speedup'], noise)} on {set_name}: best {_label(best)} "
+                       f"K={best['K']} c={best['concurrency']} at {best['speedup']:.2f}x no speculation (AL "
+                       f"{best['acceptance_length']:.2f} against a break-even AL of "
+                       f"{break_even_al(best, none(best)):.2f})."), ""]
     runners = {r["head"]: r.get("model_runner") for r in rows}
     if len(set(runners.values())) > 1:
         lines += ["Runners differ: " + ", ".join(f"{h} on {v}" for h, v in runners.items()) + f" (vLLM {data['vllm']} "
