@@ -396,26 +396,34 @@ def head_run(label: str, run: int = 1) -> tuple[dict, int | None]:
 def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     """``docs/img/scale_al_vs_gpu_s.png``: AL at K=5, c=1 per head against the GPU-seconds it trained (the run's
     goal, times step / horizon for a head exported before the horizon), one line per (method, conversations, set),
-    every run of the budget-only recipes (:data:`BUDGET_VARIANTS`); None if no plot."""
+    every run of the budget-only recipes (:data:`BUDGET_VARIANTS`); runs of other recipes (``--set`` overrides) on
+    the largest set as marks of their own; None if no plot."""
     plt = _pyplot()
     if plt is None:
         return None
+    largest = max((head_run(r["head"], r.get("run", 1))[0].get("size", 0) for r in rows if r["head"] != "none"),
+                  default=0)
     pts: dict[tuple, list[tuple[float, float]]] = {}
     for r in rows:
         run, step = head_run(r["head"], r.get("run", 1)) if r["head"] != "none" else ({}, None)
-        if not run or not step or run["variant"] not in BUDGET_VARIANTS or (r["K"], r["concurrency"]) != (5, 1):
+        if not run or not step or (r["K"], r["concurrency"]) != (5, 1):
+            continue
+        recipe = () if run["variant"] in BUDGET_VARIANTS else tuple(run["overrides"])
+        if recipe and run["size"] != largest:
             continue
         gpu_s = run["train_s_goal"] * min(1.0, step / run["horizon"])
-        pts.setdefault((run["method"], run["size"], r["eval_set"]), []).append((gpu_s, r["acceptance_length"]))
+        pts.setdefault((run["method"], run["size"], r["eval_set"], recipe), []).append((gpu_s, r["acceptance_length"]))
     if not pts:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for (method, size, s_), xy in sorted(pts.items()):
+    for (method, size, s_, recipe), xy in sorted(pts.items()):
         xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{method}, {size:,} conv., {s_}")
-    ax.set_xlabel("GPU-seconds of training (H100, after warm-up)")
+        what = (" " + ", ".join(o.split(".", 1)[-1] for o in recipe)) if recipe else ""
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="x" if recipe else "o", linestyle=":" if recipe else "-",
+                label=f"{method}{what}, {size:,} conv., {s_}")
+    ax.set_xlabel("GPU-seconds of training (H100 / H200, after warm-up)")
     ax.set_ylabel("AL, vLLM, K=5")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     return _save(plt, fig, "scale_al_vs_gpu_s.png")
 
 
