@@ -80,9 +80,9 @@ def verdict(speedup: float, noise: float) -> str:
     repeats of one cell on different leases (1.0 when none was repeated). Within ``[1/noise, noise]`` it breaks even."""
     if speedup > noise:
         return "pays"
-    if speedup >= 1 / noise and noise > 1:
-        return f"breaks even at best (within the {noise:.2f}x spread of repeats)"
-    return "breaks even at best" if speedup >= 1 else "does not pay at any measured (K, c)"
+    if speedup >= 1 / noise:
+        return "breaks even at best" + (f" (within the {noise:.2f}x spread of repeats)" if noise > 1 else "")
+    return "does not pay at any measured (K, c)"
 
 
 def serving(lines: list[str], data: dict | None) -> None:

@@ -401,13 +401,12 @@ def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     plt = _pyplot()
     if plt is None:
         return None
-    largest = max((head_run(r["head"], r.get("run", 1))[0].get("size", 0) for r in rows if r["head"] != "none"),
-                  default=0)
+    evaluated = [(r, *head_run(r["head"], r.get("run", 1))) for r in rows
+                 if r["head"] != "none" and (r["K"], r["concurrency"]) == (5, 1)]
+    evaluated = [(r, run, step) for r, run, step in evaluated if run and step]
+    largest = max((run["size"] for _, run, _ in evaluated), default=0)
     pts: dict[tuple, list[tuple[float, float]]] = {}
-    for r in rows:
-        run, step = head_run(r["head"], r.get("run", 1)) if r["head"] != "none" else ({}, None)
-        if not run or not step or (r["K"], r["concurrency"]) != (5, 1):
-            continue
+    for r, run, step in evaluated:
         recipe = () if run["variant"] in BUDGET_VARIANTS else tuple(run["overrides"])
         if recipe and run["size"] != largest:
             continue

@@ -88,9 +88,8 @@ def scaling_eval(lines: list[str]) -> None:
     plot = plot_al_vs_gpu_s(x.rows)
     if plot:
         lines += [(f"AL (K=5, c=1) against the GPU-seconds each head trained: `{plot}` (every run of the base, 180s "
-                   "and 600s recipes as lines; runs of other recipes on the largest set as dotted marks, e.g. COD "
-                   "0.03 / 0.008 at 1800 GPU-s; a head exported from a checkpoint counts the run's goal x step / "
-                   "horizon)."), ""]
+                   "and 600s recipes as lines; runs of other recipes on the largest set as dotted marks; a head "
+                   "exported from a checkpoint counts the run's goal x step / horizon)."), ""]
 
 
 def _heads_table(x: Rows) -> list[str]:
