@@ -32,10 +32,11 @@ def step_ms(row: dict) -> float:
 
 
 def _lease(row: dict) -> str:
-    """The lease (machine) that measured ``row``: its start where recorded, else the row's date, with the GPU where
+    """The lease (machine) that measured ``row``: its start where recorded, else the row's date and
+    ``bench.eval_gpu_heads`` session (two machines of one day are two sessions: ``--new-session``), with the GPU where
     the row records it (``bench.eval_gpu_heads`` rows since 2026-11-26; the earlier leases' rows, all on H100s as
     each version of the file's environment says, were given theirs then)."""
-    lease = row.get("lease", row["date"])
+    lease = row.get("lease") or (f"{row['date']} session {row['session']}" if "session" in row else row["date"])
     return f"{lease} ({row['device'].removeprefix('NVIDIA ')})" if row.get("device") else lease
 
 

@@ -1,4 +1,5 @@
-"""bench.report_gpu_vllm: a lease is named with the GPU its rows record; a speed-up within the spread of repeats
+"""bench.report_gpu_vllm: a lease is named with the GPU its rows record, two sessions of one day are two leases and
+each row's break-even AL is against its own lease's no-speculation row; a speed-up within the spread of repeats
 breaks even, it does not pay."""
 
 from bench import report_gpu_vllm as rg
@@ -7,6 +8,20 @@ from bench import report_gpu_vllm as rg
 def test_lease_names_the_rows_gpu_where_recorded():
     assert rg._lease({"date": "2026-11-26", "device": "NVIDIA H200"}) == "2026-11-26 (H200)"
     assert rg._lease({"date": "2026-11-24", "lease": "2026-11-24 20:10 UTC"}) == "2026-11-24 20:10 UTC"
+
+
+def _row(head: str, session: int, tokens_per_s: float, al: float = 1.0) -> dict:
+    return {"head": head, "session": session, "date": "2026-11-26", "device": "NVIDIA H100 80GB HBM3",
+            "concurrency": 1, "num_prompts": 32, "acceptance_length": al, "tokens_per_s": tokens_per_s}
+
+
+def test_two_sessions_of_one_day_are_two_leases():
+    # session 4's machine: none at 500 tok/s; session 5's, a slower host: none at 250 tok/s
+    rows = [_row("none", 4, 500.0), _row("head", 4, 500.0, al=2.0), _row("none", 5, 250.0)]
+    none = rg._none_rows(rows)
+    assert none(rows[1]) is rows[0]
+    assert rg.break_even_al(rows[1], none(rows[1])) == 2.0  # against its own lease's none, not the slower one (4.0)
+    assert rg._lease(rows[0]) != rg._lease(rows[2])
 
 
 def test_a_speedup_within_the_spread_of_repeats_breaks_even():
