@@ -6,7 +6,7 @@ Every figure comes from a result file (``bench.report_fmt.load``); the sections 
 :mod:`bench.report_kernels` (drafting cost, training step, capture), :mod:`bench.report_decode` (reference
 decoder, DDP, GPU recipe, demo sweep), :mod:`bench.report_data` (warm-up, data path, the main job, shifted
 traffic), :mod:`bench.report_scale` and :mod:`bench.report_scale_eval` (data scaling),
-:mod:`bench.report_long_context` (acceptance by position in the sequence),
+:mod:`bench.report_long_context` (acceptance by position in the sequence, training on long sequences),
 :mod:`bench.report_speculators` (peagle against speculators), :mod:`bench.report_gpu_vllm` (GPU vLLM).
 Rerunning a benchmark and this command updates every figure.
 """
@@ -34,6 +34,7 @@ def main() -> None:
     for sections in (report_kernels.sections, report_decode.sections, report_data.sections, report_scale.sections):
         sections(lines)
     report_long_context.acceptance_by_position(lines)
+    report_long_context.long_training(lines)
     report_speculators.side_by_side(lines)
     report_depths.depth_ablations(lines)
     report_data.shifted_traffic(lines)

@@ -8,6 +8,7 @@ from bench.report_fmt import env, f, section, table
 from bench.report_scale import label, train_row
 
 RESULT = "long_context"  # bench.long_context --name
+MASK_RESULT = "mask_compile"  # bench.mask_compile
 # Literature anchor (issue 26 item 4): short-trained EAGLE-3 heads in a speculators study, AL by context length.
 ANCHOR_AL = {2048: 2.30, 20480: 1.08}
 
@@ -84,3 +85,38 @@ def _reading(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str:
     return ("Reading: " + "; ".join(parts) + f". For scale, short-trained EAGLE-3 heads in a speculators study fall from "
             f"AL {a2:.2f} at {l2 // 1024}k to {a20:.2f} at {l20 // 1024}k tokens (issue 26 item 4); here the longest "
             "history is bounded by the target's context (max_model_len above).")
+
+
+def long_training(lines: list[str]) -> None:
+    """The section on training with sequences up to the target's context (item 4's training): what stopped the run
+    and ``bench.mask_compile``'s seconds to the first block mask by document length and partitions."""
+    r = section(lines, MASK_RESULT, "## Training on long sequences with partitions (issue 26 item 4): not run")
+    if r is None:
+        return
+    t = r["trigger"]
+    lines += [(f"The run: `{t['command']}` (the 1,800 GPU-s head continued on conversations up to 8,192 tokens, "
+               f"2 sequence partitions). {t['observed']}"), ""]
+    lines += [(f"`{r['command']}` ({env(r)}): one packed batch of {r['tokens']:,} tokens in documents of L tokens, "
+               f"P-EAGLE elements (K {r['k']}, COD {r['cod'][0]} / {r['cod'][1]}), the train path's partition, "
+               "forward order and padding, then its block mask (`create_block_mask`, compiled on CUDA), "
+               f"{r['batches']} batches in one fresh process per case with its own inductor cache. "
+               + (f"Recorded from {r['recorded_from']}." if r.get("recorded_from") else "")), ""]
+    out = []
+    for x in r["rows"]:
+        first = x["masks"][0] if x["masks"] else None
+        later = [m["s"] for m in x["masks"][1:]]
+        out.append([f"{x['doc_tokens']:,}", x["partitions"], f"{x['tokens']:,}", "eager" if x["eager_mask"] else "compiled",
+                    f"{first['s']:.1f} s ({first['slots']:,} slots)" if first else f"none within {x['limit_s']:.0f} s",
+                    f"{max(later):.2f} s" if later else "-"])
+    lines += table(["document tokens L", "partitions", "batch tokens", "block mask", "first mask", "later masks (max)"], out)
+    lines += ["", ("Reading: one partition compiles its block mask once (~36 s) and then builds it in no time; two "
+                   "partitions did not produce their first mask within the limit, with 1,024- or 8,192-token "
+                   "documents alike, so partitions, not long documents, stop the run. A segment has about half the "
+                   "slots of the whole batch (17,664 -> ~8,800 + the earlier depth-0 context): whether the smaller "
+                   "key-block count (69 instead of 138 blocks) turns the compiled sort into the slow persistent kernel, "
+                   "and whether `--eager-mask` (`create_block_mask(_compile=False)`) avoids it at an acceptable cost "
+                   "per step, are the next measurements (`--cases 1024:1:8192,1024:1:16384,1024:2:16384`, with and "
+                   "without `--eager-mask`). Until then the GPU recipes with `training.num_partitions: 2` "
+                   "(`configs/llama-3.1-8b-h100.yaml`, `configs/qwen3-coder-30b-a3b-b200.yaml`, "
+                   "`configs/gpt-oss-20b-b200.yaml`) may stall the same way; the CPU path (dense masks) is not affected."),
+              ""]
