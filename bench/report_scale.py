@@ -393,6 +393,9 @@ def head_run(label: str, run: int = 1) -> tuple[dict, int | None]:
     return row, step if step is not None else row.get("steps")
 
 
+METHOD_MARKERS = {"peagle": "o", "eagle3": "s"}  # the AL plots: a method's marker
+
+
 def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     """``docs/img/scale_al_vs_gpu_s.png``: AL at K=5, c=1 per head against the GPU-seconds it trained (the run's
     goal, times step / horizon for a head exported before the horizon), one line per (method, conversations, set),
@@ -414,15 +417,17 @@ def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
         pts.setdefault((run["method"], run["size"], r["eval_set"], recipe), []).append((gpu_s, r["acceptance_length"]))
     if not pts:
         return None
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for (method, size, s_, recipe), xy in sorted(pts.items()):
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    colors = plt.get_cmap("tab20")  # one color per line (the default cycle repeats after 10)
+    for i, ((method, size, s_, recipe), xy) in enumerate(sorted(pts.items())):
         xy.sort()
         what = (" " + ", ".join(o.split(".", 1)[-1] for o in recipe)) if recipe else ""
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="x" if recipe else "o", linestyle=":" if recipe else "-",
+        ax.plot([x for x, _ in xy], [y for _, y in xy], color=colors(i % 20),
+                marker="x" if recipe else METHOD_MARKERS.get(method, "o"), linestyle=":" if recipe else "-",
                 label=f"{method}{what}, {size:,} conv., {s_}")
     ax.set_xlabel("GPU-seconds of training (H100 / H200, after warm-up)")
     ax.set_ylabel("AL, vLLM, K=5")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(plt, fig, "scale_al_vs_gpu_s.png")
 
 
