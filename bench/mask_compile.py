@@ -10,7 +10,7 @@ compiled). A case is a fresh process with its own inductor cache (``TORCHINDUCTO
 ``--batches`` batches one after the other (new COD draws; the first compiles). Rows go to
 ``bench/results/mask_compile.json``: per case the seconds per mask in order, or the limit it ran into.
 
-Usage: python -m bench.mask_compile [--cases 1024:2,8192:1,8192:2] [--limit-s 80] [--eager-mask]
+Usage: python -m bench.mask_compile [--cases 1024:2,8192:1,8192:2] [--limit-s 80] [--block-mask blockwise]
   e.g. the block-count question (a smaller segment, not its partition, compiling slowly?):
   --cases 1024:1:8192,1024:1:16384,1024:2:16384
 """
@@ -31,10 +31,11 @@ RESULT = "mask_compile"
 
 
 def one_case(
-    length: int, partitions: int, tokens: int, batches: int, cod: tuple[float, float], k: int, eager: bool
+    length: int, partitions: int, tokens: int, batches: int, cod: tuple[float, float], k: int, build: str
 ) -> None:
-    """Print one JSON line per mask: batch, segment, slots T, seconds (``eager``: ``create_block_mask`` not
-    compiled, the dense mask materialised)."""
+    """Print one JSON line per mask: batch, segment, slots T, seconds. ``build``: ``compiled`` (the train path's
+    default, ``training.block_mask``), ``eager`` (``create_block_mask`` uncompiled: the whole ``[T, T]`` mask
+    materialised) or ``blockwise`` (``peagle_core.masks.blockwise_block_tables``)."""
     import torch
 
     from peagle_core.batch import PackedBatch
@@ -60,10 +61,10 @@ def one_case(
             e = e.index(forward_order(e, k))
             e = pad_elements(e, -(-e.num_elements // FLEX_BLOCK) * FLEX_BLOCK)
             t = time.perf_counter()
-            if eager:
+            if build == "eager":
                 flex_element_mask(e, compile=False)
             else:
-                element_mask(e, attention="flex" if dev.type == "cuda" else "dense")
+                element_mask(e, attention="flex" if dev.type == "cuda" else "dense", block_mask=build)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             print(json.dumps({"batch": b, "segment": seg.index, "slots": e.num_elements,
@@ -96,13 +97,14 @@ def main() -> None:
     ap.add_argument("--limit-s", type=float, default=80, help="per case, process start included")
     ap.add_argument("--cod", default="0.03,0.008", help="cod_ratio,cod_min_ratio")
     ap.add_argument("--k", type=int, default=8, help="K_train (depths)")
-    ap.add_argument("--eager-mask", action="store_true", help="create_block_mask(_compile=False) on CUDA too")
+    ap.add_argument("--block-mask", choices=["compiled", "eager", "blockwise"], default="compiled",
+                    help="how the block mask is built (eager: create_block_mask uncompiled)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # L:S, in the case's own process
     args = ap.parse_args()
     cod = tuple(float(x) for x in args.cod.split(","))
     if args.one:
         length, parts, tokens = _case(args.one, args.tokens)
-        one_case(length, parts, tokens, args.batches, cod, args.k, args.eager_mask)
+        one_case(length, parts, tokens, args.batches, cod, args.k, args.block_mask)
         return
     rows = []
     for case in args.cases.split(","):
@@ -110,7 +112,7 @@ def main() -> None:
         env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix=f"ind-{length}-{parts}-")}
         cmd = [sys.executable, "-m", "bench.mask_compile", "--one", case, "--tokens", str(args.tokens),
                "--batches", str(args.batches), "--cod", args.cod, "--k", str(args.k)]
-        cmd += ["--eager-mask"] if args.eager_mask else []
+        cmd += ["--block-mask", args.block_mask]
         t = time.perf_counter()
         try:
             out, limited = (
@@ -128,7 +130,7 @@ def main() -> None:
                 "doc_tokens": length,
                 "partitions": parts,
                 "tokens": tokens,
-                "eager_mask": args.eager_mask,
+                "block_mask": args.block_mask,
                 "masks": masks,
                 "wall_s": round(time.perf_counter() - t, 1),
                 "limit_s": args.limit_s if limited else None,

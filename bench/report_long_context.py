@@ -105,7 +105,7 @@ def long_training(lines: list[str]) -> None:
     for x in r["rows"]:
         first = x["masks"][0] if x["masks"] else None
         later = [m["s"] for m in x["masks"][1:]]
-        out.append([f"{x['doc_tokens']:,}", x["partitions"], f"{x['tokens']:,}", "eager" if x["eager_mask"] else "compiled",
+        out.append([f"{x['doc_tokens']:,}", x["partitions"], f"{x['tokens']:,}", x["block_mask"],
                     f"{first['s']:.1f} s ({first['slots']:,} slots)" if first else f"none within {x['limit_s']:.0f} s",
                     f"{max(later):.2f} s" if later else "-"])
     lines += table(["document tokens L", "partitions", "batch tokens", "block mask", "first mask", "later masks (max)"], out)
@@ -114,9 +114,10 @@ def long_training(lines: list[str]) -> None:
                    "documents alike, so partitions, not long documents, stop the run. A segment has about half the "
                    "slots of the whole batch (17,664 -> ~8,800 + the earlier depth-0 context): whether the smaller "
                    "key-block count (69 instead of 138 blocks) turns the compiled sort into the slow persistent kernel, "
-                   "and whether `--eager-mask` (`create_block_mask(_compile=False)`) avoids it at an acceptable cost "
-                   "per step, are the next measurements (`--cases 1024:1:8192,1024:1:16384,1024:2:16384`, with and "
-                   "without `--eager-mask`). Until then the GPU recipes with `training.num_partitions: 2` "
+                   "and what `--block-mask blockwise` costs per mask (`training.block_mask: blockwise`: the same block "
+                   "tables without `create_block_mask` or compilation, exact on CPU in tests/unit/test_blockwise_mask.py, "
+                   "not yet run on a GPU), are the next measurements (`--cases 1024:1:8192,1024:1:16384,1024:2:16384`, "
+                   "then `--block-mask blockwise`). Until then the GPU recipes with `training.num_partitions: 2` "
                    "(`configs/llama-3.1-8b-h100.yaml`, `configs/qwen3-coder-30b-a3b-b200.yaml`, "
                    "`configs/gpt-oss-20b-b200.yaml`) may stall the same way; the CPU path (dense masks) is not affected."),
               ""]

@@ -24,7 +24,11 @@ except ImportError:  # pragma: no cover - torch without flex attention
     create_block_mask = None  # type: ignore[assignment]
 
 AttentionImpl = Literal["auto", "dense", "flex"]
+# How a flex BlockMask is built: "compiled" = torch.compile(create_block_mask) on CUDA (eager on CPU);
+# "blockwise" = the block tables from the metadata, query blocks a chunk at a time, eager everywhere (no compile)
+BlockMaskBuild = Literal["compiled", "blockwise"]
 FLEX_BLOCK = 128  # flex BlockMask block size; element metadata is padded to a multiple of it
+BLOCKWISE_ROWS = 16  # query blocks per chunk of the blockwise build: a [16 * FLEX_BLOCK, Tk] bool mask at a time
 
 
 def attention_rule(qa, qd, qdoc, qvalid, ka, kd, kdoc, kvalid):
@@ -82,14 +86,18 @@ def dense_element_mask(q: Elements, k: Elements | None = None, *, diagonal: int 
 
 def flex_element_mask(
     q: Elements, k: Elements | None = None, *, compile: bool | None = None, diagonal: int | None = None,
+    build: BlockMaskBuild = "compiled",
 ) -> BlockMask:
     """Flex-attention ``BlockMask`` with the same pattern as ``dense_element_mask``.
 
-    ``compile`` defaults to True on CUDA (``create_block_mask(_compile=True)``), False on CPU;
-    ``diagonal`` as in ``dense_element_mask``.
+    ``build="compiled"``: ``create_block_mask``, compiled when ``compile`` (default: True on CUDA, False on CPU).
+    ``build="blockwise"``: :func:`blockwise_block_tables`, the same block tables without ``create_block_mask``
+    and without compilation (with two sequence partitions the compiled build did not finish within 80 s on an
+    H100, torch 2.11: ``bench.mask_compile``). ``diagonal`` as in ``dense_element_mask``.
 
     Raises:
         RuntimeError: torch has no ``torch.nn.attention.flex_attention``.
+        ValueError: an unknown ``build``.
     """
     if create_block_mask is None:  # pragma: no cover
         raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use attention='dense'")
@@ -113,7 +121,53 @@ def flex_element_mask(
             m = m | (ki == qi + diagonal)
         return m
 
+    if build == "blockwise":
+        tables = blockwise_block_tables(mask_mod, Tq, Tk, dev)
+        return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(Tq, Tk))
+    if build != "compiled":
+        raise ValueError(f"build={build!r}: use 'compiled' or 'blockwise'")
     return create_block_mask(mask_mod, None, None, Tq, Tk, device=dev, _compile=compile)
+
+
+def blockwise_block_tables(
+    mask_mod, Tq: int, Tk: int, device: torch.device, *, rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block tables ``create_block_mask(mask_mod, None, None, Tq, Tk)`` computes (partial and full blocks,
+    ``separate_full_blocks``), built eagerly: ``mask_mod`` evaluated on ``rows`` query blocks at a time against
+    every key, padded with False to whole blocks, summed per ``FLEX_BLOCK`` x ``FLEX_BLOCK`` tile; a tile is full
+    when every entry attends, partial when some do. Peak memory ~``rows * FLEX_BLOCK * Tk`` bools per
+    intermediate, never ``Tq * Tk``.
+
+    Args:
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool`` on broadcastable index tensors (as flex's).
+        Tq, Tk: query and key lengths.
+        rows: query blocks per chunk (default :data:`BLOCKWISE_ROWS`).
+
+    Returns:
+        ``(kv_num_blocks [1, 1, Qb], kv_indices [1, 1, Qb, Kb], full_kv_num_blocks, full_kv_indices)``, int32,
+        the indices of each row's blocks first in ascending order (``BlockMask.from_kv_blocks``'s input);
+        ``Qb = ceil(Tq / FLEX_BLOCK)``, ``Kb = ceil(Tk / FLEX_BLOCK)``.
+    """
+    B, rows = FLEX_BLOCK, rows or BLOCKWISE_ROWS
+    Qb, Kb = -(-Tq // B), -(-Tk // B)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    ki = torch.arange(Tk, device=device)[None]
+    partial = torch.zeros(Qb, Kb, dtype=torch.bool, device=device)
+    full = torch.zeros(Qb, Kb, dtype=torch.bool, device=device)
+    for s in range(0, Qb, rows):
+        e = min(Qb, s + rows)
+        qi = torch.arange(s * B, min(e * B, Tq), device=device)[:, None]
+        m = mask_mod(zero, zero, qi, ki).expand(qi.shape[0], Tk)
+        m = torch.nn.functional.pad(m, (0, Kb * B - Tk, 0, (e - s) * B - qi.shape[0]))  # False outside [Tq, Tk)
+        count = m.view(e - s, B, Kb, B).sum(dim=(1, 3))  # [rows, Kb] attending entries per tile
+        full[s:e], partial[s:e] = count == B * B, (count > 0) & (count < B * B)
+
+    def ordered(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = t.sum(dim=-1).to(torch.int32)
+        idx = torch.argsort(t.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return num[None, None].contiguous(), idx[None, None].contiguous()
+
+    return (*ordered(partial), *ordered(full))
 
 
 def query_block_slice(mask: BlockMask, start: int, length: int, kv_length: int) -> BlockMask:
@@ -172,23 +226,27 @@ def resolve_attention(attention: AttentionImpl, device: torch.device) -> str:
 
 def element_mask(
     q: Elements, k: Elements | None = None, *, attention: AttentionImpl = "auto", diagonal: int | None = None,
+    block_mask: BlockMaskBuild = "compiled",
 ):
     """Dense bool ``[1, 1, Tq, Tk]`` or flex ``BlockMask`` for the elements (see module doc);
-    ``diagonal`` as in ``dense_element_mask``.
+    ``diagonal`` as in ``dense_element_mask``, ``block_mask`` as ``flex_element_mask``'s ``build``.
 
     Raises:
-        ValueError: unknown ``attention``.
+        ValueError: unknown ``attention`` or ``block_mask``.
     """
     impl = resolve_attention(attention, q.anchor.device)
     if impl == "flex":
-        return flex_element_mask(q, k, diagonal=diagonal)
+        return flex_element_mask(q, k, diagonal=diagonal, build=block_mask)
     return dense_element_mask(q, k, diagonal=diagonal)
 
 
 __all__ = [
+    "BLOCKWISE_ROWS",
     "FLEX_BLOCK",
     "AttentionImpl",
+    "BlockMaskBuild",
     "attention_rule",
+    "blockwise_block_tables",
     "dense_element_mask",
     "element_mask",
     "flex_element_mask",

@@ -26,7 +26,7 @@ from peagle_core.batch import PackedBatch
 from peagle_core.drafter import Eagle3Drafter
 from peagle_core.elements import Elements
 from peagle_core.loss import LossImpl, LossKind, linear_distill_loss
-from peagle_core.masks import AttentionImpl
+from peagle_core.masks import AttentionImpl, BlockMaskBuild
 
 # Metric an objective reports for the drafter slots (anchor, depth) it ran forward in a step.
 NUM_FORWARD_SLOTS_KEY = "num_forward_slots"
@@ -46,6 +46,8 @@ class ObjectiveConfig:
             on the target's argmax (restricted to the draft vocabulary).
         attention: ``"auto"`` (flex on CUDA, dense on CPU), ``"dense"`` (SDPA with a bool mask;
             O(T^2) memory) or ``"flex"`` (``BlockMask``; forward-only on CPU in torch 2.13).
+        block_mask: how a flex ``BlockMask`` is built (``peagle_core.masks.flex_element_mask``'s ``build``):
+            ``"compiled"`` (``create_block_mask``, compiled on CUDA) or ``"blockwise"`` (no compilation).
         loss_impl: ``"auto"`` (Triton on CUDA, chunked torch elsewhere), ``"torch"`` (chunked),
             ``"triton"``, ``"plain"`` (materializes [M, Vd] logits; reference).
         loss_chunk_rows: rows per chunk of the vocabulary projection (memory ~ rows x Vd x 4 B x 3).
@@ -54,6 +56,7 @@ class ObjectiveConfig:
 
     loss: LossKind = "kl"
     attention: AttentionImpl = "auto"
+    block_mask: BlockMaskBuild = "compiled"
     loss_impl: LossImpl = "auto"
     loss_chunk_rows: int = 1024
     seed: int = 0
@@ -68,6 +71,8 @@ class ObjectiveConfig:
             raise ValueError(f"loss={self.loss!r}: use 'kl' or 'ce'")
         if self.attention not in ("auto", "dense", "flex"):
             raise ValueError(f"attention={self.attention!r}: use 'auto', 'dense' or 'flex'")
+        if self.block_mask not in ("compiled", "blockwise"):
+            raise ValueError(f"block_mask={self.block_mask!r}: use 'compiled' or 'blockwise'")
         if self.loss_impl not in ("auto", "torch", "triton", "plain"):
             raise ValueError(f"loss_impl={self.loss_impl!r}: use 'auto', 'torch', 'triton' or 'plain'")
         if self.loss_chunk_rows < 1:

@@ -43,6 +43,7 @@ from peagle_core.elements import Elements, cat_elements, label_valid, pad_elemen
 from peagle_core.fsdp import run_in_forward
 from peagle_core.masks import (
     FLEX_BLOCK,
+    BlockMaskBuild,
     dense_element_mask,
     flex_element_mask,
     query_block_slice,
@@ -84,12 +85,13 @@ def ttt_step_mask(q: Elements, k: Elements) -> torch.Tensor:
     return dense_element_mask(q, k, diagonal=k.num_elements - q.num_elements)
 
 
-def ttt_flex_step_masks(steps: list[Elements]) -> list:
+def ttt_flex_step_masks(steps: list[Elements], *, build: BlockMaskBuild = "compiled") -> list:
     """Flex ``BlockMask`` of each step from ONE ``create_block_mask`` over the slots of all T steps.
 
     Args:
         steps: T step slot sets of equal length ``Np``, a multiple of ``FLEX_BLOCK`` (filler slots
             from ``pad_elements`` where the batch's N is shorter).
+        build: how the one mask is built (``flex_element_mask``'s ``build``).
 
     Returns:
         T masks; mask i: queries ``steps[i]`` ``[Np]`` over the keys of steps 0..i ``[(i+1) Np]``,
@@ -107,19 +109,21 @@ def ttt_flex_step_masks(steps: list[Elements]) -> list:
     Np = steps[0].num_elements
     if Np % FLEX_BLOCK or any(s.num_elements != Np for s in steps):
         raise ValueError(f"steps have {[s.num_elements for s in steps]} slots; need equal multiples of {FLEX_BLOCK}")
-    whole = flex_element_mask(cat_elements(steps))
+    whole = flex_element_mask(cat_elements(steps), build=build)
     return [query_block_slice(whole, i * Np, Np, (i + 1) * Np) for i in range(len(steps))]
 
 
 def ttt_forward(
     drafter: nn.Module, batch: PackedBatch, el: Elements, num_steps: int, *, attention: str = "auto",
+    block_mask: BlockMaskBuild = "compiled",
 ) -> Iterator[tuple[int, Elements, torch.Tensor]]:
     """Run the T steps; yields ``(step i, its slots [N], normed drafter outputs [N, H])``.
 
     Keys of earlier steps stay in a ``DrafterCache`` with gradients; step i > 0 takes the
     ``prenorm`` output of step i-1 as its hidden state. With flex attention every step runs on
     ``Np`` slots (N rounded up to ``FLEX_BLOCK`` with filler slots) so that the step masks are cut
-    from one block mask (``ttt_flex_step_masks``); the fillers' outputs are dropped.
+    from one block mask (``ttt_flex_step_masks``, built as ``block_mask`` says); the fillers' outputs are
+    dropped.
     """
     d = unwrap(drafter)
     N = batch.num_tokens
@@ -127,7 +131,7 @@ def ttt_forward(
     Np = -(-N // FLEX_BLOCK) * FLEX_BLOCK if impl == "flex" else N
     steps = [el.index(slice(i * N, (i + 1) * N)) for i in range(num_steps)]
     padded = [pad_elements(s, Np) for s in steps]
-    masks = ttt_flex_step_masks(padded) if impl == "flex" else None
+    masks = ttt_flex_step_masks(padded, build=block_mask) if impl == "flex" else None
     cache = DrafterCache(d.config.num_hidden_layers)
     hidden = d.combine_hidden_states(batch.aux)  # [N, H] step-0 hidden states
     hidden = torch.cat([hidden, hidden.new_zeros(Np - N, hidden.shape[-1])]) if Np > N else hidden  # [Np, H]
@@ -223,7 +227,8 @@ class Eagle3TTTObjective(Objective):
         d = unwrap(drafter)
         N, T = batch.num_tokens, self.cfg.num_steps
         total = d.lm_head.weight.sum() * 0.0  # reaches lm_head even without loss elements
-        for i, q, normed in ttt_forward(drafter, batch, el, T, attention=self.cfg.attention):
+        for i, q, normed in ttt_forward(drafter, batch, el, T, attention=self.cfg.attention,
+                                               block_mask=self.cfg.block_mask):
             stats.num_forward_slots += N
             rows = torch.nonzero(q.loss).flatten()
             if rows.numel():

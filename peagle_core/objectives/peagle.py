@@ -118,7 +118,7 @@ class PEagleObjective(Objective):
             own = torch.cat([own, own.new_zeros(el.num_elements - own.numel())])
         T = el.num_elements
         hidden = element_hidden(d, batch, el)  # [T, H]
-        mask = element_mask(el, attention=attention)
+        mask = element_mask(el, attention=attention, block_mask=self.cfg.block_mask)
         normed, _ = drafter(el.input_ids[None], hidden[None], el.position[None], attn_mask=mask)
         stats.num_forward_slots += T
         rows = torch.nonzero(el.loss & own).flatten()

@@ -172,6 +172,12 @@ class TrainingConfig(Section):
     attention: Literal["auto", "flex", "dense"] = Field(
         "auto", description="Training attention: flex (FlexAttention block mask), dense mask, or auto."
     )
+    block_mask: Literal["compiled", "blockwise"] = Field(
+        "compiled", description="How a flex block mask is built: compiled (torch.compile(create_block_mask) on CUDA) "
+        "or blockwise (the same block tables, eager, a chunk of query blocks at a time; no compilation). With "
+        "num_partitions 2 the compiled build did not finish within 80 s on an H100 (torch 2.11; bench.mask_compile); "
+        "blockwise is exact (tests/unit/test_blockwise_mask.py) but its cost per step on a GPU is not measured yet."
+    )
     init_from: str | None = Field(
         None,
         description="Warm start: begin from an existing head instead of the target's embeddings, e.g. the served "
@@ -216,7 +222,7 @@ class TrainingConfig(Section):
         weighted ``ttt_decay**i``) for ``"eagle3"``; both with ``loss``, ``attention`` and ``seed``."""
         from peagle_core.objectives import Eagle3TTTConfig, PEagleConfig
 
-        common = {"loss": self.loss, "attention": self.attention, "seed": self.seed}
+        common = {"loss": self.loss, "attention": self.attention, "block_mask": self.block_mask, "seed": self.seed}
         if self.method == "eagle3":
             return Eagle3TTTConfig(num_steps=self.ttt_steps, step_weight=self.ttt_decay, **common)
         return PEagleConfig(num_depths=num_speculative_tokens, cod_ratio=self.cod_ratio,
