@@ -95,9 +95,10 @@ class TrainStage(Stage):
         return problems
 
     def sections(self, recipe):
-        # how many failures to recover from does not change the head: not in the key; a warm start is keyed
-        # on the head it resolved to (absent when None: older recipes keep their keys)
-        training = key_dump(recipe.training, exclude={"max_failures", "init_from"})
+        # how many failures to recover from and how the (same) block mask is built do not change the head: not
+        # in the key; a warm start is keyed on the head it resolved to (absent when None: older recipes keep
+        # their keys)
+        training = key_dump(recipe.training, exclude={"max_failures", "block_mask", "init_from"})
         if recipe.training.init_from is not None:
             assert self._init_head is not None and self._init_head.ref == recipe.training.init_from
             training["init_from"] = self._init_head.key()

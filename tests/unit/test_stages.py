@@ -93,6 +93,14 @@ def test_key_follows_upstream_sections(ci_recipe, tmp_path, override):
     assert all(base.key(s) != changed.key(s) for s in moved)
 
 
+@pytest.mark.parametrize("override", ["training.block_mask=blockwise", "training.max_failures=5"])
+def test_fields_that_do_not_change_the_head_do_not_move_a_key(ci_recipe, tmp_path, override):
+    """How the (same) block mask is built and how many failures to recover from leave every key as it is."""
+    base = PipelineRun(ci_recipe, run_dir=tmp_path)
+    changed = PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", [override]), run_dir=tmp_path)
+    assert all(base.key(s) == changed.key(s) for s in STAGES)
+
+
 SAMPLES = [
     RegenerateOutput(path="/r/conversations.jsonl", num_conversations=14, regenerated=True, num_turns=14,
                      num_generated_tokens=751, tokens_per_s=8.8, wall_tokens_per_s=7.9),
