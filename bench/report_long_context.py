@@ -111,9 +111,10 @@ def long_training(lines: list[str]) -> None:
     lines += table(["document tokens L", "partitions", "batch tokens", "block mask", "first mask", "later masks (max)"], out)
     lines += ["", ("Reading: one partition compiles its block mask once (~36 s) and then builds it in no time; two "
                    "partitions did not produce their first mask within the limit, with 1,024- or 8,192-token "
-                   "documents alike, so partitions, not long documents, stop the run. A segment has about half the "
-                   "slots of the whole batch (17,664 -> ~8,800 + the earlier depth-0 context): whether the smaller "
-                   "key-block count (69 instead of 138 blocks) turns the compiled sort into the slow persistent kernel, "
+                   "documents alike, so partitions, not long documents, stop the run. The first segment has about half "
+                   "the slots of the whole batch (~8,800, 69 key blocks, against 17,664 and 138; the second ~17,100 "
+                   "with the first's depth-0 slots as context): whether the smaller key-block count turns the compiled "
+                   "sort into the slow persistent kernel, "
                    "and what `--block-mask blockwise` costs per mask (`training.block_mask: blockwise`: the same block "
                    "tables without `create_block_mask` or compilation, exact on CPU in tests/unit/test_blockwise_mask.py, "
                    "not yet run on a GPU), are the next measurements (`--cases 1024:1:8192,1024:1:16384,1024:2:16384`, "
