@@ -4,8 +4,8 @@ did not reach its first step in 9 minutes on an H100, ptxas compiling one kernel
 
 Each case runs the path of ``peagle_core.objectives.peagle.PEagleObjective._segment`` up to its mask: one packed
 batch of ``--tokens`` tokens in documents of L tokens (every token an assistant token), P-EAGLE elements with COD
-(``peagle_core.elements.build_peagle_elements``), ``partition_elements`` into S segments, each segment in forward
-order, padded to whole flex blocks, then ``peagle_core.masks.element_mask`` (flex on CUDA: ``create_block_mask``
+(``peagle_core.elements.build_peagle_elements``), ``partition_elements`` into S segments, each segment's slots as
+its forward runs them (``peagle_core.objectives.peagle.forward_slots``), then ``peagle_core.masks.element_mask`` (flex on CUDA: ``create_block_mask``
 compiled). A case is a fresh process with its own inductor cache (``TORCHINDUCTOR_CACHE_DIR``) and a time limit,
 ``--batches`` batches one after the other (new COD draws; the first compiles). Rows go to
 ``bench/results/mask_compile.json``: per case the seconds per mask in order, or the limit it ran into.
@@ -39,27 +39,22 @@ def one_case(
     import torch
 
     from peagle_core.batch import PackedBatch
-    from peagle_core.elements import build_peagle_elements, forward_order, pad_elements
-    from peagle_core.masks import FLEX_BLOCK, element_mask, flex_element_mask
+    from peagle_core.elements import build_peagle_elements
+    from peagle_core.masks import element_mask, flex_element_mask
+    from peagle_core.objectives.peagle import forward_slots
     from peagle_core.partition import partition_elements
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ar = torch.arange(tokens, device=dev)
     g = torch.Generator().manual_seed(0)
     for b in range(batches):
-        batch = PackedBatch(
-            input_ids=torch.randint(0, 49152, (tokens,), device=dev),
-            loss_mask=torch.ones(tokens, dtype=torch.bool, device=dev),
-            doc_ids=ar // length,
-            position_ids=ar % length,
-            aux=torch.zeros(tokens, 3, device=dev),
-            final_hidden=torch.zeros(tokens, 1, device=dev),
-        )
+        batch = PackedBatch(input_ids=torch.randint(0, 49152, (tokens,), device=dev),
+                            loss_mask=torch.ones(tokens, dtype=torch.bool, device=dev), doc_ids=ar // length,
+                            position_ids=ar % length, aux=torch.zeros(tokens, 3, device=dev),
+                            final_hidden=torch.zeros(tokens, 1, device=dev))
         el = build_peagle_elements(batch, k, 16, cod_ratio=cod[0], cod_min_ratio=cod[1], generator=g)
         for seg in partition_elements(el, partitions, num_anchors=tokens):
-            e = el.index(seg.indices)
-            e = e.index(forward_order(e, k))
-            e = pad_elements(e, -(-e.num_elements // FLEX_BLOCK) * FLEX_BLOCK)
+            e, _ = forward_slots(el.index(seg.indices), k, flex=dev.type == "cuda")
             t = time.perf_counter()
             if build == "eager":
                 flex_element_mask(e, compile=False)
@@ -85,14 +80,9 @@ def _case(case: str, tokens: int) -> tuple[int, int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--cases",
-        default="1024:2,8192:1,8192:2",
-        help="L:S[:N]: document tokens, partitions and (default --tokens) tokens of the packed batch",
-    )
-    ap.add_argument(
-        "--tokens", type=int, default=16384, help="tokens of the packed batch (the scale recipe's batch)"
-    )
+    ap.add_argument("--cases", default="1024:2,8192:1,8192:2",
+                    help="L:S[:N]: document tokens, partitions and (default --tokens) tokens of the packed batch")
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens of the packed batch (the scale recipe's batch)")
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--limit-s", type=float, default=80, help="per case, process start included")
     ap.add_argument("--cod", default="0.03,0.008", help="cod_ratio,cod_min_ratio")
@@ -110,43 +100,22 @@ def main() -> None:
     for case in args.cases.split(","):
         length, parts, tokens = _case(case, args.tokens)
         env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix=f"ind-{length}-{parts}-")}
-        cmd = [sys.executable, "-m", "bench.mask_compile", "--one", case, "--tokens", str(args.tokens),
-               "--batches", str(args.batches), "--cod", args.cod, "--k", str(args.k)]
-        cmd += ["--block-mask", args.block_mask]
+        cmd = [sys.executable, "-m", "bench.mask_compile", "--one", case, "--tokens", str(args.tokens), "--batches",
+               str(args.batches), "--cod", args.cod, "--k", str(args.k), "--block-mask", args.block_mask]
         t = time.perf_counter()
         try:
-            out, limited = (
-                subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.limit_s).stdout,
-                False,
-            )
-        except subprocess.TimeoutExpired as e:
-            out, limited = (
-                (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""),
-                True,
-            )
+            run = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.limit_s)
+            out, limited = run.stdout, False
+        except subprocess.TimeoutExpired as e:  # its output so far comes as bytes
+            out, limited = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), True
         masks = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-        rows.append(
-            {
-                "doc_tokens": length,
-                "partitions": parts,
-                "tokens": tokens,
-                "block_mask": args.block_mask,
-                "masks": masks,
-                "wall_s": round(time.perf_counter() - t, 1),
-                "limit_s": args.limit_s if limited else None,
-            }
-        )
+        rows.append({"doc_tokens": length, "partitions": parts, "tokens": tokens, "block_mask": args.block_mask,
+                     "masks": masks, "wall_s": round(time.perf_counter() - t, 1),
+                     "limit_s": args.limit_s if limited else None})
         print(json.dumps(rows[-1]), flush=True)
-    result = {
-        "benchmark": RESULT,
-        "environment": environment(),
-        "tokens": args.tokens,
-        "cod": list(cod),
-        "k": args.k,
-        "batches": args.batches,
-        "command": "python -m bench.mask_compile " + " ".join(sys.argv[1:]),
-        "rows": rows,
-    }
+    result = {"benchmark": RESULT, "environment": environment(), "tokens": args.tokens, "cod": list(cod), "k": args.k,
+              "batches": args.batches, "command": "python -m bench.mask_compile " + " ".join(sys.argv[1:]),
+              "rows": rows}
     (RESULTS / f"{RESULT}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -34,6 +34,21 @@ from peagle_core.objectives.base import DepthStats, Objective, ObjectiveConfig, 
 from peagle_core.partition import partition_elements
 
 
+def forward_slots(el: Elements, num_depths: int, *, flex: bool) -> tuple[Elements, torch.Tensor]:
+    """The slots of one forward as it runs them: sorted by (doc, depth, anchor) (``forward_order``: a sparse
+    block mask) and, for flex attention, padded with filler slots to whole ``FLEX_BLOCK`` blocks (fewer distinct
+    shapes for the compiled kernels).
+
+    Returns:
+        ``(slots [T'], order [T])``: the slots (``T' >= T`` with fillers last) and the permutation of ``el``.
+    """
+    order = forward_order(el, num_depths)
+    el = el.index(order)
+    if flex:
+        el = pad_elements(el, -(-el.num_elements // FLEX_BLOCK) * FLEX_BLOCK)
+    return el, order
+
+
 @dataclass(kw_only=True)
 class PEagleConfig(ObjectiveConfig):
     """P-EAGLE objective options (arXiv 2602.01469).
@@ -111,10 +126,9 @@ class PEagleObjective(Objective):
         d = unwrap(drafter)
         attention = resolve_attention(self.cfg.attention, el.anchor.device)
         own = torch.arange(el.num_elements, device=el.anchor.device) >= num_context  # [T]
-        order = forward_order(el, self.num_depths)  # (doc, depth, anchor): sparse block mask
-        el, own = el.index(order), own[order]
-        if attention == "flex":  # whole blocks: fewer distinct shapes for the compiled kernel
-            el = pad_elements(el, -(-el.num_elements // FLEX_BLOCK) * FLEX_BLOCK)
+        el, order = forward_slots(el, self.num_depths, flex=attention == "flex")
+        own = own[order]
+        if el.num_elements > own.numel():  # filler slots own no loss
             own = torch.cat([own, own.new_zeros(el.num_elements - own.numel())])
         T = el.num_elements
         hidden = element_hidden(d, batch, el)  # [T, H]
@@ -190,4 +204,4 @@ class PEagleObjective(Objective):
         return loss, stats.metrics(float(loss.detach()))
 
 
-__all__ = ["PEagleConfig", "PEagleObjective"]
+__all__ = ["PEagleConfig", "PEagleObjective", "forward_slots"]
