@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from bench.report_fmt import env, f, section, table
 from bench.report_scale import label, train_row
+from peagle_core.masks import FLEX_BLOCK
 
 RESULT = "long_context"  # bench.long_context --name
 MASK_RESULT = "mask_compile"  # bench.mask_compile
@@ -109,10 +110,13 @@ def long_training(lines: list[str]) -> None:
                     f"{first['s']:.1f} s ({first['slots']:,} slots)" if first else f"none within {x['limit_s']:.0f} s",
                     f"{max(later):.2f} s" if later else "-"])
     lines += table(["document tokens L", "partitions", "batch tokens", "block mask", "first mask", "later masks (max)"], out)
-    lines += ["", ("Reading: one partition compiles its block mask once (~36 s) and then builds it in no time; two "
-                   "partitions did not produce their first mask within the limit, with 1,024- or 8,192-token "
-                   "documents alike, so partitions, not long documents, stop the run. The first segment has about half "
-                   "the slots of the whole batch (~8,800, 69 key blocks, against 17,664 and 138; the second ~17,100 "
+    one = next(x["masks"][0] for x in r["rows"] if x["partitions"] == 1 and x["masks"])
+    stalled = sorted({x["doc_tokens"] for x in r["rows"] if x["partitions"] > 1 and not x["masks"]})
+    lines += ["", (f"Reading: one partition compiles its block mask once ({one['s']:.0f} s) and then builds it in no "
+                   "time; two partitions did not produce their first mask within the limit, with "
+                   + "- or ".join(f"{n:,}" for n in stalled) + "-token documents alike, so partitions, not long "
+                   "documents, stop the run. The first segment has about half the slots of the whole batch (~8,800, "
+                   f"69 key blocks, against {one['slots']:,} and {one['slots'] // FLEX_BLOCK}; the second ~17,100 "
                    "with the first's depth-0 slots as context): whether the smaller key-block count turns the compiled "
                    "sort into the slow persistent kernel, "
                    "and what `--block-mask blockwise` costs per mask (`training.block_mask: blockwise`: the same block "

@@ -150,15 +150,20 @@ def _pairs(x: Rows) -> dict[str, tuple[tuple[str, int], tuple[str, int]]]:
     return out
 
 
+def _ratio_k(x: Rows, pair: tuple[tuple[str, int], tuple[str, int]]) -> int:
+    """The K a P-EAGLE / EAGLE-3 pair is compared at: 7 where both heads were evaluated there on HumanEval, else 5."""
+    return 7 if all(x.al(h, "humaneval", 7) for h in pair) else 5
+
+
 def _goals(x: Rows) -> str:
     runs = {(t["tag"], t["run"]): t for t in train_rows()}
     pe = [h for h in x.heads() if runs.get(h, {}).get("method") == "peagle"]
     top = max((runs[h]["size"], runs[h]["train_s_goal"]) for h in pe)  # the most-trained of the largest set
     largest = [h for h in pe if (runs[h]["size"], runs[h]["train_s_goal"]) == top]
-    ratios = {}  # K=7 where both heads were evaluated there, else K=5
-    for k, (p, e) in _pairs(x).items():
-        K = 7 if x.al(p, "humaneval", 7) and x.al(e, "humaneval", 7) else 5
-        a, b = x.al(p, "humaneval", K), x.al(e, "humaneval", K)
+    ratios = {}
+    for k, pair in _pairs(x).items():
+        K = _ratio_k(x, pair)
+        a, b = (x.al(h, "humaneval", K) for h in pair)
         ratios[k if K == 7 else f"{k}, K=5"] = a / b if a and b else None
     c1 = [r for r in x.rows if r["head"] != "none" and r["concurrency"] == 1 and x.speedup(r)]
     best = {s_: max((r for r in c1 if r["eval_set"] == s_), key=x.speedup, default=None) for s_ in GOAL_AL}
@@ -227,7 +232,7 @@ def _reading_methods(x: Rows) -> str:
     pe = [t for t in _base("peagle", sizes[-1], "600s") if t["data_build"] == e3["data_build"]][-1]
     e, p = (e3["tag"], e3["run"]), (pe["tag"], pe["run"])
     pairs = {k: (a, b) for k, (a, b) in _pairs(x).items() if b != e}
-    k7 = {k: ab for k, ab in pairs.items() if all(x.al(h, "humaneval", 7) for h in ab)}
+    k7 = {k: ab for k, ab in pairs.items() if _ratio_k(x, ab) == 7}
     k150 = ", ".join(f"{f(x.al(a, 'humaneval', 7) / x.al(b, 'humaneval', 7))} at {k}" for k, (a, b) in k7.items())
     k5 = "".join(f" At {k} (K=5): {x.name(b)} {f(x.al(b, 'humaneval', 5))} / {f(x.al(b, 'mtbench', 5))} and "
                  f"{x.name(a)} {f(x.al(a, 'humaneval', 5))} / {f(x.al(a, 'mtbench', 5))} on HumanEval / MT-Bench, "
