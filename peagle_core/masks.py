@@ -101,6 +101,8 @@ def flex_element_mask(
     """
     if create_block_mask is None:  # pragma: no cover
         raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use attention='dense'")
+    if build not in ("compiled", "blockwise"):
+        raise ValueError(f"build={build!r}: use 'compiled' or 'blockwise'")
     kk = q if k is None else k
     diagonal = _diagonal(k, diagonal)
     Tq, Tk = q.num_elements, kk.num_elements
@@ -124,8 +126,6 @@ def flex_element_mask(
     if build == "blockwise":
         tables = blockwise_block_tables(mask_mod, Tq, Tk, dev)
         return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(Tq, Tk))
-    if build != "compiled":
-        raise ValueError(f"build={build!r}: use 'compiled' or 'blockwise'")
     return create_block_mask(mask_mod, None, None, Tq, Tk, device=dev, _compile=compile)
 
 
