@@ -118,6 +118,7 @@ class Eval:
     baseline: bool = True  # measure no speculation first in a session that lacks it (its rows' speedup)
     head_facts: dict = field(default_factory=dict)  # {(tag, run): more keys of that head's entry in "heads"}
     device: str = ""  # bench.common.environment's device, recorded per row (a file's rows span machines)
+    per_session: bool = False  # skip only what this session holds (--per-session): earlier heads measured again
 
     @classmethod
     def open(cls, args) -> Eval:
@@ -130,7 +131,7 @@ class Eval:
         notes = {k: v for k, v in prev.items() if k not in RECORD_KEYS}
         return cls(args=args, heads=heads, methods=methods, path=path, rows=rows, offline=prev.get("offline", []),
                    prev_heads=prev.get("heads", []), session=session_for(rows, today, args.new_session), today=today,
-                   notes=notes, device=environment()["device"])
+                   notes=notes, device=environment()["device"], per_session=args.per_session)
 
     def save(self, num_prompts: int) -> None:
         """Rewrite the result file (rows of earlier runs with the same ``--name`` are kept)."""
@@ -149,7 +150,8 @@ class Eval:
     def pending(self, set_name: str, conc: list[int], k_sweep: list[int]) -> dict:
         """``{head: [K...]}`` still to measure on ``set_name`` (no speculation first when this session lacks it and
         ``baseline`` is set)."""
-        done = {(r["eval_set"], r.get("head"), r.get("run"), r["K"], r["concurrency"]) for r in self.rows}
+        done = {(r["eval_set"], r.get("head"), r.get("run"), r["K"], r["concurrency"]) for r in self.rows
+                if not self.per_session or r.get("session") == self.session}
         out = {h: ks for h in self.heads
                if (ks := [k for k in k_sweep if any((set_name, *h, k, c) not in done for c in conc)])}
         if self.baseline and out and not set(conc) <= {r["concurrency"] for r in self.none_rows(set_name)}:
@@ -179,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default="outputs/gpu-eval", help="eval tables and plots per (set, head)")
     ap.add_argument("--k", default=",".join(map(str, SWEEP)), help="K sweep of this run's sets, e.g. 5")
+    ap.add_argument("--per-session", action="store_true",
+                    help="skip only the rows this session holds: heads of earlier sessions are measured again "
+                         "beside this session's no speculation (a head's speed on another machine)")
     ap.add_argument("--new-session", action="store_true",
                     help="measure no speculation again and compare against it (the box may run at another speed "
                     "than earlier today); by default a run on the day of the file's latest session continues it")

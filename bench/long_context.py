@@ -204,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--results-dir", default=str(RESULTS), help="where <name>.json is read and written")
     ap.add_argument("--out", default="outputs/long-context", help="eval tables and plots per (set, head)")
     ap.add_argument("--new-session", action="store_true", help="as bench.eval_gpu_heads")
-    ap.set_defaults(step_costs=False)  # read by bench.eval_gpu_heads.run_set
+    ap.set_defaults(step_costs=False, per_session=False)  # read by bench.eval_gpu_heads (run_set, Eval.open)
     return ap
 
 
