@@ -89,6 +89,19 @@ def test_depth_decay_reaches_the_objective_and_only_peagle():
     assert "training.depth_decay" in msg and "ttt_decay" in msg
 
 
+@pytest.mark.parametrize("overrides, build", [
+    ([], "compiled"),
+    (["training.num_partitions=2"], "blockwise"),  # the compiled build stalls a 2-partition segment on CUDA
+    (["training.num_partitions=2", "training.block_mask=compiled"], "compiled"),
+    (["training.block_mask=blockwise"], "blockwise"),
+    (["training.method=eagle3", "training.num_partitions=2"], "compiled"),  # EAGLE-3 does not partition
+])
+def test_block_mask_auto_resolves_by_partitions(overrides, build):
+    """``training.block_mask: auto`` (the default) reaches the objective as blockwise where P-EAGLE partitions."""
+    assert recipe_from_dict({"name": "t"}, overrides).training.objective_config(5).block_mask == build
+    assert "training.block_mask" in _err({}, "training.block_mask=eager")
+
+
 def _err(data, *overrides) -> str:
     with pytest.raises(ValueError) as e:
         recipe_from_dict({"name": "t", **data}, list(overrides))
