@@ -113,10 +113,24 @@ def main() -> None:
                      "masks": masks, "wall_s": round(time.perf_counter() - t, 1),
                      "limit_s": args.limit_s if limited else None})
         print(json.dumps(rows[-1]), flush=True)
-    result = {"benchmark": RESULT, "environment": environment(), "tokens": args.tokens, "cod": list(cod), "k": args.k,
-              "batches": args.batches, "command": "python -m bench.mask_compile " + " ".join(sys.argv[1:]),
-              "rows": rows}
-    (RESULTS / f"{RESULT}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_rows(rows, {"tokens": args.tokens, "cod": list(cod), "k": args.k, "batches": args.batches,
+                      "command": "python -m bench.mask_compile " + " ".join(sys.argv[1:])})
+
+
+def _row_key(row: dict) -> tuple:
+    return row["doc_tokens"], row["partitions"], row["tokens"], row["block_mask"]
+
+
+def write_rows(rows: list[dict], run: dict) -> None:
+    """Merge this run's rows into ``bench/results/mask_compile.json``: each new row carries its run (date, device,
+    command, COD, K, batches); an earlier row of the same case (L, S, N, block mask) is replaced, the others kept.
+    The first run's settings stay at the top level for the rows without their own ``run``."""
+    path = RESULTS / f"{RESULT}.json"
+    run = {"date": (e := environment())["date"], "device": e["device"]} | run
+    old = json.loads(path.read_text()) if path.exists() else {"benchmark": RESULT, "environment": e} | run | {"rows": []}
+    keys = {_row_key(r) for r in rows}
+    old["rows"] = [r for r in old["rows"] if _row_key(r) not in keys] + [r | {"run": run} for r in rows]
+    path.write_text(json.dumps(old, indent=2) + "\n")
 
 
 if __name__ == "__main__":
