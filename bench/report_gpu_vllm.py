@@ -86,6 +86,21 @@ def verdict(speedup: float, noise: float) -> str:
     return "does not pay at any measured (K, c)"
 
 
+def _twin(best: dict, rows: list[dict], al_tol: float = 0.05) -> str:
+    """A sentence on another head of the same method, K and c on the same lease whose AL is within ``al_tol`` of
+    ``best``'s: what the speed of one head shape at one AL varies by on one machine (engine to engine); "" when none."""
+    twins = [r for r in rows if r["head"] not in (best["head"], "none") and _lease(r) == _lease(best)
+             and (r["K"], r["concurrency"]) == (best["K"], best["concurrency"]) and r.get("speedup")
+             and r["head"].split("-")[0] == best["head"].split("-")[0]
+             and abs(r["acceptance_length"] - best["acceptance_length"]) <= al_tol]
+    if not twins:
+        return ""
+    t = min(twins, key=lambda r: r["speedup"])
+    return (f" On the same machine {_label(t)} (same method and K, AL {t['acceptance_length']:.2f}) ran at "
+            f"{t['speedup']:.2f}x: one head shape at one AL varies {best['tokens_per_s'] / t['tokens_per_s']:.2f}x "
+            "from engine to engine, so that margin is the engine's, not the head's.")
+
+
 def serving(lines: list[str], data: dict | None) -> None:
     lines += ["## GPU vLLM: SmolLM2 with trained heads (issue 25 item 5a)", ""]
     if data is None:
@@ -139,7 +154,7 @@ def serving(lines: list[str], data: dict | None) -> None:
             lines += [(f"Speculation {verdict(best['speedup'], noise)} on {set_name}: best {_label(best)} "
                        f"K={best['K']} c={best['concurrency']} at {best['speedup']:.2f}x no speculation (AL "
                        f"{best['acceptance_length']:.2f} against a break-even AL of "
-                       f"{break_even_al(best, none(best)):.2f})."), ""]
+                       f"{break_even_al(best, none(best)):.2f})." + _twin(best, rs)), ""]
     runners = {r["head"]: r.get("model_runner") for r in rows}
     if len(set(runners.values())) > 1:
         lines += ["Runners differ: " + ", ".join(f"{h} on {v}" for h, v in runners.items()) + f" (vLLM {data['vllm']} "

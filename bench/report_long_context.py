@@ -88,41 +88,62 @@ def _reading(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str:
             "history is bounded by the target's context (max_model_len above).")
 
 
+LONG_RUN = "peagle-99k-long8k-330s"  # bench.scale tag of item 4's training run (run_scale.sh ... --variant long8k-330s)
+
+
 def long_training(lines: list[str]) -> None:
-    """The section on training with sequences up to the target's context (item 4's training): what stopped the run
-    and ``bench.mask_compile``'s seconds to the first block mask by document length and partitions."""
-    r = section(lines, MASK_RESULT, "## Training on long sequences with partitions (issue 26 item 4): not run")
+    """The section on training with sequences up to the target's context (item 4's training): the run (its
+    ``scale_train`` row), what stopped its first attempt, and ``bench.mask_compile``'s seconds to the first block mask
+    by document length, partitions and how the mask is built."""
+    r = section(lines, MASK_RESULT, "## Training on long sequences with partitions (issue 26 item 4)")
     if r is None:
         return
+    run = train_row(LONG_RUN)
+    if run:
+        call = run["calls"][-1]
+        lines += [(f"`{LONG_RUN}` ({run['device']}, {run['date']}): `" + " ".join(
+                   ["--set " + o for o in run["overrides"]]) + f"`; {run['steps']:,} steps in "
+                   f"{call['timed_s']:.0f} timed s ({run['calib_s_per_step']:.3f} s/step, {run['epochs']:.2f} of an "
+                   f"epoch), first step {call['to_first_step_s']:.1f} s after warm-up, peak "
+                   f"{call['peak_mem_gib']:.1f} GiB. Its notes and accuracies are in the scaling table; its AL by "
+                   "position in the sequence in the section above, its GPU vLLM rows in the serving table."), ""]
     t = r["trigger"]
-    lines += [(f"The run: `{t['command']}` (the 1,800 GPU-s head continued on conversations up to 8,192 tokens, "
-               f"2 sequence partitions). {t['observed']}"), ""]
-    lines += [(f"`{r['command']}` ({env(r)}): one packed batch of {r['tokens']:,} tokens in documents of L tokens, "
-               f"P-EAGLE elements (K {r['k']}, COD {r['cod'][0]} / {r['cod'][1]}), the train path's partition, "
-               "forward order and padding, then its block mask (`create_block_mask`, compiled on CUDA), "
-               f"{r['batches']} batches in one fresh process per case with its own inductor cache. "
-               + (f"Recorded from {r['recorded_from']}." if r.get("recorded_from") else "")), ""]
+    lines += [(f"The first attempt: `{t['command']}` (the compiled block mask, then the default). {t['observed']}"), ""]
+    lines += [(f"`python -m bench.mask_compile`: one packed batch of N tokens in documents of L tokens, P-EAGLE "
+               f"elements (K {r['k']}, COD {r['cod'][0]} / {r['cod'][1]}), the train path's partition, forward order "
+               "and padding, then its block mask (compiled: `create_block_mask` compiled on CUDA; blockwise: "
+               f"`peagle_core.masks.blockwise_block_tables`), {r['batches']} batches in one fresh process per case "
+               "with its own inductor cache. Rows without their own run: "
+               f"`{r['command']}` ({env(r)})" + (f", recorded from {r['recorded_from']}" if r.get("recorded_from")
+                                                  else "") + "."), ""]
     out = []
     for x in r["rows"]:
         first = x["masks"][0] if x["masks"] else None
         later = [m["s"] for m in x["masks"][1:]]
+        when = f"{x['run']['device']}, {x['run']['date'][:10]}" if x.get("run") else "as above"
         out.append([f"{x['doc_tokens']:,}", x["partitions"], f"{x['tokens']:,}", x["block_mask"],
-                    f"{first['s']:.1f} s ({first['slots']:,} slots)" if first else f"none within {x['limit_s']:.0f} s",
-                    f"{max(later):.2f} s" if later else "-"])
-    lines += table(["document tokens L", "partitions", "batch tokens", "block mask", "first mask", "later masks (max)"], out)
-    one = next(x["masks"][0] for x in r["rows"] if x["partitions"] == 1 and x["masks"])
-    stalled = sorted({x["doc_tokens"] for x in r["rows"] if x["partitions"] > 1 and not x["masks"]})
-    lines += ["", (f"Reading: one partition compiles its block mask once ({one['s']:.0f} s) and then builds it in no "
-                   "time; two partitions did not produce their first mask within the limit, with "
-                   + "- or ".join(f"{n:,}" for n in stalled) + "-token documents alike, so partitions, not long "
-                   "documents, stop the run. The first segment has about half the slots of the whole batch (~8,800, "
-                   f"69 key blocks, against {one['slots']:,} and {one['slots'] // FLEX_BLOCK}; the second ~17,100 "
-                   "with the first's depth-0 slots as context): whether the smaller key-block count turns the compiled "
-                   "sort into the slow persistent kernel, "
-                   "and what `--block-mask blockwise` costs per mask (`training.block_mask: blockwise`: the same block "
-                   "tables without `create_block_mask` or compilation, exact on CPU in tests/unit/test_blockwise_mask.py, "
-                   "not yet run on a GPU), are the next measurements (`--cases 1024:1:8192,1024:1:16384,1024:2:16384`, "
-                   "then `--block-mask blockwise`). Until then the GPU recipes with `training.num_partitions: 2` "
-                   "(`configs/llama-3.1-8b-h100.yaml`, `configs/qwen3-coder-30b-a3b-b200.yaml`, "
-                   "`configs/gpt-oss-20b-b200.yaml`) may stall the same way; the CPU path (dense masks) is not affected."),
-              ""]
+                    f"{first['s']:.2f} s ({first['slots']:,} slots)" if first else f"none within {x['limit_s']:.0f} s",
+                    f"{max(later):.2f} s" if later else "-", when])
+    lines += table(["document tokens L", "partitions", "batch tokens", "block mask", "first mask", "later masks (max)",
+                    "run"], out)
+    lines += ["", _mask_reading(r["rows"]), ""]
+
+
+def _mask_reading(rows: list[dict]) -> str:
+    """What the mask rows show: the compiled build with one partition, with several, and the blockwise build."""
+    one = next(x["masks"][0] for x in rows if x["partitions"] == 1 and x["block_mask"] == "compiled" and x["masks"])
+    stalled = sorted({x["doc_tokens"] for x in rows
+                      if x["partitions"] > 1 and x["block_mask"] == "compiled" and not x["masks"]})
+    bw = [m["s"] for x in rows if x["block_mask"] == "blockwise" for m in x["masks"]]
+    text = (f"Reading: the compiled build with one partition costs {one['s']:.0f} s once ({one['slots']:,} slots, "
+            f"{one['slots'] // FLEX_BLOCK} key blocks) and then nothing; with two partitions it produced no mask "
+            "within the limit, with " + "- or ".join(f"{n:,}" for n in stalled) + "-token documents alike, so "
+            "partitions, not long documents, stall it (the first segment has about half the slots, its own shapes "
+            "to compile).")
+    if bw:
+        text += (f" The blockwise build needs no compilation: {len(bw)} masks, at most {max(bw):.2f} s each (the "
+                 "first of a process included), with one or two partitions. So `training.block_mask: auto`, the "
+                 "default, builds blockwise where P-EAGLE partitions and compiled otherwise; the GPU recipes with "
+                 "`training.num_partitions: 2` (`configs/llama-3.1-8b-h100.yaml`, "
+                 "`configs/qwen3-coder-30b-a3b-b200.yaml`, `configs/gpt-oss-20b-b200.yaml`) get blockwise.")
+    return text

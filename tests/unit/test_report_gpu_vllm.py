@@ -1,6 +1,6 @@
 """bench.report_gpu_vllm: a lease is named with the GPU its rows record, two sessions of one day are two leases and
 each row's break-even AL is against its own lease's no-speculation row; a speed-up within the spread of repeats
-breaks even, it does not pay."""
+breaks even, it does not pay; a head of the same shape and AL on the same machine is named beside the best."""
 
 from bench import report_gpu_vllm as rg
 
@@ -30,3 +30,16 @@ def test_a_speedup_within_the_spread_of_repeats_breaks_even():
     assert rg.verdict(0.95, 1.08).startswith("breaks even")
     assert rg.verdict(0.70, 1.08) == "does not pay at any measured (K, c)"
     assert rg.verdict(1.001, 1.0) == "pays"
+
+
+def test_twin_names_a_same_shape_head_of_equal_al_on_the_same_machine_only():
+    def row(head, session, tps, al, k=5):
+        return _row(head, session, tps, al) | {"K": k, "speedup": tps / 400}
+
+    best = row("peagle-long", 6, 440.0, 2.61)
+    assert "peagle-cod (same method and K, AL 2.60) ran at 0.90x" in rg._twin(best, [best, row("peagle-cod", 6, 360.0, 2.60)])
+    others = [row("peagle-cod", 5, 360.0, 2.60),  # another machine
+              row("peagle-low", 6, 360.0, 2.20),  # another AL
+              row("eagle3-x", 6, 360.0, 2.60),  # another method
+              row("peagle-k7", 6, 360.0, 2.60, k=7)]  # another K
+    assert rg._twin(best, [best, *others]) == ""
