@@ -8,7 +8,7 @@ the same recipe); a label shows ``#run`` only for a recipe that ran more than on
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from bench.report_fmt import DOC, approx, f, load, sci, section, table
 from bench.scale import CHUNK_CONVERSATIONS, DATA_DIR, checkpoint_ref, head_ref, parse_shard
@@ -24,6 +24,14 @@ def train_rows() -> list[dict]:
 def train_row(tag: str, run: int = 1) -> dict:
     """The ``scale_train`` row of ``tag``'s ``run``; {} when there is none."""
     return next((r for r in train_rows() if (r["tag"], r["run"]) == (tag, run)), {})
+
+
+def warm_start_s(run: dict) -> float:
+    """GPU-seconds behind the head a run started from (``training.init_from=.../head-<tag>`` among its overrides:
+    that ``scale_train`` row's goal, and its own warm start's); 0 for a run from scratch or a parent not recorded."""
+    init = next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.startswith("training.init_from=")), None)
+    parent = train_row(*head_ref(PurePosixPath(init).name)) if init else {}
+    return parent["train_s_goal"] + warm_start_s(parent) if parent else 0.0
 
 
 def label(tag: str, run: int | None, runs: list[tuple[str, int]]) -> str:
@@ -190,7 +198,8 @@ def heads_table(lines: list[str]) -> None:
         timed = f"{timed_s(r):.0f}"
         if (r["calls"][0].get("first_step") or 1) > 1:  # the record of the earlier calls was not returned
             timed += f" (steps {r['calls'][0]['first_step']}-{r['steps']} only)"
-        out.append([label(r["tag"], r["run"], runs), r["size"], r["date"], r["data_build"], f"{r['train_s_goal']:.0f}",
+        gpu_s = f"{r['train_s_goal']:.0f}" + (f" (+{w:.0f} warm start)" if (w := warm_start_s(r)) else "")
+        out.append([label(r["tag"], r["run"], runs), r["size"], r["date"], r["data_build"], gpu_s,
                     timed, r["steps"], f(r["epochs"]), f(r["calib_s_per_step"], 3),
                     f(fin.get("sim_acceptance_length")), acc])
     for x in st.get("not_run", []):
@@ -398,7 +407,7 @@ METHOD_MARKERS = {"peagle": "o", "eagle3": "s"}  # the AL plots: a method's mark
 
 def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     """``docs/img/scale_al_vs_gpu_s.png``: AL at K=5, c=1 per head against the GPU-seconds it trained (the run's
-    goal, times step / horizon for a head exported before the horizon), one line per (method, conversations, set),
+    goal, times step / horizon for a head exported before the horizon, plus a warm start's: :func:`warm_start_s`), one line per (method, conversations, set),
     every run of the budget-only recipes (:data:`BUDGET_VARIANTS`); runs of other recipes (``--set`` overrides) on
     the largest set as marks of their own; None if no plot."""
     plt = _pyplot()
@@ -413,7 +422,7 @@ def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
         recipe = () if run["variant"] in BUDGET_VARIANTS else tuple(run["overrides"])
         if recipe and run["size"] != largest:
             continue
-        gpu_s = run["train_s_goal"] * min(1.0, step / run["horizon"])
+        gpu_s = warm_start_s(run) + run["train_s_goal"] * min(1.0, step / run["horizon"])
         pts.setdefault((run["method"], run["size"], r["eval_set"], recipe), []).append((gpu_s, r["acceptance_length"]))
     if not pts:
         return None

@@ -1,5 +1,5 @@
 """bench.report_scale.plot_al_vs_gpu_s: budget-only recipes as lines per (method, set size, eval set); a recipe with
-overrides is plotted only on the largest set, as marks of its own."""
+overrides is plotted only on the largest set, as marks of its own; a warm-started run counts its parent's GPU-seconds."""
 
 import pytest
 
@@ -41,3 +41,16 @@ def test_override_recipes_are_marks_on_the_largest_set_only(monkeypatch):
     assert rs.plot_al_vs_gpu_s(rows) == "scale_al_vs_gpu_s.png"
     assert drawn == {"peagle, 29,905 conv., humaneval": ([150.0, 600.0], [1.3, 1.6], "o"),
                      "peagle cod_ratio=0.03, 99,000 conv., humaneval": ([1800.0], [2.9], "x")}
+
+
+def test_a_warm_started_run_counts_its_parents_gpu_seconds(monkeypatch):
+    """``training.init_from=.../head-<tag>`` adds that run's GPU-seconds (and its own parent's); a head dir that is
+    no recorded run adds nothing."""
+    rows = [{"tag": "peagle-99k-cod003-1800s", "run": 1, "train_s_goal": 1800, "overrides": []},
+            {"tag": "peagle-99k-long8k-330s", "run": 1, "train_s_goal": 330,
+             "overrides": ["training.lr=3e-4", "training.init_from=/root/keep/head-peagle-99k-cod003-1800s"]},
+            {"tag": "peagle-99k-more-100s", "run": 1, "train_s_goal": 100,
+             "overrides": ["training.init_from=/root/keep/head-peagle-99k-long8k-330s"]}]
+    monkeypatch.setattr(rs, "train_rows", lambda: rows)
+    assert [rs.warm_start_s(r) for r in rows] == [0.0, 1800.0, 2130.0]
+    assert rs.warm_start_s({"train_s_goal": 5, "overrides": ["training.init_from=models:/peagle@champion"]}) == 0.0
