@@ -133,12 +133,7 @@ def run_capture(
                                     num_cpus_per_worker=num_cpus_per_worker, num_gpus_per_worker=num_gpus_per_worker)
     else:  # the same two stages, in-process
         written = _capture_in_process(tasks, pending, actor_args, actor_kwargs, tokenize_kwargs)
-    for row in written:
-        k = int(row["shard_index"])
-        done[k] = json.loads(row["rows"])
-        shard_stats[k] = json.loads(row["stats"])
-        log.info("captured %s (%d samples)", shards.shard_name(k), len(done[k]))
-        advance(len(tasks[k]))
+    _collect(written, tasks, done, shard_stats, advance)
     run_s = time.perf_counter() - t_run
 
     meta, disk = _finish(out_dir, tasks, done, shard_stats, pending, run_s, asset=asset, target_cfg=target_cfg,
@@ -155,6 +150,18 @@ def run_capture(
         result.bytes_per_token, result.tokens_per_s, result.dropped, result.num_truncated,
     )
     return result
+
+
+def _collect(written: Iterator[Mapping[str, Any]], tasks: list, done: dict, shard_stats: dict,
+             advance: Callable[[int], None]) -> None:
+    """Record each shard row the capture stage yields (``shard_index``, its sample ``rows`` and ``stats`` as JSON)
+    in ``done`` / ``shard_stats`` by shard index, log it and advance progress by its conversations."""
+    for row in written:
+        k = int(row["shard_index"])
+        done[k] = json.loads(row["rows"])
+        shard_stats[k] = json.loads(row["stats"])
+        log.info("captured %s (%d samples)", shards.shard_name(k), len(done[k]))
+        advance(len(tasks[k]))
 
 
 def _fingerprint(asset, layer_ids, capture_cfg: CaptureConfig, data_cfg: DataConfig) -> dict[str, Any]:
