@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from bench.report_fmt import env, f, section, table
-from bench.report_scale import label, train_row
+from bench.report_scale import label, train_row, warm_start
 from peagle_core.masks import FLEX_BLOCK
 
 RESULT = "long_context"  # bench.long_context --name
@@ -69,6 +69,28 @@ def acceptance_by_position(lines: list[str]) -> None:
                    "to these heads too."), ""]
 
 
+def _continued(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str:
+    """Per head trained on from another head here (``training.init_from``, :func:`bench.report_scale.warm_start`):
+    its AL and position-2 acceptance against its parent's at each L both were measured at."""
+    out = []
+    for head in dict.fromkeys(runs):
+        parent = warm_start(train_row(*head))
+        pair = [{sets[x["eval_set"]]["context_tokens"]: x for x in rows if (x["head"], x["run"]) == h}
+                for h in (head, (parent.get("tag"), parent.get("run")))]
+        common = sorted(set(pair[0]) & set(pair[1]))
+        if not parent or not common:
+            continue
+        cut = train_row(*head)["recipe"].get("data.max_length_tokens")
+        out.append(f" {label(*head, runs)} (its parent {label(parent['tag'], parent['run'], runs)} trained on for "
+                   f"{train_row(*head)['train_s_goal']:.0f} GPU-s with conversations cut at {cut:,} tokens), AL "
+                   "against the parent's at L = " + ", ".join(f"{n:,}" for n in common) + ": "
+                   + ", ".join(f"{pair[0][n]['acceptance_length']:.2f} vs {pair[1][n]['acceptance_length']:.2f}"
+                               for n in common) + "; acceptance at position 2: "
+                   + ", ".join(f"{pair[0][n]['al_per_pos'][1]:.2f} vs {pair[1][n]['al_per_pos'][1]:.2f}"
+                               for n in common) + ".")
+    return "".join(out)
+
+
 def _reading(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str:
     """Per head: AL at its shortest and longest history, and the anchor."""
     parts = []
@@ -83,7 +105,7 @@ def _reading(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str:
                      f"{shi['context_tokens']:,} ({shi['prompt_tokens_mean']:,.0f}), "
                      f"{hi['acceptance_length'] / lo['acceptance_length'] - 1:+.0%}")
     (l2, a2), (l20, a20) = ANCHOR_AL.items()
-    return ("Reading: " + "; ".join(parts) + f". For scale, short-trained EAGLE-3 heads in a speculators study fall from "
+    return ("Reading: " + "; ".join(parts) + "." + _continued(rows, sets, runs) + f" For scale, short-trained EAGLE-3 heads in a speculators study fall from "
             f"AL {a2:.2f} at {l2 // 1024}k to {a20:.2f} at {l20 // 1024}k tokens (issue 26 item 4); here the longest "
             "history is bounded by the target's context (max_model_len above).")
 

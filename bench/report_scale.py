@@ -26,11 +26,16 @@ def train_row(tag: str, run: int = 1) -> dict:
     return next((r for r in train_rows() if (r["tag"], r["run"]) == (tag, run)), {})
 
 
-def warm_start_s(run: dict) -> float:
-    """GPU-seconds behind the head a run started from (``training.init_from=.../head-<tag>`` among its overrides:
-    that ``scale_train`` row's goal, and its own warm start's); 0 for a run from scratch or a parent not recorded."""
+def warm_start(run: dict) -> dict:
+    """The ``scale_train`` row of the head a run started from (``training.init_from=.../head-<tag>`` among its
+    overrides); {} for a run from scratch or a parent not recorded here."""
     init = next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.startswith("training.init_from=")), None)
-    parent = train_row(*head_ref(PurePosixPath(init).name)) if init else {}
+    return train_row(*head_ref(PurePosixPath(init).name)) if init else {}
+
+
+def warm_start_s(run: dict) -> float:
+    """GPU-seconds behind the head a run started from (:func:`warm_start`: its goal and its own warm start's)."""
+    parent = warm_start(run)
     return parent["train_s_goal"] + warm_start_s(parent) if parent else 0.0
 
 
@@ -409,7 +414,7 @@ def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     """``docs/img/scale_al_vs_gpu_s.png``: AL at K=5, c=1 per head against the GPU-seconds it trained (the run's
     goal, times step / horizon for a head exported before the horizon, plus a warm start's: :func:`warm_start_s`), one line per (method, conversations, set),
     every run of the budget-only recipes (:data:`BUDGET_VARIANTS`); runs of other recipes (``--set`` overrides) on
-    the largest set as marks of their own; None if no plot."""
+    the largest set as marks of their own, labelled by variant name; None if no plot."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -418,19 +423,22 @@ def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     evaluated = [(r, run, step) for r, run, step in evaluated if run and step]
     largest = max((run["size"] for _, run, _ in evaluated), default=0)
     pts: dict[tuple, list[tuple[float, float]]] = {}
+    names: dict[tuple, set[str]] = {}  # a recipe's variant names (its label: the overrides can be long)
     for r, run, step in evaluated:
         recipe = () if run["variant"] in BUDGET_VARIANTS else tuple(run["overrides"])
         if recipe and run["size"] != largest:
             continue
         gpu_s = warm_start_s(run) + run["train_s_goal"] * min(1.0, step / run["horizon"])
-        pts.setdefault((run["method"], run["size"], r["eval_set"], recipe), []).append((gpu_s, r["acceptance_length"]))
+        key = (run["method"], run["size"], r["eval_set"], recipe)
+        pts.setdefault(key, []).append((gpu_s, r["acceptance_length"]))
+        names.setdefault(key, set()).add(run["variant"])
     if not pts:
         return None
     fig, ax = plt.subplots(figsize=(8, 3.5))
     colors = plt.get_cmap("tab20")  # one color per line (the default cycle repeats after 10)
     for i, ((method, size, s_, recipe), xy) in enumerate(sorted(pts.items())):
         xy.sort()
-        what = (" " + ", ".join(o.split(".", 1)[-1] for o in recipe)) if recipe else ""
+        what = (" " + ", ".join(sorted(names[(method, size, s_, recipe)]))) if recipe else ""
         ax.plot([x for x, _ in xy], [y for _, y in xy], color=colors(i % 20),
                 marker="x" if recipe else METHOD_MARKERS.get(method, "o"), linestyle=":" if recipe else "-",
                 label=f"{method}{what}, {size:,} conv., {s_}")

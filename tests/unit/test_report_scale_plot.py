@@ -40,7 +40,7 @@ def test_override_recipes_are_marks_on_the_largest_set_only(monkeypatch):
             row("peagle-99k-cod003-1800s", 2.9), row("peagle-99k-cod003-1800s", 2.6, k=3), row("none", 1.0)]
     assert rs.plot_al_vs_gpu_s(rows) == "scale_al_vs_gpu_s.png"
     assert drawn == {"peagle, 29,905 conv., humaneval": ([150.0, 600.0], [1.3, 1.6], "o"),
-                     "peagle cod_ratio=0.03, 99,000 conv., humaneval": ([1800.0], [2.9], "x")}
+                     "peagle cod003-1800s, 99,000 conv., humaneval": ([1800.0], [2.9], "x")}
 
 
 def test_a_warm_started_run_counts_its_parents_gpu_seconds(monkeypatch):
