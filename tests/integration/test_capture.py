@@ -125,8 +125,25 @@ def test_crash_and_resume_gives_the_same_manifest(reference, convos, tmp_path, m
     kept = (out / written[0]).stat().st_mtime_ns
     res = capture.run_capture(convos, *cfgs(), out, num_cpus_per_worker=2)
     assert res.num_shards_reused == 2 and (out / written[0]).stat().st_mtime_ns == kept
-    assert shards.load_manifest(out).to_pylist() == shards.load_manifest(ref_dir).to_pylist()
+    assert_same_capture(out, ref_dir)
     assert not list(out.glob(".*"))
+
+
+def assert_same_capture(out: Path, ref_dir: Path) -> None:
+    """``out`` holds the uninterrupted capture's manifest (every sample in the same shard, offset and length) but
+    for checksums, the same token ids and masks, and its hidden states up to float32 rounding: shards written by
+    another process may round differently (CPU kernels; a SIGKILL test's checksums differed once in CI,
+    2026-11-26), so bytes are not compared."""
+    def no_sum(d: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "checksum"} for r in shards.load_manifest(d).to_pylist()]
+
+    assert no_sum(out) == no_sum(ref_dir)
+    want = {x["sample_id"]: x for x in shards.iter_samples(ref_dir)}
+    for x in shards.iter_samples(out):
+        w = want[x["sample_id"]]
+        assert torch.equal(x["input_ids"], w["input_ids"]) and torch.equal(x["loss_mask"], w["loss_mask"])
+        for key in ("aux", "final_hidden"):
+            torch.testing.assert_close(x[key], w[key], rtol=1e-5, atol=1e-4)
 
 
 def dead(pid: int) -> bool:
@@ -165,7 +182,8 @@ class PidFileShardActor(CaptureShardActor):
 def test_sigkill_capture_actor_mid_shard_loses_and_duplicates_nothing(reference, convos, tmp_path, monkeypatch):
     """The actor is SIGKILLed once one shard is on disk (it is then capturing its second): Ray Data
     restarts it and retries its task (its actor-pool defaults), the run finishes by itself with the
-    uninterrupted run's manifest (0 missing, 0 duplicate samples) and no partial shard; a re-run keeps all."""
+    uninterrupted run's manifest but for checksums (0 missing, 0 duplicate samples; values equal up to float32
+    rounding) and no partial shard; a re-run keeps all."""
     ref_dir, _ = reference
     out = tmp_path / "killed"
     pid_file = Path(f"{out}.pid")
@@ -196,16 +214,14 @@ def test_sigkill_capture_actor_mid_shard_loses_and_duplicates_nothing(reference,
     assert len(killed["shards"]) == 1 and killed["shards"][0] in {shards.shard_name(i) for i in range(4)}, killed
     assert int(pid_file.read_text()) != killed["pid"], "no new actor process finished the run"
     assert (res.num_shards, res.num_shards_reused) == (4, 0), res
-    want = shards.load_manifest(ref_dir).to_pylist()
     got = shards.load_manifest(out).to_pylist()
     ids = [r["sample_id"] for r in got]
     assert len(ids) == len(set(ids)), f"duplicated samples: {sorted(i for i in ids if ids.count(i) > 1)}"
-    # 0 missing, same bytes (checksums)
-    assert got == want, [(g, w) for g, w in zip(got, want, strict=False) if g != w][:3] or (len(got), len(want))
+    assert_same_capture(out, ref_dir)  # 0 missing, every sample where the uninterrupted run put it
     assert not list(out.glob(".*")), list(out.glob(".*"))  # no partial shard
     again = capture.run_capture(convos, *cfgs(), out, num_cpus_per_worker=2)
     assert again.num_shards_reused == 4, again
-    assert shards.load_manifest(out).to_pylist() == want
+    assert shards.load_manifest(out).to_pylist() == got
     print(f"\nSIGKILL capture actor (pid {killed['pid']}) after shard 0: run finished by itself in {seconds:.0f} s "
           f"(kill -> end {recovered_s:.0f} s), {len(ids)} samples, 0 lost, 0 duplicated")
 
