@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from bench.report_fmt import RESULTS, f, table
-from bench.report_scale import SCALE_EVAL, label, last_final, timed_s, train_rows
+from bench.report_scale import SCALE_EVAL, label, last_final, override, timed_s, train_rows
 from bench.report_speculators import (
     GPU_EVAL,
     MIN_CONDITIONING_ANCHORS,
@@ -25,11 +25,6 @@ SIZE, TRAIN_S = 29905, 180.0  # the ablations' set (the 29.9k conversations in g
 POS3_GOAL = 0.10  # issue 26: acceptance at position 3
 
 
-def _override(run: dict, key: str) -> str | None:
-    """The value ``run`` set for ``key`` with ``--set key=value``; None when it kept the recipe's."""
-    return next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.split("=", 1)[0] == key), None)
-
-
 def depth0_share(run: dict) -> float | None:
     """Share of the last training window's loss weight on depth 0: ``count_d0 / sum_d count_d * gamma**d`` with
     ``gamma`` the run's ``training.depth_decay`` (1 when unset: every element weighs the same;
@@ -38,7 +33,7 @@ def depth0_share(run: dict) -> float | None:
     counts = [fin[f"count_d{d}"] for d in range(64) if f"count_d{d}" in fin]
     if not counts:
         return None
-    gamma = float(_override(run, "training.depth_decay") or 1.0)
+    gamma = float(override(run, "training.depth_decay") or 1.0)
     return counts[0] / sum(c * gamma**d for d, c in enumerate(counts))
 
 

@@ -91,7 +91,7 @@ def _twin(best: dict, rows: list[dict], al_tol: float = 0.05) -> str:
     ``best``'s: what the speed of one head shape at one AL varies by on one machine (engine to engine); "" when none."""
     twins = [r for r in rows if r["head"] not in (best["head"], "none") and _lease(r) == _lease(best)
              and (r["K"], r["concurrency"]) == (best["K"], best["concurrency"]) and r.get("speedup")
-             and r["head"].split("-")[0] == best["head"].split("-")[0]
+             and r["method"] == best["method"]
              and abs(r["acceptance_length"] - best["acceptance_length"]) <= al_tol]
     if not twins:
         return ""

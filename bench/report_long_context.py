@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from bench.report_fmt import env, f, section, table
-from bench.report_scale import label, train_row, warm_start
+from bench.report_scale import label, override, train_row, train_rows, warm_start
 from peagle_core.masks import FLEX_BLOCK
 
 RESULT = "long_context"  # bench.long_context --name
@@ -74,15 +74,18 @@ def _continued(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str
     its AL and position-2 acceptance against its parent's at each L both were measured at."""
     out = []
     for head in dict.fromkeys(runs):
-        parent = warm_start(train_row(*head))
-        pair = [{sets[x["eval_set"]]["context_tokens"]: x for x in rows if (x["head"], x["run"]) == h}
-                for h in (head, (parent.get("tag"), parent.get("run")))]
-        common = sorted(set(pair[0]) & set(pair[1]))
-        if not parent or not common:
+        run = train_row(*head)
+        parent = warm_start(run)
+        if not parent:
             continue
-        cut = train_row(*head)["recipe"].get("data.max_length_tokens")
+        pair = [{sets[x["eval_set"]]["context_tokens"]: x for x in rows if (x["head"], x["run"]) == h}
+                for h in (head, (parent["tag"], parent["run"]))]
+        common = sorted(set(pair[0]) & set(pair[1]))
+        if not common:
+            continue
+        cut = run["recipe"].get("data.max_length_tokens")
         out.append(f" {label(*head, runs)} (its parent {label(parent['tag'], parent['run'], runs)} trained on for "
-                   f"{train_row(*head)['train_s_goal']:.0f} GPU-s with conversations cut at {cut:,} tokens), AL "
+                   f"{run['train_s_goal']:.0f} GPU-s with conversations cut at {cut:,} tokens), AL "
                    "against the parent's at L = " + ", ".join(f"{n:,}" for n in common) + ": "
                    + ", ".join(f"{pair[0][n]['acceptance_length']:.2f} vs {pair[1][n]['acceptance_length']:.2f}"
                                for n in common) + "; acceptance at position 2: "
@@ -105,25 +108,22 @@ def _reading(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str:
                      f"{shi['context_tokens']:,} ({shi['prompt_tokens_mean']:,.0f}), "
                      f"{hi['acceptance_length'] / lo['acceptance_length'] - 1:+.0%}")
     (l2, a2), (l20, a20) = ANCHOR_AL.items()
-    return ("Reading: " + "; ".join(parts) + "." + _continued(rows, sets, runs) + f" For scale, short-trained EAGLE-3 heads in a speculators study fall from "
-            f"AL {a2:.2f} at {l2 // 1024}k to {a20:.2f} at {l20 // 1024}k tokens (issue 26 item 4); here the longest "
-            "history is bounded by the target's context (max_model_len above).")
-
-
-LONG_RUN = "peagle-99k-long8k-330s"  # bench.scale tag of item 4's training run (run_scale.sh ... --variant long8k-330s)
+    return ("Reading: " + "; ".join(parts) + "." + _continued(rows, sets, runs) + " For scale, short-trained "
+            f"EAGLE-3 heads in a speculators study fall from AL {a2:.2f} at {l2 // 1024}k to {a20:.2f} at "
+            f"{l20 // 1024}k tokens (issue 26 item 4); here the longest history is bounded by the target's context "
+            "(max_model_len above).")
 
 
 def long_training(lines: list[str]) -> None:
-    """The section on training with sequences up to the target's context (item 4's training): the run (its
-    ``scale_train`` row), what stopped its first attempt, and ``bench.mask_compile``'s seconds to the first block mask
-    by document length, partitions and how the mask is built."""
+    """The section on training with sequences up to the target's context (item 4's training): the runs with
+    sequence partitions (their ``scale_train`` rows), what stopped the first attempt, and ``bench.mask_compile``'s
+    seconds to the first block mask by document length, partitions and how the mask is built."""
     r = section(lines, MASK_RESULT, "## Training on long sequences with partitions (issue 26 item 4)")
     if r is None:
         return
-    run = train_row(LONG_RUN)
-    if run:
+    for run in (t for t in train_rows() if int(override(t, "training.num_partitions") or 1) > 1):
         call = run["calls"][-1]
-        lines += [(f"`{LONG_RUN}` ({run['device']}, {run['date']}): `" + " ".join(
+        lines += [(f"`{run['tag']}` ({run['device']}, {run['date']}): `" + " ".join(
                    ["--set " + o for o in run["overrides"]]) + f"`; {run['steps']:,} steps in "
                    f"{call['timed_s']:.0f} timed s ({run['calib_s_per_step']:.3f} s/step, {run['epochs']:.2f} of an "
                    f"epoch), first step {call['to_first_step_s']:.1f} s after warm-up, peak "

@@ -26,10 +26,15 @@ def train_row(tag: str, run: int = 1) -> dict:
     return next((r for r in train_rows() if (r["tag"], r["run"]) == (tag, run)), {})
 
 
+def override(run: dict, key: str) -> str | None:
+    """The value ``run`` set for ``key`` with ``--set key=value``; None when it kept the recipe's."""
+    return next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.split("=", 1)[0] == key), None)
+
+
 def warm_start(run: dict) -> dict:
     """The ``scale_train`` row of the head a run started from (``training.init_from=.../head-<tag>`` among its
     overrides); {} for a run from scratch or a parent not recorded here."""
-    init = next((o.split("=", 1)[1] for o in run.get("overrides", []) if o.startswith("training.init_from=")), None)
+    init = override(run, "training.init_from")
     return train_row(*head_ref(PurePosixPath(init).name)) if init else {}
 
 
@@ -412,8 +417,8 @@ METHOD_MARKERS = {"peagle": "o", "eagle3": "s"}  # the AL plots: a method's mark
 
 def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     """``docs/img/scale_al_vs_gpu_s.png``: AL at K=5, c=1 per head against the GPU-seconds it trained (the run's
-    goal, times step / horizon for a head exported before the horizon, plus a warm start's: :func:`warm_start_s`), one line per (method, conversations, set),
-    every run of the budget-only recipes (:data:`BUDGET_VARIANTS`); runs of other recipes (``--set`` overrides) on
+    goal, times step / horizon for a head exported before the horizon, plus a warm start's: :func:`warm_start_s`),
+    one line per (method, conversations, set), every run of the budget-only recipes (:data:`BUDGET_VARIANTS`); runs of other recipes (``--set`` overrides) on
     the largest set as marks of their own, labelled by variant name; None if no plot."""
     plt = _pyplot()
     if plt is None:

@@ -34,7 +34,7 @@ def test_a_speedup_within_the_spread_of_repeats_breaks_even():
 
 def test_twin_names_a_same_shape_head_of_equal_al_on_the_same_machine_only():
     def row(head, session, tps, al, k=5):
-        return _row(head, session, tps, al) | {"K": k, "speedup": tps / 400}
+        return _row(head, session, tps, al) | {"K": k, "speedup": tps / 400, "method": head.split("-")[0]}
 
     best = row("peagle-long", 6, 440.0, 2.61)
     assert "peagle-cod (same method and K, AL 2.60) ran at 0.90x" in rg._twin(best, [best, row("peagle-cod", 6, 360.0, 2.60)])
