@@ -67,6 +67,16 @@ class CaptureResult:
     tokens_per_s: float
     meta: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @classmethod
+    def from_meta(cls, out_dir: Path, meta: dict[str, Any], *, num_shards: int, num_shards_reused: int,
+                  seconds: float) -> CaptureResult:
+        """The result of a capture whose ``capture_meta.json`` holds ``meta`` (counts, drops, bytes, tokens/s)."""
+        return cls(out_dir=out_dir, num_samples=meta["num_samples"], num_tokens=meta["num_tokens"],
+                   num_loss_tokens=meta["num_loss_tokens"], num_shards=num_shards, num_shards_reused=num_shards_reused,
+                   dropped=meta["dropped"], num_truncated=meta["num_truncated"],
+                   bytes_per_token=meta["bytes_per_token_on_disk"], seconds=seconds,
+                   tokens_per_s=meta["capture_tokens_per_s_this_run"] or 0.0, meta=meta)
+
 
 def run_capture(
     conversations,
@@ -138,12 +148,8 @@ def run_capture(
 
     meta, disk = _finish(out_dir, tasks, done, shard_stats, pending, run_s, asset=asset, target_cfg=target_cfg,
                          capture_cfg=capture_cfg, layer_ids=layer_ids, config=config, fingerprint=fp)
-    result = CaptureResult(
-        out_dir=out_dir, num_samples=meta["num_samples"], num_tokens=meta["num_tokens"],
-        num_loss_tokens=meta["num_loss_tokens"], num_shards=len(tasks), num_shards_reused=num_reused,
-        dropped=meta["dropped"], num_truncated=meta["num_truncated"], bytes_per_token=meta["bytes_per_token_on_disk"],
-        seconds=time.perf_counter() - t_start, tokens_per_s=meta["capture_tokens_per_s_this_run"] or 0.0, meta=meta,
-    )
+    result = CaptureResult.from_meta(out_dir, meta, num_shards=len(tasks), num_shards_reused=num_reused,
+                                     seconds=time.perf_counter() - t_start)
     log.info(
         "capture done: %d samples, %d tokens, %s on disk (%.0f B/token), %.0f tokens/s, dropped %s, truncated %d",
         result.num_samples, result.num_tokens, format_bytes(disk),
