@@ -38,6 +38,13 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether something accepts TCP connections on ``host:port`` now."""
+    with socket.socket() as s:
+        s.settimeout(timeout_s)
+        return s.connect_ex((host, port)) == 0
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing is bound to now and that this process has not handed out before,
     from ``[20000, ephemeral start)`` in a random order (the kernel's own pick, ``bind(0)``, where that range is
@@ -59,4 +66,4 @@ def free_port() -> int:
     return port
 
 
-__all__ = ["ephemeral_start", "free_port"]
+__all__ = ["ephemeral_start", "free_port", "port_open"]

@@ -21,6 +21,7 @@ Layout of ``PEAGLE_HOME``::
     serve/heads/<model>/vN-<sha>/  heads cached on each Serve replica's node
     locks/                         promotion locks of stores other than a local sqlite one (pipelines.registry.promotion)
     traffic/<model id>/            the opt-in traffic log of Serve (Parquet shards, pipelines.traffic)
+    mlflow-server/                 `peagle mlflow-server`: its store mlflow.db, artifacts/ it serves, server.json
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ TRAIN_EXPERIMENT = "peagle-train"  # live training metrics from rank 0
 MODEL_NAME_PREFIX = "peagle-"
 SERVE_APP_NAME = "peagle"  # the Ray Serve application the serve stage deploys (the gateway, route "/")
 SERVE_BACKEND_PREFIX = f"{SERVE_APP_NAME}-backend-"  # its backend apps (pipelines.serve.rollout), no route
+# A Ray node started by `python -m pipelines.local_ray start|join --node-name NAME` carries the custom resource
+# NODE_RESOURCE_PREFIX + NAME (1 unit): how the summary names it (pipelines.placement), e.g. two raylets of one host.
+NODE_RESOURCE_PREFIX = "peagle_node_"
 
 __all__ = [
-    "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
+    "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "NODE_RESOURCE_PREFIX", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
     "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_num_cpus",
-    "local_sqlite_dir", "locks_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",
+    "local_sqlite_dir", "locks_dir", "mlflow_server_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",
     "targets_dir", "tracking_uri", "traffic_dir",
 ]
 
@@ -132,6 +136,12 @@ def traffic_dir(model_id: str | None = None, home: str | os.PathLike | None = No
     ``$PEAGLE_HOME/traffic/<model_id>`` (one served model's shards)."""
     root = peagle_home(home) / "traffic"
     return root / model_id if model_id else root
+
+
+def mlflow_server_dir(home: str | os.PathLike | None = None) -> Path:
+    """The MLflow tracking server that ``peagle mlflow-server`` starts: ``$PEAGLE_HOME/mlflow-server`` (its SQLite
+    backend store ``mlflow.db``, the artifacts it serves under ``artifacts/``, ``server.json`` with its URL and pid)."""
+    return peagle_home(home) / "mlflow-server"
 
 
 def locks_dir(uri: str | None = None, home: str | os.PathLike | None = None) -> Path:

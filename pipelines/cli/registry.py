@@ -1,4 +1,5 @@
-"""``peagle registry list|promote|rollback|download``: the MLflow model registry of peagle heads.
+"""``peagle registry list|promote|rollback|download|server``: the MLflow model registry of peagle heads (and
+a tracking server for a cluster: ``server start|stop``, :mod:`pipelines.registry.server`).
 
 The store is ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else the local sqlite store
 (``pipelines.settings.tracking_uri``), the same one the pipeline's register stage writes to.
@@ -146,3 +147,30 @@ def download_cmd(
     from pipelines.registry.register import download
 
     typer.echo(str(download(ref, dst, tracking_uri=tracking_uri)))
+
+
+server_app = typer.Typer(help="A real MLflow tracking server for a cluster (SQLite store, served artifacts under "
+                         "$PEAGLE_HOME/mlflow-server).", no_args_is_help=True)
+registry_app.add_typer(server_app, name="server")
+
+
+@server_app.command("start")
+@fail_cleanly
+def server_start_cmd(
+    host: Annotated[str, typer.Option(help="Bind address (0.0.0.0: reachable from other nodes).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 5000,
+) -> None:
+    """Start `mlflow server` in the background unless it runs; print `export MLFLOW_TRACKING_URI=...`."""
+    from pipelines.registry import server
+
+    up = server.start(host=host, port=port)
+    typer.echo(f"export {settings.TRACKING_URI_ENV}={up.uri}")
+
+
+@server_app.command("stop")
+@fail_cleanly
+def server_stop_cmd() -> None:
+    """Stop the server `peagle registry server start` started."""
+    from pipelines.registry import server
+
+    typer.echo("stopped" if server.stop() else f"no server recorded under {settings.mlflow_server_dir()}")

@@ -1,5 +1,5 @@
 """Helpers of the Serve integration tests (test_serve, test_faults_serve): a free loopback port, the
-CPU Serve args, an ``mlflow server`` process, the replica processes of a local Ray cluster, and one
+CPU Serve args, peagle's ``mlflow server`` process, the replica processes of a local Ray cluster, and one
 streamed chat request. (The random-init head is ``bench.serve_load.random_head``: the benchmark
 serves the same one.)"""
 
@@ -10,10 +10,7 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -57,38 +54,33 @@ def cpu_serve_args(**kw):
     return ServeAppArgs(**base)
 
 
-@dataclass
 class MlflowServer:
-    """An ``mlflow server`` process group on 127.0.0.1 (sqlite store + served artifacts in ``root``)."""
+    """peagle's own ``mlflow server`` (``pipelines.registry.server.launch``: sqlite store + served artifacts in
+    ``root``, its own process group) on a free loopback port, restartable on the same store and port."""
 
-    uri: str
-    proc: subprocess.Popen
-    root: Path
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self._server = None
+        root.mkdir(parents=True, exist_ok=True)
 
     @classmethod
-    def start(cls, root: Path, *, timeout_s: float = 300.0) -> MlflowServer:
-        """Start it and wait for ``/health``.
+    def started(cls, root: Path) -> MlflowServer:
+        """Start one and wait for ``/health``."""
+        server = cls(root)
+        server.start()
+        server.wait_healthy()
+        return server
 
-        Raises:
-            RuntimeError: it exited or did not answer within ``timeout_s`` (its log attached).
-        """
-        port = free_port()
-        log = open(root / "mlflow-server.log", "w")  # noqa: SIM115 - the child writes it until killed
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination",
-             str(root / "artifacts")],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # own group: killed as one
-        server = cls(f"http://127.0.0.1:{port}", proc, root)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            if server.healthy():
-                return server
-            time.sleep(1)
-        server.kill()
-        raise RuntimeError(f"mlflow server did not start: {(root / 'mlflow-server.log').read_text()[-2000:]}")
+    def start(self) -> None:
+        """Launch the process; returns at once."""
+        from pipelines.registry import server
+
+        self._server = server.launch(self.root, port=self.port, workers=1)
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> float:
+        """Seconds until ``/health`` answers (RuntimeError with its log otherwise)."""
+        return self._server.wait_healthy(timeout_s)
 
     def healthy(self) -> bool:
         try:
@@ -96,11 +88,13 @@ class MlflowServer:
         except httpx.HTTPError:
             return False
 
-    def kill(self) -> None:
-        """SIGKILL the server and its workers (the process group it leads)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the server and its workers (the process group it leads)."""
+        if self._server is not None:
+            self._server.kill(sig)
+            self._server = None
+
+    kill = stop
 
 
 def llm_replica_pids() -> list[int]:

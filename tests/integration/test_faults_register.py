@@ -1,5 +1,5 @@
 """The register stage under a tracking-server outage (issue 15, item 4): a real ``mlflow server`` (sqlite
-backend, loopback; ``MlflowServer`` of test_faults_train) is SIGKILLed and restarted on the same store.
+backend, loopback; ``MlflowServer`` of serve_helpers) is SIGKILLed and restarted on the same store.
 
 The stage runs for real (``RegisterStage.run``: MLflow run, head artifacts, model version, gate) on a
 tiny random head, with its upstream outputs handed over by a small ``RunContext``; only the target's
@@ -19,7 +19,7 @@ from pipelines.stages.capture import CaptureOutput
 from pipelines.stages.evaluate import EvaluateOutput
 from pipelines.stages.register import RegisterStage
 from pipelines.stages.train import TrainOutput
-from tests.integration.test_faults_train import MlflowServer
+from tests.integration.serve_helpers import MlflowServer
 from tests.integration.test_register import TARGET, _head
 
 pytestmark = pytest.mark.integration

@@ -115,7 +115,7 @@ def deployment(tmp_path_factory, target):
     from pipelines.serve import build_app
 
     tmp = tmp_path_factory.mktemp("faults-serve")
-    server = MlflowServer.start(tmp)
+    server = MlflowServer.started(tmp)
     env = {KEY_ENV: KEY, **FAST_MLFLOW_FAILURE}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # before ray.init: replicas inherit the driver's environment

@@ -2,10 +2,7 @@
 is SIGKILLed after the step-2 checkpoint of a 2-worker Ray Train run and restarted later; training goes
 on, rank 0 buffers its metrics (one outage, one warning) and they all arrive once the server is back."""
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,55 +11,10 @@ import pytest
 from peagle_core.contract import validate_head
 from pipelines import settings
 from pipelines import train as T
-from pipelines.ports import free_port
+from tests.integration.serve_helpers import MlflowServer
 from tests.integration.test_train import capture, ray_local, run  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
-
-
-class MlflowServer:
-    """``python -m mlflow server`` on 127.0.0.1 with a sqlite store in ``root``, in its own process group
-    (stopped with one signal to the group; MLflow's job runner is off: nothing but the tracking API)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.port = root, free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        root.mkdir(parents=True, exist_ok=True)
-
-    def start(self) -> None:
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-               "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
-               "--port", str(self.port), "--workers", "1"]
-        log = (self.root / "server.log").open("a")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_healthy(self, timeout_s: float = 240) -> float:
-        """Seconds until ``/health`` answers.
-
-        Raises:
-            TimeoutError: not within ``timeout_s`` (the server log's tail in the message).
-        """
-        import httpx
-
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            try:
-                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.25)
-        raise TimeoutError(f"mlflow server not healthy: {(self.root / 'server.log').read_text()[-2000:]}")
-
-    def stop(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(30)
-        self.proc = None
 
 
 @pytest.fixture
