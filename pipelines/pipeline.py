@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from peagle_core.atomic import atomic_write_text
 from pipelines import settings
+from pipelines.placement import Placement, PlacementProbe
 from pipelines.preflight import Machine, Problem, Severity, raise_for_errors
 from pipelines.stages.base import (
     STAGE_FILE,
@@ -235,9 +236,14 @@ class PipelineRun:
             if other.name != name:
                 other.before_other_stage_runs(self, name)
         self.say("running")
+        probe = PlacementProbe()
+        probe.start()
         s0 = time.perf_counter()
         output = stage.run()
-        rec = StageRecord(name, "ran", time.perf_counter() - s0, self.key(name), output)
+        seconds = time.perf_counter() - s0
+        placement = probe.finish()
+        rec = StageRecord(name, "ran", seconds, self.key(name), output,
+                          placement=placement.to_json() if placement else None)
         write_json(self.stage_dir(name) / STAGE_FILE, rec.to_json())
         self.say(f"done in {rec.seconds:.1f}s")
         return rec
@@ -255,7 +261,7 @@ class PipelineRun:
         except Exception as e:  # noqa: BLE001 - any failure to verify means: re-run the stage
             log.warning("%s outputs no longer valid (%s); re-running", name, e)
             return None
-        return StageRecord(name, data["status"], data["seconds"], data["key"], output)
+        return StageRecord(name, data["status"], data["seconds"], data["key"], output, placement=data.get("placement"))
 
     # ------------------------------------------------------------------------------------------ summary
 
@@ -265,6 +271,7 @@ class PipelineRun:
         out: dict[str, Any] = {"recipe": self.recipe.name, "run_dir": str(self.run_dir), "total_seconds": seconds,
                                "stages": {n: {"status": r.status, "seconds": round(r.seconds, 1)}
                                           | ({"reason": r.reason} if r.reason else {})
+                                          | ({"placement": r.placement} if r.placement else {})
                                           for n, r in self.records.items()}}
         for name, rec in self.records.items():
             if rec.output is None:
@@ -288,10 +295,10 @@ def print_summary(s: dict[str, Any], console: Console) -> None:
 
     line(f"peagle pipeline {s['recipe']}: {s['total_seconds']:.0f}s")
     table = Table()
-    for col, justify in (("stage", "left"), ("status", "left"), ("seconds", "right")):
+    for col, justify in (("stage", "left"), ("status", "left"), ("seconds", "right"), ("where", "left")):
         table.add_column(col, justify=justify)
     for name, st in s["stages"].items():
-        table.add_row(name, st["status"], f"{st['seconds']:.1f}")
+        table.add_row(name, st["status"], f"{st['seconds']:.1f}", Placement.describe(st.get("placement")))
     console.print(table)
     for name, st in s["stages"].items():
         if st.get("reason"):

@@ -82,7 +82,8 @@ class StageOutput:
 @dataclass
 class StageRecord:
     """What one stage did in this run: ``status`` ran|skipped|not run, wall ``seconds``, its key and output
-    (``key`` and ``output`` None when not run, with the ``reason``)."""
+    (``key`` and ``output`` None when not run, with the ``reason``) and, when it ran on Ray, where
+    (``placement``: ``pipelines.placement.Placement.to_json``; None when unknown)."""
 
     name: str
     status: str
@@ -90,10 +91,11 @@ class StageRecord:
     key: str | None
     output: StageOutput | None
     reason: str | None = None
+    placement: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "seconds": self.seconds, "key": self.key,
-                "outputs": self.output.to_json()}
+                "outputs": self.output.to_json()} | ({"placement": self.placement} if self.placement else {})
 
 
 # ---------------------------------------------------------------------------------------------- keys

@@ -1,0 +1,163 @@
+"""Where a stage ran: the Ray nodes and GPUs its actors, tasks and placement groups held.
+
+:class:`PlacementProbe` snapshots the ids of the cluster's actors, tasks and placement groups before a stage
+(:meth:`PlacementProbe.start`) and reads, after it (:meth:`PlacementProbe.finish`), those the stage created,
+through Ray's state API (``ray.util.state``; it needs the dashboard's state aggregator, which ``ray start
+--head`` and a local ``ray.init`` start). A GPU is counted once per bundle of a placement group the stage
+created (Ray Train workers, Serve LLM replicas) and once per GPU actor or task outside those groups (Ray Data
+actor pools, evaluation engines). Nodes are named by their ``settings.NODE_RESOURCE_PREFIX`` resource where they
+have one (``python -m pipelines.local_ray start|join --node-name``: the two "nodes" of one host in
+``bench/device/run_multi_gpu.sh``), else by their IP and the first 8 hex digits of their id.
+
+The probe never fails a stage: without the state API (no dashboard, a Ray without ``ray[default]``), or when a
+listing fails, :meth:`finish` returns None and the summary shows ``-``.
+
+Shape legend: not applicable (orchestration only).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LIST_LIMIT = 10_000  # entries per state-API listing (Ray's own default cap)
+_ID_FIELD = {"actors": "actor_id", "tasks": "task_id", "pgs": "placement_group_id"}
+
+
+@dataclass
+class Placement:
+    """What one stage held: ``gpus_by_node`` ({node name: GPUs}), ``actors_by_node`` ({node name: actors the
+    stage started}); ``num_gpus`` and ``num_nodes`` derived."""
+
+    gpus_by_node: dict[str, int] = field(default_factory=dict)
+    actors_by_node: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(self.gpus_by_node.values())
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted(set(self.gpus_by_node) | set(self.actors_by_node))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_gpus": self.num_gpus, "nodes": self.nodes, "gpus_by_node": dict(sorted(self.gpus_by_node.items())),
+                "actors_by_node": dict(sorted(self.actors_by_node.items()))}
+
+    @staticmethod
+    def describe(data: dict[str, Any] | None) -> str:
+        """One cell of the summary table, e.g. ``4 GPUs: node-a 2, node-b 2`` or ``CPU: node-a (3 actors)``;
+        ``-`` when unknown or nothing was placed (the driver did the work)."""
+        if not data or not data.get("nodes"):
+            return "-"
+        gpus = data.get("gpus_by_node") or {}
+        if gpus:
+            n = sum(gpus.values())
+            return f"{n} GPU{'s' if n != 1 else ''}: " + ", ".join(f"{k} {v}" for k, v in gpus.items())
+        actors = data.get("actors_by_node") or {}
+        return "CPU: " + ", ".join(f"{k} ({v} actor{'s' if v != 1 else ''})" for k, v in actors.items())
+
+
+def _gpus(resources: dict[str, Any] | None) -> float:
+    return float((resources or {}).get("GPU", 0) or 0)
+
+
+class PlacementProbe:
+    """Before/after snapshot of the cluster's actors, tasks and placement groups (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._before: dict[str, set[str]] | None = None
+
+    def start(self) -> None:
+        """Record the ids that exist now (nothing raised: a failed listing disables the probe)."""
+        try:
+            listed = self._list()
+        except Exception as e:  # noqa: BLE001 - the probe is advisory
+            log.info("placement probe off: %s", e)
+            self._before = None
+            return
+        self._before = {kind: {self._id(kind, x) for x in items} for kind, items in listed.items()}
+
+    def finish(self) -> Placement | None:
+        """The placement of what was created since :meth:`start`, or None (probe off or listing failed)."""
+        if self._before is None:
+            return None
+        try:
+            listed = self._list()
+            names = self._node_names()
+        except Exception as e:  # noqa: BLE001
+            log.info("placement probe: %s", e)
+            return None
+        new = {kind: [x for x in items if self._id(kind, x) not in self._before[kind]] for kind, items in listed.items()}
+        return placement_of(new["actors"], new["tasks"], new["pgs"], names)
+
+    @staticmethod
+    def _id(kind: str, x: Any) -> str:
+        return getattr(x, _ID_FIELD[kind])
+
+    @staticmethod
+    def _list() -> dict[str, list]:
+        import ray
+        from ray.util.state import list_actors, list_placement_groups, list_tasks
+
+        # this driver's cluster, never an auto-detected one (other clusters may run on the machine)
+        kw = {"address": ray.get_runtime_context().gcs_address, "limit": LIST_LIMIT, "detail": True,
+              "raise_on_missing_output": False}
+        return {"actors": list_actors(**kw), "tasks": list_tasks(**kw), "pgs": list_placement_groups(**kw)}
+
+    @staticmethod
+    def _node_names() -> dict[str, str]:
+        import ray
+
+        from pipelines.settings import NODE_RESOURCE_PREFIX
+
+        out = {}
+        for n in ray.nodes():
+            nid, ip = n.get("NodeID", ""), n.get("NodeManagerAddress", "?")
+            named = [r.removeprefix(NODE_RESOURCE_PREFIX) for r in (n.get("Resources") or {})
+                     if r.startswith(NODE_RESOURCE_PREFIX)]
+            out[nid] = named[0] if named else f"{ip}/{nid[:8]}"
+        return out
+
+
+def placement_of(actors: list, tasks: list, pgs: list, node_names: dict[str, str]) -> Placement:
+    """The :class:`Placement` of a stage's new ``actors``, ``tasks`` (Ray state-API rows, ``detail=True``) and
+    placement groups ``pgs``; ``node_names`` maps node ids to names (unknown ids keep their first 8 digits).
+
+    GPUs: each new GPU actor on its node; each GPU bundle of a new placement group that no such actor sits in;
+    and the most GPUs that the new non-actor GPU tasks outside those groups held at once on a node (tasks run one
+    after another on one GPU count once). Actors: every new actor on its node."""
+    def name(node_id: str | None) -> str:
+        return node_names.get(node_id or "", (node_id or "?")[:8])
+
+    gpu_actors = [a for a in actors if _gpus(a.required_resources) and a.node_id]
+    gpus: Counter = Counter()
+    for a in gpu_actors:
+        gpus[name(a.node_id)] += round(_gpus(a.required_resources))
+    counted_pgs = {a.placement_group_id for a in gpu_actors if a.placement_group_id}
+    for p in pgs:  # a group whose GPUs no actor of its own holds (a Serve replica running its engine in-process)
+        if p.placement_group_id in counted_pgs:
+            continue
+        for b in p.bundles or []:
+            if _gpus(b.get("unit_resources")) and b.get("node_id"):
+                gpus[name(b["node_id"])] += round(_gpus(b.get("unit_resources")))
+    pg_ids = {p.placement_group_id for p in pgs}
+    events: dict[str, list[tuple[float, float]]] = {}
+    for t in tasks:
+        g = _gpus(t.required_resources)
+        if t.actor_id or not g or t.placement_group_id in pg_ids or not t.node_id:
+            continue
+        start, end = t.start_time_ms or 0, t.end_time_ms or float("inf")
+        events.setdefault(name(t.node_id), []).extend([(start, g), (end, -g)])
+    for node, ev in events.items():
+        held = peak = 0.0
+        for _, g in sorted(ev, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
+            held += g
+            peak = max(peak, held)
+        gpus[node] += round(peak)
+    actors_by_node = Counter(name(a.node_id) for a in actors if a.node_id)
+    return Placement(gpus_by_node=dict(gpus), actors_by_node=dict(actors_by_node))

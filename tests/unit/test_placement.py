@@ -1,0 +1,71 @@
+"""Where a stage ran (pipelines.placement): GPUs and actors per node from Ray state-API rows."""
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from pipelines.placement import Placement, placement_of
+
+pytestmark = pytest.mark.unit
+
+NAMES = {"n-a": "a", "n-b": "b"}
+
+
+def actor(node, gpus=0, pg=None):
+    return NS(actor_id=f"{node}-{gpus}-{pg}", node_id=node, placement_group_id=pg,
+              required_resources={"CPU": 1} | ({"GPU": gpus} if gpus else {}))
+
+
+def task(node, gpus, start, end, actor_id=None, pg=None):
+    return NS(node_id=node, actor_id=actor_id, placement_group_id=pg, start_time_ms=start, end_time_ms=end,
+              required_resources={"CPU": 1, "GPU": gpus})
+
+
+def pg(pid, *bundles):
+    return NS(placement_group_id=pid, bundles=[{"node_id": n, "unit_resources": r} for n, r in bundles])
+
+
+def test_actor_pool_one_gpu_each_on_two_nodes():
+    p = placement_of([actor("n-a", 1), actor("n-a", 1), actor("n-b", 1), actor("n-b", 1)], [], [], NAMES)
+    assert p.gpus_by_node == {"a": 2, "b": 2} and p.num_gpus == 4 and p.nodes == ["a", "b"]
+    assert Placement.describe(p.to_json()) == "4 GPUs: a 2, b 2"
+
+
+def test_train_workers_in_a_group_count_once():
+    """Ray Train: a placement group of 2 GPU bundles whose 2 worker actors hold the GPUs, plus a CPU controller."""
+    group = pg("g1", ("n-a", {"GPU": 1, "CPU": 1}), ("n-b", {"GPU": 1, "CPU": 1}))
+    actors = [actor("n-a", 1, pg="g1"), actor("n-b", 1, pg="g1"), actor("n-a", 0)]
+    p = placement_of(actors, [], [group], NAMES)
+    assert p.gpus_by_node == {"a": 1, "b": 1}
+    assert p.actors_by_node == {"a": 2, "b": 1}
+
+
+def test_group_whose_gpus_no_actor_holds_counts_its_bundles():
+    """A Serve LLM replica: a CPU actor in a group that reserves the GPU its engine uses in-process."""
+    group = pg("g2", ("n-b", {"CPU": 1}), ("n-b", {"GPU": 1}))
+    p = placement_of([actor("n-b", 0, pg="g2")], [], [group], NAMES)
+    assert p.gpus_by_node == {"b": 1}
+
+
+def test_tasks_count_the_most_gpus_held_at_once():
+    """Three one-GPU tasks on node a, two side by side then one after them; an actor task is not counted."""
+    tasks = [task("n-a", 1, 0, 10), task("n-a", 1, 5, 10), task("n-a", 1, 10, 20), task("n-b", 1, 0, 5, actor_id="x")]
+    p = placement_of([], tasks, [], NAMES)
+    assert p.gpus_by_node == {"a": 2}
+
+
+def test_cpu_only_and_unknown():
+    p = placement_of([actor("n-a"), actor("n-zzzzzzzz9")], [], [], NAMES)
+    assert p.num_gpus == 0
+    assert Placement.describe(p.to_json()) == "CPU: a (1 actor), n-zzzzzz (1 actor)"
+    assert Placement.describe(None) == "-" and Placement.describe(Placement().to_json()) == "-"
+
+
+def test_node_resources_name_rule():
+    from pipelines import settings
+    from pipelines.local_ray import node_resources
+
+    assert node_resources("b") == {settings.NODE_RESOURCE_PREFIX + "b": 1.0}
+    assert node_resources(None) == {}
+    with pytest.raises(ValueError, match="node name"):
+        node_resources("a b")
