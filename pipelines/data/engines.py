@@ -372,12 +372,17 @@ def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg
                  ) -> tuple[Path, dict[str, Any]]:
     """(target directory, :func:`make_engine` keyword arguments) of the recipe's engine: the target's
     dtype, context ``data.max_length_tokens``, ``regenerate.seed``, a name with the weights' sha256
-    (transformers: threads, ``regenerate.batch_size`` and ``regenerate.static_cache``), then ``engine_kwargs``."""
+    (vllm: ``regenerate.max_num_seqs`` / ``max_num_batched_tokens`` where set; transformers: threads,
+    ``regenerate.batch_size`` and ``regenerate.static_cache``), then ``engine_kwargs``."""
     from pipelines.assets import resolve_target
 
     asset, _ = resolve_target(target_cfg)
     kwargs = {"dtype": target_cfg.dtype, "max_model_len": data_cfg.max_length_tokens, "seed": regen_cfg.seed,
               "name": f"{target_cfg.model}@sha256:{asset.sha256[:16]}", **(engine_kwargs or {})}
+    if regen_cfg.backend == "vllm":
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(regen_cfg, name) is not None:
+                kwargs.setdefault(name, getattr(regen_cfg, name))
     if regen_cfg.backend == "transformers":
         kwargs.setdefault("num_threads", max(1, int(num_cpus_per_worker)))
         kwargs.setdefault("batch_size", regen_cfg.batch_size)

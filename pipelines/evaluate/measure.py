@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -178,6 +178,44 @@ def _split_steps(llm, prompts: list[dict[str, Any]], params) -> dict[str, Any]:
     return step_costs.per_step_ms(llm.collective_rpc(step_costs.read)[0])
 
 
+def run_engines(specs: Sequence[EngineSpec], *, timeout_s: float = 1800.0, on_gpus: bool = False,
+                done: Callable[[], None] = lambda: None) -> list[tuple[list[dict[str, Any]], float]]:
+    """``(rows, seconds)`` of each spec, in order, each engine in its own process
+    (:func:`run_engine_subprocess`); ``done()`` after each one.
+
+    With ``on_gpus`` on a connected Ray cluster that has GPUs, each engine is a Ray task holding one GPU (Ray
+    sets its ``CUDA_VISIBLE_DEVICES``, on whatever node has one free): configurations run side by side, as many
+    at once as the cluster has GPUs, each alone on its GPU (the host's CPUs are shared). Otherwise (CPU
+    engines, whose timings would share the cores, or no Ray): one after another in this process's children.
+
+    Raises:
+        RuntimeError: an engine failed or timed out (the first one, in order).
+    """
+    import ray
+
+    gpus = int(ray.cluster_resources().get("GPU", 0)) if on_gpus and ray.is_initialized() else 0
+    if gpus < 1:
+        out = []
+        for spec in specs:
+            out.append(_timed_engine(spec, timeout_s))
+            done()
+        return out
+    task = ray.remote(num_gpus=1, num_cpus=1, max_retries=0)(_timed_engine)
+    refs = [task.remote(spec, timeout_s) for spec in specs]
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for _ in ready:
+            done()
+    return ray.get(refs)
+
+
+def _timed_engine(spec: EngineSpec, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
+    t = time.perf_counter()
+    rows = run_engine_subprocess(spec, timeout_s=timeout_s)
+    return rows, time.perf_counter() - t
+
+
 def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0) -> list[dict[str, Any]]:
     """Measure ``spec`` in a fresh ``python -m pipelines.evaluate.measure --worker`` process.
 
@@ -247,6 +285,7 @@ def evaluate(
     champion_head: str | os.PathLike | None = None,
     champion_method: str = "peagle",
     engine_env: dict[str, str] | None = None,
+    on_gpus: bool = False,
 ) -> EvalReport:
     """Measure every ``cfg.methods`` x ``cfg.num_speculative_tokens_sweep`` x ``cfg.concurrency_sweep``.
 
@@ -268,6 +307,8 @@ def evaluate(
             and ``head_method`` = ``champion_method`` (None: not measured).
         champion_method: how the champion drafts: ``"peagle"`` (parallel drafting) or ``"eagle3"``.
         engine_env: environment variables of each engine's worker process (e.g. ``VLLM_USE_V2_MODEL_RUNNER``).
+        on_gpus: the engines use GPUs: on a Ray cluster with GPUs each engine runs as a Ray task holding one
+            GPU, so configurations run side by side, one per GPU (:func:`run_engines`); else one after another.
 
     Returns:
         :class:`pipelines.evaluate.report.EvalReport` (rows tagged ``eval_set``, with ``speedup``).
@@ -286,31 +327,29 @@ def evaluate(
     offline: list[dict[str, Any]] = []
     target_model = None
     runs = _engine_runs(cfg, heads, champion_head=champion_head, champion_method=champion_method)
+    specs = [EngineSpec(target=str(target), method=method, K=K, head=str(head) if head else None,
+                        prompts=[list(p) for p in prompts], concurrency=list(cfg.concurrency_sweep),
+                        max_tokens=cfg.max_tokens, engine_kwargs=ekw, step_costs=bool(cfg.step_costs),
+                        env=dict(engine_env or {})) for _, method, K, head in runs]
     requests_per_run = len(prompts) * len(cfg.concurrency_sweep)
     with progress("evaluate", total=len(runs) * requests_per_run, unit="requests") as advance:
-        for label, method, K, head in runs:
-            spec = EngineSpec(target=str(target), method=method, K=K, head=str(head) if head else None,
-                              prompts=[list(p) for p in prompts], concurrency=list(cfg.concurrency_sweep),
-                              max_tokens=cfg.max_tokens, engine_kwargs=ekw, step_costs=bool(cfg.step_costs),
-                              env=dict(engine_env or {}))
-            t = time.perf_counter()
-            got = run_engine_subprocess(spec, timeout_s=timeout_s)
-            if label != method:  # the champion: labelled apart from the trained head of the same method
-                got = [r | {"method": label, "head_method": method} for r in got]
-            log.info("eval %s K=%d: %s (%.0fs)", label, K,
-                     ", ".join(f"c={r['concurrency']} AL={r['acceptance_length']:.3f} {r['tokens_per_s']:.1f} tok/s"
-                               for r in got), time.perf_counter() - t)
-            rows += got
-            advance(requests_per_run)
-            if cfg.include_offline_decoder and method in offline_methods:
-                # Cross-check hook: peagle's reference decoder on the same prompts (pure torch).
-                if target_model is None:
-                    from transformers import AutoModelForCausalLM
+        results = run_engines(specs, timeout_s=timeout_s, on_gpus=on_gpus, done=lambda: advance(requests_per_run))
+    for (label, method, K, head), (got, seconds) in zip(runs, results, strict=True):
+        if label != method:  # the champion: labelled apart from the trained head of the same method
+            got = [r | {"method": label, "head_method": method} for r in got]
+        log.info("eval %s K=%d: %s (%.0fs)", label, K,
+                 ", ".join(f"c={r['concurrency']} AL={r['acceptance_length']:.3f} {r['tokens_per_s']:.1f} tok/s"
+                           for r in got), seconds)
+        rows += got
+        if cfg.include_offline_decoder and method in offline_methods:
+            # Cross-check hook: peagle's reference decoder on the same prompts (pure torch).
+            if target_model is None:
+                from transformers import AutoModelForCausalLM
 
-                    target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype="float32").eval()
-                off = offline_acceptance(target, head, prompts, method=method, K=K, max_tokens=cfg.max_tokens,
-                                         target_model=target_model)
-                offline.append(off | {"method": label} if label != method else off)
+                target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype="float32").eval()
+            off = offline_acceptance(target, head, prompts, method=method, K=K, max_tokens=cfg.max_tokens,
+                                     target_model=target_model)
+            offline.append(off | {"method": label} if label != method else off)
     return build_report(rows, eval_set, offline=offline, out_dir=out_dir)
 
 

@@ -38,6 +38,13 @@ class RegenerateConfig(Section):
     )
     max_turns: int | None = Field(None, ge=1, description="Regenerate at most this many assistant turns per "
                                   "conversation (later turns are cut); None = all.")
+    max_num_seqs: Annotated[int | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, ge=1, description="backend=vllm: vLLM's max_num_seqs (sequences in one engine step) of each engine; "
+        "None = vLLM's default. A 135M target on an H100 is host-bound: more sequences per step raise tokens/s "
+        "(bench/device/run_multi_gpu.sh sweeps it).")
+    max_num_batched_tokens: Annotated[int | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, ge=1, description="backend=vllm: vLLM's max_num_batched_tokens (tokens in one engine step, prefill "
+        "chunks included) of each engine; None = vLLM's default.")
     static_cache: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(None, description="backend=transformers: static KV cache, compiled decoding "
                                       "on CUDA, length-bucketed batches (pipelines.data.engines.TransformersEngine); "
                                       "None/false = plain generate.")
@@ -356,6 +363,12 @@ class ServeDeployment(Section):
     max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound of LLM replicas.")
     target_ongoing_requests: int = Field(4, ge=1, description="Autoscaling target of in-flight requests per replica.")
     max_ongoing_requests: int = Field(16, ge=1, description="Hard cap of in-flight requests per LLM replica.")
+    upscale_delay_s: Annotated[float | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, ge=0, description="Seconds the load must stay above the target before Serve adds replicas (Ray Serve's "
+        "autoscaling_config.upscale_delay_s); None = Serve's default (30 s).")
+    downscale_delay_s: Annotated[float | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, ge=0, description="Seconds the load must stay below the target before Serve removes replicas "
+        "(autoscaling_config.downscale_delay_s); None = Serve's default (600 s).")
     api_key_env: str | None = Field(
         None, description="Env var holding the API key clients must send (Authorization: Bearer KEY); None = open "
         "endpoint. Must be set on the driver and on every node (e.g. a Kubernetes Secret on all pods).",

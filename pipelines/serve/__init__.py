@@ -252,7 +252,7 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
             "autoscaling_config": {
                 "min_replicas": args.min_replicas, "initial_replicas": max(args.min_replicas, 1),
                 "max_replicas": args.max_replicas, "target_ongoing_requests": args.target_ongoing_requests,
-            },
+            } | {k: getattr(args, k) for k in ("upscale_delay_s", "downscale_delay_s") if getattr(args, k) is not None},
             "max_ongoing_requests": args.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": args.replica_num_cpus},
         },

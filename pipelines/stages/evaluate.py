@@ -161,7 +161,8 @@ class EvaluateStage(Stage):
         for eval_set in sorted(sets, key=lambda name: name != gate):  # the gate set first
             reports[eval_set] = ev.evaluate(target=asset.path, prompts=sets[eval_set],
                                             heads={r.training.method: head}, cfg=r.evaluation, eval_set=eval_set,
-                                            engine_kwargs=engine_kwargs, out_dir=self.dir / eval_set, **champion_kw)
+                                            engine_kwargs=engine_kwargs, out_dir=self.dir / eval_set,
+                                            on_gpus=self.ctx.engine.use_gpu, **champion_kw)
         table = write_sets_table(reports, gate=gate, method=r.training.method, champion=champion, out_dir=self.dir)
         self.ctx.say(f"table {self.dir / 'table.md'}" if not self.ctx.verbose else "\n" + table.markdown)
         return EvaluateOutput(table=str(self.dir / "table.json"), rows=table.rows, eval_set=gate,

@@ -140,3 +140,24 @@ def test_drop_summary_names_every_reason():
         "; 95 of 100 kept: 5 dropped (2 first prompt longer than the context, 1 empty first response, 2 no user "
         "turn), 6 cut short (4 a later prompt no longer fits the context, 2 an empty response)")
     assert regenerate.drop_summary(10, 10, Counter(num_turns=12)) == ""
+
+
+def test_vllm_step_sizes_reach_the_engine_only_when_set(monkeypatch, tmp_path):
+    """regenerate.max_num_seqs / max_num_batched_tokens become vLLM engine kwargs (backend vllm); unset, vLLM's
+    defaults stay (no key); the transformers backend never gets them."""
+    from types import SimpleNamespace
+
+    import pipelines.assets
+    from pipelines.recipe import DataConfig, TargetConfig
+
+    monkeypatch.setattr(pipelines.assets, "resolve_target",
+                        lambda cfg: (SimpleNamespace(path=tmp_path, sha256="0" * 64), {}))
+    target, data = TargetConfig(model="smollm2-135m-instruct"), DataConfig()
+
+    def kwargs(**kw):
+        return engines.engine_setup(target, RegenerateConfig(**kw), data)[1]
+
+    assert "max_num_seqs" not in kwargs() and "max_num_batched_tokens" not in kwargs()
+    got = kwargs(max_num_seqs=512, max_num_batched_tokens=32768)
+    assert got["max_num_seqs"] == 512 and got["max_num_batched_tokens"] == 32768
+    assert "max_num_seqs" not in kwargs(backend="transformers", max_num_seqs=512)

@@ -75,6 +75,21 @@ def test_serve_args_checks():
         ServeAppArgs(num_speculative_tokens=0)
 
 
+def test_autoscaling_delays_reach_serve_only_when_set():
+    """serving.upscale_delay_s / downscale_delay_s go into the LLM deployment's autoscaling_config; unset, Serve's
+    own defaults stay (the keys are absent)."""
+    from pipelines.serve import ServeAppArgs, build_llm_config
+
+    def autoscaling(**kw):
+        args = ServeAppArgs(head=None, max_replicas=4, **kw)
+        return build_llm_config(args, target_path="/t", target_config=None, head=None).deployment_config[
+            "autoscaling_config"]
+
+    assert "upscale_delay_s" not in autoscaling() and "downscale_delay_s" not in autoscaling()
+    got = autoscaling(upscale_delay_s=5, downscale_delay_s=30)
+    assert got["upscale_delay_s"] == 5 and got["downscale_delay_s"] == 30 and got["max_replicas"] == 4
+
+
 def test_serve_args_from_recipe():
     from pipelines.recipe import load_recipe
     from pipelines.serve import ServeAppArgs
@@ -93,10 +108,12 @@ def test_serve_args_and_the_serving_section_share_one_schema():
 
     shared = set(ServeDeployment.model_fields)
     assert {"num_speculative_tokens", "min_replicas", "max_replicas", "target_ongoing_requests",
-            "max_ongoing_requests", "api_key_env", "k_schedule", "traffic_log"} == shared
+            "max_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "api_key_env", "k_schedule",
+            "traffic_log"} == shared
     assert issubclass(ServeConfig, ServeDeployment) and issubclass(ServeAppArgs, ServeDeployment)
     r = load_recipe(Path(__file__).resolve().parents[2] / "configs" / "smollm2-135m-cpu.yaml",
                     ["serving.num_speculative_tokens=3", "serving.max_replicas=2", "serving.api_key_env=KEY",
+                     "serving.downscale_delay_s=30",
                      "serving.traffic_log={}", "serving.k_schedule=off"])
     args = ServeAppArgs.from_recipe(r)
     assert {f: getattr(args, f) for f in shared} == {f: getattr(r.serving, f) for f in shared}

@@ -1,0 +1,49 @@
+"""Evaluation engines on a GPU cluster: one Ray task per engine holding one GPU, side by side
+(pipelines.evaluate.measure.run_engines); on CPU one after another in this process's children."""
+
+import time
+
+import pytest
+
+from pipelines.evaluate import measure
+
+pytestmark = pytest.mark.unit
+
+
+def _fake_engine(spec, timeout_s):
+    """Stands in for a vLLM engine process: what GPU Ray gave it and when it ran."""
+    import os
+    import time
+
+    t0 = time.time()
+    time.sleep(1.5)
+    return [{"K": spec.K, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "t0": t0, "t1": time.time()}], 1.5
+
+
+def test_gpu_engines_run_side_by_side_one_gpu_each(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(measure, "_timed_engine", _fake_engine)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
+    try:
+        specs = [measure.EngineSpec(target="t", method="peagle", K=k) for k in (3, 5, 7)]
+        done = []
+        t = time.monotonic()
+        out = measure.run_engines(specs, on_gpus=True, done=lambda: done.append(1))
+        wall = time.monotonic() - t
+    finally:
+        ray.shutdown()
+    rows = [r[0][0] for r in out]
+    assert [r["K"] for r in rows] == [3, 5, 7]  # in the specs' order
+    assert len(done) == 3
+    assert {r["gpu"] for r in rows} == {"0", "1"}  # one GPU each, never both
+    overlapping = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:] if a["t0"] < b["t1"] and b["t0"] < a["t1"]]
+    assert overlapping and all(a["gpu"] != b["gpu"] for a, b in overlapping)  # side by side, each on its own GPU
+    assert wall < 3 * 1.5  # three engines, two GPUs: two waves, not three
+
+
+def test_cpu_engines_run_one_after_another(monkeypatch):
+    monkeypatch.setattr(measure, "_timed_engine", _fake_engine)
+    out = measure.run_engines([measure.EngineSpec(target="t", K=k) for k in (3, 5)], on_gpus=False)
+    (a,), (b,) = (r[0] for r in out)
+    assert a["t1"] <= b["t0"]
