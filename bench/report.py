@@ -1,10 +1,11 @@
-"""Generate ``docs/benchmarks.md`` from ``bench/results/*.json`` (goal beside each measured number).
+"""Generate ``docs/benchmarks.md`` from ``bench/results/*.json`` (goal beside each measured number), and the results
+block of ``README.md``.
 
     python -m bench.report
 
 The document answers the questions users ask (:data:`QUESTIONS`): each is a ``##`` heading, a line on what its
 sections measure, then its sections (``###``), each a function ``section(lines)`` of one module per group:
-:mod:`bench.report_summary` (the best head per target and eval set),
+:mod:`bench.report_summary` (the best head per target and eval set, also the README's table),
 :mod:`bench.report_kernels` (drafting cost, training step, capture), :mod:`bench.report_decode` (reference decoder,
 DDP, GPU recipe, demo sweep), :mod:`bench.report_data` (warm-up, data path, the main job, shifted traffic),
 :mod:`bench.report_scale` and :mod:`bench.report_scale_eval` (the scaling heads, their training and their vLLM
@@ -139,6 +140,8 @@ def main() -> None:
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n".join(lines) + "\n")
     print("wrote", DOC)
+    report_summary.write_readme()
+    print("wrote", report_summary.README)
 
 
 if __name__ == "__main__":

