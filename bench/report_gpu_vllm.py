@@ -16,6 +16,7 @@ from bench.report_fmt import f as _f
 ANCHOR_RATIO = {1: (1.55, 1.69), 64: (1.05, 1.25)}
 ANCHOR_TOLERANCE = 0.15  # "within 15%" of the anchor's range
 GOAL_REGEN_TOK_S = 50_000
+SERVING_HEADING = "Trained SmolLM2 heads in GPU vLLM"
 GOAL_CAPTURE_RATIO = 2.0
 _env = partial(_env_line, triton=False)
 _table = table
@@ -102,7 +103,7 @@ def _twin(best: dict, rows: list[dict], al_tol: float = 0.05) -> str:
 
 
 def serving(lines: list[str], data: dict | None) -> None:
-    lines += ["## GPU vLLM: SmolLM2 with trained heads (issue 25 item 5a)", ""]
+    lines += ["### " + SERVING_HEADING, ""]
     if data is None:
         lines += ["not run", ""]
         return
@@ -163,7 +164,7 @@ def serving(lines: list[str], data: dict | None) -> None:
 
 
 def synthetic(lines: list[str], data: dict | None) -> None:
-    lines += ["## GPU vLLM: parallel drafting's mechanics at real sizes, synthetic acceptance (issue 25 item 5b)", ""]
+    lines += ["### Parallel drafting at real target sizes in GPU vLLM, synthetic acceptance", ""]
     if data is None:
         lines += ["not run", ""]
         return
@@ -209,7 +210,7 @@ def synthetic(lines: list[str], data: dict | None) -> None:
 
 
 def regeneration(lines: list[str], vllm: dict | None, static: dict | None) -> None:
-    lines += ["## GPU vLLM: regeneration (issue 25 item 4)", ""]
+    lines += ["### Regeneration throughput: the vLLM engine on a GPU", ""]
     if vllm is None:
         lines += ["not run", ""]
         return
@@ -225,21 +226,10 @@ def regeneration(lines: list[str], vllm: dict | None, static: dict | None) -> No
               f"Goal {GOAL_REGEN_TOK_S} tok/s: {met(v['tokens_per_s'] >= GOAL_REGEN_TOK_S)}."), ""]
 
 
-def main_sections(lines: list[str], load) -> None:
-    """Every GPU vLLM section, ``load(name)`` giving ``bench/results/<name>.json`` or None."""
-    serving(lines, load("gpu_vllm_serving"))
-    synthetic(lines, load("gpu_synthetic_serving"))
-    k_schedule(lines, load("gpu_vllm_serving"), load("gpu_synthetic_serving"))
-    parity(lines, load("gpu_vllm_parity"))
-    capture(lines, load("capture_throughput_vllm"), load("pipeline_device"))
-    regeneration(lines, load("regen_throughput_vllm"), load("regen_throughput"))
-    main_job(lines, load("pipeline_device_vllm"))
-
-
 def main_job(lines: list[str], r: dict | None) -> None:
     """Item 6: the product's main job on the lent GPU through Ray with vLLM (``pipeline_device_vllm.json``; the run
     directory resumes across calls, so each stage's own record gives its seconds)."""
-    lines += ["## GPU vLLM: the main job through Ray (issue 25 item 6)", ""]
+    lines += ["### The main job through Ray on one GPU: vLLM engines", ""]
     if r is None:
         lines += ["not run", ""]
         return
@@ -267,7 +257,7 @@ def main_job(lines: list[str], r: dict | None) -> None:
 
 
 def capture(lines: list[str], data: dict | None, pipeline: dict | None = None) -> None:
-    lines += ["## GPU vLLM: capture (issue 25 item 3)", ""]
+    lines += ["### Capture throughput: the vLLM backend on a GPU", ""]
     if data is None or "vllm" not in data:
         lines += ["not run", ""]
         return
@@ -285,17 +275,17 @@ def capture(lines: list[str], data: dict | None, pipeline: dict | None = None) -
 
 
 def _stage_baseline(pipeline: dict | None, steps: tuple[float, float]) -> str:
-    """The issue's capture baseline: the Ray capture stage of the device pipeline run (``pipeline_device.json``)."""
+    """The capture baseline: the Ray capture stage of the device pipeline run (``pipeline_device.json``)."""
     if pipeline is None:
         return ""
     stage = pipeline["stage_records"]["capture"]["outputs"]["tokens_per_s"]
-    return (f"The issue's {stage / 1000:.1f}k tok/s baseline was the whole Ray capture stage of the device pipeline run "
+    return (f"The {stage / 1000:.1f}k tok/s of the device pipeline's capture stage measure the whole Ray capture stage "
             "(actor start, tokenization, shard writes), not the model step: both model steps run at "
             f"~{approx(min(steps) / stage, 10)}x that on a 135M target; ")
 
 
 def parity(lines: list[str], data: dict | None) -> None:
-    lines += [f"## GPU vLLM: head parity with vLLM {data['vllm'] if data else ''} (issue 25 item 2)", ""]
+    lines += [f"### Head parity with vLLM {data['vllm'] if data else ''}", ""]
     if data is None:
         lines += ["not run", ""]
         return
@@ -314,7 +304,7 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
     """Item 7: ``pipelines.evaluate.k_schedule.build_k_schedule`` over the GPU rows (measured tokens/s per K and c)."""
     from pipelines.evaluate.k_schedule import build_k_schedule
 
-    lines += ["## GPU vLLM: K schedule from the GPU rows (issue 25 item 7)", ""]
+    lines += ["### K schedule from the GPU vLLM rows", ""]
     cases = []
     if serving_data:
         rows = [r | {"method": "none" if r["head"] == "none" else r["method"]} for r in serving_data["rows"]

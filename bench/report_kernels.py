@@ -14,7 +14,7 @@ WEIGHT_BOUND_ROWS = 300
 
 
 def drafting(lines: list[str]) -> None:
-    r = section(lines, "drafting_cost", "## 1. Drafting cost vs K (parallel vs sequential)")
+    r = section(lines, "drafting_cost", "### Drafting cost vs K: one parallel forward against K sequential ones")
     if r is None:
         return
     graphs = "graphs" in r["mode"]
@@ -80,7 +80,7 @@ def _drafting_goals(lines: list[str], summary: list[dict]) -> None:
 
 
 def training(lines: list[str]) -> None:
-    r = section(lines, "train_step", "## 2. Training step: P-EAGLE vs EAGLE-3 TTT-7")
+    r = section(lines, "train_step", "### Training step time and memory: P-EAGLE vs EAGLE-3 TTT-7")
     if r is None:
         return
     st = r["settings"]
@@ -158,7 +158,7 @@ def _breakdown(lines: list[str]) -> None:
 
 
 def capture(lines: list[str]) -> None:
-    r = section(lines, "capture_throughput", "## 3. Capture throughput")
+    r = section(lines, "capture_throughput", "### Capture throughput: the transformers model step")
     if r is None:
         return
     lines += [(f"`python -m bench.capture_throughput` — {env(r)}; SmolLM2-135M {r['dtype']}, {r['samples']} "
@@ -177,8 +177,3 @@ def capture(lines: list[str]) -> None:
                    f"({r['tokenize_conversations_per_s']:.0f} conversations/s). The pipeline runs it as its own Ray "
                    "Data stage on CPU workers, in parallel with the GPU stage, so it needs about model-step / tokenize "
                    "CPU workers per GPU to keep the GPU fed; `capture_batch` runs both in series in one process."), ""]
-
-
-def sections(lines: list[str]) -> None:
-    for fn in (drafting, training, capture):
-        fn(lines)

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
-from bench.report_fmt import env, f, section, table
-from bench.report_scale import label, override, train_row, train_rows, warm_start
+from bench.report_fmt import env, f, link, section, table
+from bench.report_gpu_vllm import SERVING_HEADING
+from bench.report_scale import HEADS_HEADING, label, override, train_row, train_rows, warm_start
 from peagle_core.masks import FLEX_BLOCK
 
 RESULT = "long_context"  # bench.long_context --name
 MASK_RESULT = "mask_compile"  # bench.mask_compile
+BY_POSITION_HEADING = "Acceptance length after long chat histories"
 # Literature anchor (issue 26 item 4): short-trained EAGLE-3 heads in a speculators study, AL by context length.
 ANCHOR_AL = {2048: 2.30, 20480: 1.08}
 
@@ -31,7 +33,7 @@ def _cut_text(heads: list[dict]) -> str:
 def acceptance_by_position(lines: list[str]) -> None:
     """The section: the command and engine, how the prompts were built, the table per (head, L), the reading;
     "not run" without the result file."""
-    r = section(lines, RESULT, "## Acceptance length by position in the sequence (issue 26 item 4)")
+    r = section(lines, RESULT, "### " + BY_POSITION_HEADING)
     if r is None:
         return
     sets, e, ho = r["sets"], r["engine"], r["held_out"]
@@ -110,7 +112,7 @@ def _reading(rows: list[dict], sets: dict, runs: list[tuple[str, int]]) -> str:
     (l2, a2), (l20, a20) = ANCHOR_AL.items()
     return ("Reading: " + "; ".join(parts) + "." + _continued(rows, sets, runs) + " For scale, short-trained "
             f"EAGLE-3 heads in a speculators study fall from AL {a2:.2f} at {l2 // 1024}k to {a20:.2f} at "
-            f"{l20 // 1024}k tokens (issue 26 item 4); here the longest history is bounded by the target's context "
+            f"{l20 // 1024}k tokens; here the longest history is bounded by the target's context "
             "(max_model_len above).")
 
 
@@ -118,7 +120,7 @@ def long_training(lines: list[str]) -> None:
     """The section on training with sequences up to the target's context (item 4's training): the runs with
     sequence partitions (their ``scale_train`` rows), what stopped the first attempt, and ``bench.mask_compile``'s
     seconds to the first block mask by document length, partitions and how the mask is built."""
-    r = section(lines, MASK_RESULT, "## Training on long sequences with partitions (issue 26 item 4)")
+    r = section(lines, MASK_RESULT, "### Training on long sequences with partitions")
     if r is None:
         return
     for run in (t for t in train_rows() if int(override(t, "training.num_partitions") or 1) > 1):
@@ -127,8 +129,9 @@ def long_training(lines: list[str]) -> None:
                    ["--set " + o for o in run["overrides"]]) + f"`; {run['steps']:,} steps in "
                    f"{call['timed_s']:.0f} timed s ({run['calib_s_per_step']:.3f} s/step, {run['epochs']:.2f} of an "
                    f"epoch), first step {call['to_first_step_s']:.1f} s after warm-up, peak "
-                   f"{call['peak_mem_gib']:.1f} GiB. Its notes and accuracies are in the scaling table; its AL by "
-                   "position in the sequence in the section above, its GPU vLLM rows in the serving table."), ""]
+                   f"{call['peak_mem_gib']:.1f} GiB. Its notes and accuracies are in {link('the training table', HEADS_HEADING)}; "
+                   f"its AL by position in the sequence in {link('the long-history section', BY_POSITION_HEADING)}, its "
+                   f"GPU vLLM rows in {link('the serving table', SERVING_HEADING)}."), ""]
     t = r["trigger"]
     lines += [(f"The first attempt: `{t['command']}` (the compiled block mask, then the default). {t['observed']}"), ""]
     lines += [(f"`python -m bench.mask_compile`: one packed batch of N tokens in documents of L tokens, P-EAGLE "

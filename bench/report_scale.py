@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from bench.report_fmt import DOC, approx, f, load, sci, section, table
+from bench.report_fmt import DOC, approx, f, link, load, sci, section, table
 from bench.scale import CHUNK_CONVERSATIONS, DATA_DIR, checkpoint_ref, head_ref, parse_shard
 from bench.teacher_forced import HELD_OUT_SET
 
 SCALE_EVAL = "scale_vllm_cpu_eval"  # bench.eval_gpu_heads --name of the heads' vLLM evaluation
+# headings other sections link to
+SETS_HEADING = "Building the training sets: self-instruct prompts and regeneration"
+HEADS_HEADING = "Heads trained on more conversations at equal GPU time"
+TEACHER_FORCED_HEADING = "Teacher-forced accuracy against decoded acceptance"
 
 
 def train_rows() -> list[dict]:
@@ -82,7 +86,7 @@ def _set_mib() -> float:
 
 
 def prompts_and_regeneration(lines: list[str]) -> None:
-    p = section(lines, "scale_prompts", "## Data scaling (issue 14): self-instruct prompts and regeneration")
+    p = section(lines, "scale_prompts", "### " + SETS_HEADING)
     g = load("scale_regenerate")
     if p is None or g is None:
         return
@@ -164,7 +168,7 @@ def deep_positions(lines: list[str]) -> None:
     """Issue 26 item 3: P-EAGLE variants at the same GPU-seconds as a base run, accuracy per depth."""
     st = load("scale_train")
     rows = [r for r in (st or {}).get("rows", []) if r.get("note", "").startswith("issue 26 item 3")]
-    lines += ["## Deep positions (issue 26 item 3): P-EAGLE variants at equal GPU-seconds", ""]
+    lines += ["### Training accuracy per depth: P-EAGLE variants at equal GPU-seconds", ""]
     if not rows:
         lines += ["Not run.", ""]
         return
@@ -177,9 +181,10 @@ def deep_positions(lines: list[str]) -> None:
                     "acc d3"], out)
     lines += ["", ("Training-batch accuracy (draft argmax == target argmax, teacher-forced) in the last logged window; "
                    "every run is under one epoch, so each batch is new to the head when it is scored. "
-                   "The teacher-forced section above shows that these accuracies carry over to decoding as a chain: "
+                   f"The {link('teacher-forced section', TEACHER_FORCED_HEADING)} shows that these accuracies carry over to "
+                   "decoding as a chain: "
                    "position d+1 is accepted only when depths 0..d are all right, so acceptance at position 3 is about "
-                   "the product of the first three accuracies. Heads: the runs' rows in the table above."), ""]
+                   f"the product of the first three accuracies. Heads: the runs' rows in {link('the training table', HEADS_HEADING)}."), ""]
     best = max(rows, key=lambda r: sum(acc[r["tag"]][1:]))
     gain = " / ".join(f"{b - a:+.3f}" for a, b in zip(acc[base["tag"]], acc[best["tag"]]))
     lines += [(f"Reading: at {base['train_s_goal']:.0f} GPU-s the largest gain at depths 1-3 comes from "
@@ -194,7 +199,7 @@ def deep_positions(lines: list[str]) -> None:
 def heads_table(lines: list[str]) -> None:
     """Issue 14 item 6: the data-scaling runs of ``bench.scale`` (training side; the vLLM evaluation is separate)."""
     st = load("scale_train")
-    lines += ["## Data scaling (issue 14): heads at equal GPU time", ""]
+    lines += ["### " + HEADS_HEADING, ""]
     if st is None:
         lines += ["not run", ""]
         return
@@ -243,7 +248,8 @@ def _recipe_paragraph(st: dict) -> str:
             f"after warm-up). Variants: {', '.join(variants.values())}. Accuracies and the simulated AL are the last "
             "training window (teacher-forced, not vLLM). 'timed s' is the training time measured after warm-up; it "
             f"falls short of the goal where the calibration's {base['peagle']['calib_steps']} steps ran slower than "
-            "the rest (the horizon is set from them). 'data build': the regenerated set the run trained on (see above).")
+            f"the rest (the horizon is set from them). 'data build': the regenerated set the run trained on "
+            f"({link('the training sets', SETS_HEADING)}).")
 
 
 TEACHER_FORCED_RUNS = ["teacher_forced_humaneval", "teacher_forced_humaneval_bf16", "teacher_forced_sharegpt"]
@@ -252,7 +258,7 @@ TEACHER_FORCED_RUNS = ["teacher_forced_humaneval", "teacher_forced_humaneval_bf1
 def teacher_forced(lines: list[str]) -> None:
     """Issue 14: ``bench.teacher_forced``, the scale head's teacher-forced accuracy next to its decoded acceptance."""
     runs = [r for r in (load(n) for n in TEACHER_FORCED_RUNS) if r is not None]
-    lines += ["## Data scaling (issue 14): teacher-forced accuracy against decoding", ""]
+    lines += ["### " + TEACHER_FORCED_HEADING, ""]
     if not runs:
         lines += ["Not run.", ""]
         return
@@ -305,7 +311,7 @@ def teacher_forced_domains(lines: list[str]) -> None:
     """Issue 26 item 3: one 99k head's teacher-forced accuracy on held-out conversations of its own training domain
     (self-instruct) and on the eval sets, beside its training run's last recorded window."""
     runs = [r for r in (load(n) for n in TEACHER_FORCED_DOMAINS) if r is not None]
-    lines += ["## Deep positions (issue 26 item 3): the same head on its training domain and on the eval sets", ""]
+    lines += ["### One head on its training domain and on the eval sets", ""]
     if not runs:
         lines += ["Not run.", ""]
         return
@@ -314,7 +320,7 @@ def teacher_forced_domains(lines: list[str]) -> None:
     lines += [(f"`python -m bench.teacher_forced --head {r0['head']} --set SET --k {r0['K']}` (CPU, float32; "
                f"{r0['prompts']} prompts per set, the target's greedy answer of {r0['max_tokens']} tokens; set "
                f"`{HELD_OUT_SET}`: first user turns of the 100k set's held-out self-instruct conversations, "
-               "`--keep outputs/keep99`). Columns as in the teacher-forced section above."), ""]
+               f"`--keep outputs/keep99`). Columns as in the {link('teacher-forced section', TEACHER_FORCED_HEADING)}."), ""]
 
     def pos(xs: list[float]) -> str:
         return " / ".join(f(x, 3) for x in xs)
@@ -453,21 +459,9 @@ def plot_al_vs_gpu_s(rows: list[dict]) -> str | None:
     return _save(plt, fig, "scale_al_vs_gpu_s.png")
 
 
-def sections(lines: list[str]) -> None:
-    from bench import report_scale_eval
-
-    prompts_and_regeneration(lines)
-    heads_table(lines)
-    report_scale_eval.scaling_eval(lines)
-    teacher_forced(lines)
-    deep_positions(lines)
-    teacher_forced_domains(lines)
-    resume_state(lines)
-
-
 def resume_state(lines: list[str]) -> None:
     """Issue 26 item 2: what a training call returns so that a new machine resumes (``bench.resume_state``)."""
-    r = section(lines, "resume_state", "## Training that outlives a machine: the returned checkpoint (issue 26 item 2)")
+    r = section(lines, "resume_state", "### Resuming training on another machine: the returned checkpoint")
     if r is None:
         return
     lim, setup = r["limits"], r["setup"]

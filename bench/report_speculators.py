@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.report_fmt import f, load, met, section, table
-from bench.report_scale import SCALE_EVAL, label, last_final, train_rows
+from bench.report_fmt import f, link, load, met, section, table
+from bench.report_scale import SCALE_EVAL, TEACHER_FORCED_HEADING, label, last_final, train_rows
 from bench.report_scale_eval import SCALE_EVAL_LONG
 from bench.scale import head_name
 
@@ -145,7 +145,7 @@ def teacher_forced(lines: list[str]) -> None:
     r0 = runs[0]
     lines += ["", (f"The same heads outside vLLM (`python -m bench.teacher_forced --head DIR --set SET --k {r0['K']}`, "
                    f"CPU, {r0['capture_dtype']}, {r0['prompts']} prompts per set, the target's greedy answers of "
-                   f"{r0['max_tokens']} tokens; columns as in the teacher-forced sections above):"), ""]
+                   f"{r0['max_tokens']} tokens; columns as in the {link('teacher-forced section', TEACHER_FORCED_HEADING)}):"), ""]
     lines += table(["head", "sequences", "teacher-forced acc per depth", "chain per position (AL)",
                     "position p >= 2 given 1..p-1 accepted (anchors)", "decoder AL"],
                    [[Path(r["head"]).name.removeprefix("head-"), r["eval_set"],
@@ -164,7 +164,7 @@ def teacher_forced(lines: list[str]) -> None:
         deep = "; ".join(f"{e}: peagle {', '.join(f(c, 2) for _, c, _ in cond[(False, e)])} vs speculators "
                          f"{', '.join(f(c, 2) for _, c, _ in cond[(True, e)])}" for e in both)
         better = all(pc >= sc for e in both for (_, pc, _), (_, sc, _) in zip(cond[(False, e)], cond[(True, e)]))
-        text = [("Deep positions (issue 26, item 3): given positions 1..p-1 accepted, the acceptance at positions "
+        text = [("Deep positions: given positions 1..p-1 accepted, the acceptance at positions "
                  f"p = 2, 3, ... (from at least {MIN_CONDITIONING_ANCHORS} anchors) is {deep}.")]
         if better:
             text.append("Where the earlier positions hold, peagle's deep slots are better than speculators' on every "
@@ -203,7 +203,7 @@ def depth_shares(lines: list[str]) -> None:
 def side_by_side(lines: list[str]) -> None:
     """The section: training (steps, s/step, tokens/s, memory, last-window accuracy per depth), the evaluations
     at K=5, c=1 and the goals' ratios; "not run" without the result file."""
-    r = section(lines, RESULT, "## peagle against speculators at equal data and GPU-seconds (issue 26 item 5)")
+    r = section(lines, RESULT, "### peagle's trainer against speculators' at equal data and GPU-seconds")
     if r is None:
         return
     lines += [("speculators' own trainer (`bench.speculators_side train`, fed online by peagle's capture: its own "
