@@ -44,11 +44,6 @@ integration: setup
 RAY_TMP ?= /tmp/peagle-ray
 RAY_PORT ?= 6390
 RAY_DASHBOARD_PORT ?= 8265
-# The uploaded working dir has no .git: the commit (and whether tracked files differ from it) travels
-# as env vars, so MLflow's git_sha param is set (pipelines.registry.provenance).
-GIT_SHA := $(shell git rev-parse HEAD 2>/dev/null)
-GIT_DIRTY := $(shell test -z "$$(git status --porcelain --untracked-files=no 2>/dev/null)" && echo 0 || echo 1)
-RUNTIME_ENV := {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "mlruns", "*.db", "outputs", ".whl", ".carry"], "env_vars": {"PEAGLE_GIT_SHA": "$(GIT_SHA)", "PEAGLE_GIT_DIRTY": "$(GIT_DIRTY)"}}
 JOB_ARGS ?=
 
 # The job is `peagle run` (quiet: stage lines, one progress bar per long stage, the summary; add
@@ -62,7 +57,8 @@ QUIET_RAY_CLI := grep -v --line-buffered -E '^[0-9-]+ [0-9:,]+[[:space:]]+INFO (
 demo: setup
 	$(VPY) -m pipelines.local_ray start --temp-dir $(RAY_TMP) --port $(RAY_PORT) --dashboard-port $(RAY_DASHBOARD_PORT)
 	eval "$$($(VPY) -m pipelines.local_ray env --temp-dir $(RAY_TMP))"; \
-	$(VENV)/bin/ray job submit --address "$$RAY_ADDRESS" --working-dir . --runtime-env-json '$(RUNTIME_ENV)' \
+	$(VENV)/bin/ray job submit --address "$$RAY_ADDRESS" --working-dir . \
+	  --runtime-env-json "$$($(VPY) -m pipelines.local_ray runtime-env)" \
 	  -- python -m ray_jobs.pipeline --config $(RECIPE) $(JOB_ARGS) 2>&1 | { $(QUIET_RAY_CLI); }
 	@echo "Endpoint left up (curl line above). Ray dashboard: http://127.0.0.1:$(RAY_DASHBOARD_PORT). Stop: make demo-stop"
 

@@ -19,8 +19,8 @@ Why not plain ``ray start --head`` / ``ray stop``:
 * the job's ``python`` is the head's: the head is started with the venv's ``bin`` first on ``PATH``,
   so ``ray job submit -- python -m ray_jobs.pipeline`` runs in the venv.
 
-* several "nodes" on one host: :func:`join` starts another raylet that joins the head (same token, same
-  temp dir, its own free ports), with its own GPUs (``CUDA_VISIBLE_DEVICES``) and a node name (the custom
+* several "nodes" on one host: :func:`join` starts another raylet that joins the head (same token, its own temp
+  dir below the head's, its own free ports), with its own GPUs (``CUDA_VISIBLE_DEVICES``) and a node name (the custom
   resource ``settings.NODE_RESOURCE_PREFIX + name``), so what differs per node (Ray Data and Train placement,
   Serve replicas and their head cache) is exercised on one machine; :func:`stop` ends both.
 
@@ -30,6 +30,7 @@ CLI (used by the Makefile and ``bench/device/run_multi_gpu.sh``)::
     python -m pipelines.local_ray start ... --num-gpus 2 --cuda-visible-devices 0,1 --node-name a
     python -m pipelines.local_ray join  --temp-dir /tmp/peagle-ray --num-gpus 2 --cuda-visible-devices 2,3 --node-name b
     python -m pipelines.local_ray env   --temp-dir /tmp/peagle-ray    # export lines for the ray CLI
+    python -m pipelines.local_ray runtime-env                        # the jobs' runtime_env JSON
     python -m pipelines.local_ray stop  --temp-dir /tmp/peagle-ray
 """
 
@@ -54,6 +55,10 @@ from pipelines.ports import free_port, port_open
 # the `ray` command of this interpreter's Ray: also where Ray is on PYTHONPATH without its console scripts
 RAY_CLI = (sys.executable, "-m", "ray.scripts.scripts")
 STATE_FILE = "peagle_head.json"
+# What `ray job submit --working-dir .` leaves out of the upload (Ray 2.60 also skips .git, .venv and what
+# .gitignore lists by itself; older Rays do not): environments, caches, local stores, outputs, device carries.
+JOB_EXCLUDES = (".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "mlruns", "*.db",
+                "outputs", ".whl", ".carry")
 TOKEN_FILE = "auth_token"
 
 
@@ -208,7 +213,10 @@ def join(temp_dir: str | os.PathLike, *, num_cpus: int | None = None, num_gpus: 
     resource = next(iter(node_resources(node_name)))
     if resource in _alive_node_resources(head):
         raise ValueError(f"a node named {node_name!r} is already alive in the cluster of {temp}")
-    _ray_start([f"--address={head.gcs_address}"], temp=temp, token_path=Path(head.token_path),
+    # its own temp dir below the head's: a raylet's runtime-env agent owns <session>/runtime_resources and deletes
+    # the job packages its own node no longer uses, including the running job's working dir when two raylets of
+    # one host share the head's session dir; below the head's dir, stop() still finds its processes
+    _ray_start([f"--address={head.gcs_address}"], temp=temp / f"node-{node_name}", token_path=Path(head.token_path),
                num_cpus=num_cpus or settings.local_num_cpus(), num_gpus=num_gpus,
                cuda_visible_devices=cuda_visible_devices, node_name=node_name)
     deadline = time.time() + timeout_s
@@ -280,6 +288,14 @@ def stop(temp_dir: str | os.PathLike, *, grace_s: float = 10.0, quiet: bool = Fa
     return len(procs)
 
 
+def job_runtime_env() -> dict:
+    """The ``runtime_env`` of peagle's jobs: :data:`JOB_EXCLUDES`, and the checkout's commit as environment
+    variables (``pipelines.registry.provenance.submitter_env``: the upload has no ``.git``)."""
+    from pipelines.registry.provenance import submitter_env
+
+    return {"excludes": list(JOB_EXCLUDES), "env_vars": submitter_env()}
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -325,6 +341,12 @@ def env_cmd(temp_dir: str = TempOpt) -> None:
         raise typer.Exit(1)
     for k, v in info.client_env().items():
         print(f"export {k}={v}")
+
+
+@cli.command("runtime-env")
+def runtime_env_cmd() -> None:
+    """Print the job runtime_env JSON (`ray job submit --runtime-env-json "$(... runtime-env)"`)."""
+    print(json.dumps(job_runtime_env()))
 
 
 @cli.command("stop")

@@ -24,6 +24,13 @@ def _git_state(repo_dir: Path) -> tuple[str | None, bool | None]:
     return sha, (dirty if sha else None)
 
 
+def submitter_env(repo_dir: Path | None = None) -> dict[str, str]:
+    """The variables a job submitter passes to an uploaded working dir that has no ``.git`` (``PEAGLE_GIT_SHA``,
+    ``PEAGLE_GIT_DIRTY`` 1/0; read by :func:`provenance`); ``{}`` outside a git checkout."""
+    sha, dirty = _git_state(repo_dir or Path(__file__).resolve().parents[2])
+    return {"PEAGLE_GIT_SHA": sha, "PEAGLE_GIT_DIRTY": "1" if dirty else "0"} if sha else {}
+
+
 def provenance(recipe: Recipe | None = None, repo_dir: Path | None = None) -> dict[str, Any]:
     """Where a run came from: git SHA (+dirty flag), package versions, and the resolved recipe YAML.
 

@@ -40,10 +40,9 @@ RECIPE = "configs/smollm2-135m-ci.yaml"
 REFRESH_RECIPE = "configs/smollm2-135m-ci-refresh.yaml"
 # Logical CPUs of the test cluster: twice what delete_apps_on_cpu asks to find free beside the endpoint.
 LOOP_CPUS = 2 * settings.local_num_cpus()
-# Like the Makefile's demo target: the commit travels as an env var (the upload has no .git).
-RUNTIME_ENV = {"excludes": [".venv", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info",
-                            "mlruns", "*.db", "outputs", ".whl", ".carry"],
-               "env_vars": {"PEAGLE_GIT_SHA": "0123abc-ci"}}
+# As the Makefile's demo target submits (local_ray.job_runtime_env), with a commit the test can recognize.
+RUNTIME_ENV = local_ray.job_runtime_env() | {"env_vars": {"PEAGLE_GIT_SHA": "0123abc-ci"}}
+NODES = ("a", "b")  # the head and a second raylet of this host: work lands on either
 STAGES = ["regenerate", "capture", "train", "evaluate", "register", "serve"]
 
 
@@ -51,8 +50,10 @@ STAGES = ["regenerate", "capture", "train", "evaluate", "register", "serve"]
 def head():
     # Short temp dir (Ray's unix sockets have a path limit); own ports: other Ray clusters may run here.
     temp = tempfile.mkdtemp(prefix="prci-", dir="/tmp")
-    info = local_ray.start(temp, port=local_ray.free_port(), dashboard_port=local_ray.free_port(), num_cpus=LOOP_CPUS)
+    info = local_ray.start(temp, port=local_ray.free_port(), dashboard_port=local_ray.free_port(), num_cpus=LOOP_CPUS,
+                           node_name=NODES[0])
     try:
+        local_ray.join(temp, node_name=NODES[1], num_cpus=2)
         yield info
     finally:
         local_ray.stop(temp)
@@ -103,6 +104,9 @@ def test_pipeline_job_end_to_end(head, base):
     run = tmp_path / "run"
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["stages"]) == STAGES and all(s["status"] == "ran" for s in summary["stages"].values())
+    for name in ("regenerate", "capture", "train", "serve"):  # Ray actors, on the nodes of the cluster by name
+        placement = summary["stages"][name]["placement"]
+        assert placement["nodes"] and set(placement["nodes"]) <= set(NODES) and placement["num_gpus"] == 0, placement
 
     rows = [json.loads(x) for x in (run / "regenerate" / "conversations.jsonl").read_text().splitlines()]
     assert rows and all(r["messages"][-1]["role"] == "assistant" and r["regen_model"] for r in rows)
