@@ -11,7 +11,8 @@ DDP, GPU recipe, demo sweep), :mod:`bench.report_data` (warm-up, data path, the 
 :mod:`bench.report_scale` and :mod:`bench.report_scale_eval` (the scaling heads, their training and their vLLM
 evaluation), :mod:`bench.report_long_context` (acceptance after long histories, training on long sequences),
 :mod:`bench.report_depths` (deep positions), :mod:`bench.report_speculators` (peagle against speculators),
-:mod:`bench.report_gpu_vllm` (GPU vLLM). A new section is one more entry in its question's list. Every figure comes
+:mod:`bench.report_gpu_vllm` (GPU vLLM), :mod:`bench.report_multi_gpu` (one several-GPU node as a Ray cluster). A new
+section is one more entry in its question's list. Every figure comes
 from a result file (``bench.report_fmt.load``): rerunning a benchmark and this command updates every figure.
 """
 
@@ -27,6 +28,7 @@ from bench import (
     report_gpu_vllm,
     report_kernels,
     report_long_context,
+    report_multi_gpu,
     report_scale,
     report_scale_eval,
     report_speculators,
@@ -89,6 +91,7 @@ QUESTIONS = [
         _gpu(report_gpu_vllm.synthetic, "gpu_synthetic_serving"),
         _gpu(report_gpu_vllm.k_schedule, "gpu_vllm_serving", "gpu_synthetic_serving"),
         _gpu(report_gpu_vllm.parity, "gpu_vllm_parity"),
+        report_multi_gpu.serving,
     ]),
     Question("What does the data path cost?", (
         "Regeneration (the target rewrites the answers), capture (the target's hidden states), training that "
@@ -101,7 +104,7 @@ QUESTIONS = [
         report_data.online_step,
         report_data.pipeline_device,
         _gpu(report_gpu_vllm.main_job, "pipeline_device_vllm"),
-        # multi-GPU: each stage at 1, 2, 4 GPUs (bench/results/multi_gpu.json) goes here
+        report_multi_gpu.pipeline,
     ]),
     Question("How does training scale?", (
         "Step time and memory per method, compilation, data-parallel GPUs, heads trained on more conversations "
@@ -111,7 +114,7 @@ QUESTIONS = [
         report_decode.two_gpus,
         report_scale.heads_table,
         report_long_context.long_training,
-        # multi-GPU: training at 1, 2, 4 GPUs (bench/results/multi_gpu.json) goes here
+        report_multi_gpu.training,
     ]),
     Question("What survives faults?", (
         "Killed Ray Train workers and capture actors, an MLflow outage, replica kills and hostile requests while "

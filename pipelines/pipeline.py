@@ -333,7 +333,9 @@ def print_summary(s: dict[str, Any], console: Console) -> None:
     if m:
         role = "champion" if m["promoted"] else f"challenger; champion v{m['champion_version']}"
         lines.append(f"MLflow: run {m['run_id']}, model {m['model_name']} v{m['version']} ({role})")
-        lines.append(f"  mlflow ui --backend-store-uri {m['tracking_uri']}")
+        uri = m["tracking_uri"]
+        lines.append(f"  MLflow UI: {uri}" if uri.startswith(("http://", "https://"))
+                     else f"  mlflow ui --backend-store-uri {uri}")
     e = s.get("endpoint")
     if e:
         lines.append(f"endpoint: {e['url']}/v1 (model {e['model_id']}, head {e['head']})")

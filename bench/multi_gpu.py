@@ -1,0 +1,210 @@
+"""The main job on one multi-GPU host as a cluster of several Ray nodes, with a real MLflow server.
+
+Every step is the product's own: ``peagle registry server start`` (``pipelines.registry.server``), a private Ray
+head and joining raylets (``pipelines.local_ray``: each "node" its own GPUs through ``CUDA_VISIBLE_DEVICES`` and a
+name), ``ray job submit -- python -m ray_jobs.pipeline --config RECIPE`` (the job's runtime env of
+``local_ray.job_runtime_env``), and the job's own ``summary.json`` (stage times and where each stage ran).
+
+    python -m bench.multi_gpu up --nodes 2 --gpus-per-node 2          # MLflow server, head "a", node "b"
+    python -m bench.multi_gpu submit --config configs/smollm2-135m-4gpu.yaml --set ...   # returns at once
+    python -m bench.multi_gpu wait [--timeout-s 540]                  # follows the job; exit 0 done, 3 running
+    python -m bench.multi_gpu record --name multi_gpu_pipeline        # summary + stage records -> bench/results
+    python -m bench.multi_gpu down
+
+The same commands run on a CPU box with ``--gpus-per-node 0`` (the rehearsal of ``bench/device/run_multi_gpu.sh``).
+State (addresses, the job id) is kept in ``<temp dir>/multi_gpu.json`` between the calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipelines import local_ray, settings
+
+STATE = "multi_gpu.json"
+NODE_NAMES = "abcdefgh"
+DEFAULT_TEMP = "/tmp/peagle-ray"
+
+
+def _state_path(temp: str) -> Path:
+    return Path(temp) / STATE
+
+
+def load_state(temp: str) -> dict[str, Any]:
+    """What ``up`` and ``submit`` recorded.
+
+    Raises:
+        SystemExit: no cluster was brought up from ``temp``.
+    """
+    p = _state_path(temp)
+    if not p.is_file():
+        sys.exit(f"no cluster recorded in {p}: run `python -m bench.multi_gpu up` first")
+    return json.loads(p.read_text())
+
+
+def save_state(temp: str, state: dict[str, Any]) -> None:
+    _state_path(temp).write_text(json.dumps(state, indent=2))
+
+
+def up(opts: argparse.Namespace) -> dict[str, Any]:
+    """MLflow server first (every Ray process inherits ``$MLFLOW_TRACKING_URI``), then the head and the joining
+    nodes, GPUs split in order (node i owns GPUs ``i*g .. i*g+g-1``)."""
+    from pipelines.registry import server
+
+    mlflow = server.start(port=opts.mlflow_port)
+    os.environ[settings.TRACKING_URI_ENV] = mlflow.uri
+    g = opts.gpus_per_node
+
+    def gpus(i: int) -> dict[str, Any]:
+        ids = ",".join(str(i * g + j) for j in range(g))
+        return {"num_gpus": g, "cuda_visible_devices": ids} if g else {"num_gpus": 0}
+
+    head = local_ray.start(opts.temp_dir, port=opts.port, dashboard_port=opts.dashboard_port,
+                           num_cpus=opts.cpus_per_node, node_name=NODE_NAMES[0], **gpus(0))
+    for i in range(1, opts.nodes):
+        local_ray.join(opts.temp_dir, node_name=NODE_NAMES[i], num_cpus=opts.cpus_per_node, **gpus(i))
+    state = {"mlflow_uri": mlflow.uri, "dashboard_url": head.dashboard_url, "gcs_address": head.gcs_address,
+             "nodes": opts.nodes, "gpus_per_node": g, "cpus_per_node": opts.cpus_per_node,
+             "client_env": head.client_env()}
+    save_state(opts.temp_dir, state)
+    print(json.dumps(state, indent=2))
+    return state
+
+
+def _ray(state: dict[str, Any], *args: str, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **state["client_env"])
+    return subprocess.run([*local_ray.RAY_CLI, *args], env=env, capture_output=True, text=True, check=False, **kw)
+
+
+def submit(opts: argparse.Namespace) -> str:
+    """``ray job submit --no-wait`` of the pipeline with the recipe and ``--set`` overrides; the job id."""
+    state = load_state(opts.temp_dir)
+    runtime_env = local_ray.job_runtime_env()
+    runtime_env["env_vars"] |= {settings.TRACKING_URI_ENV: state["mlflow_uri"]}
+    if opts.git_sha:  # a checkout copy without .git (the device's)
+        runtime_env["env_vars"] |= {"PEAGLE_GIT_SHA": opts.git_sha}
+    job_id = opts.id or f"peagle-{int(time.time())}"
+    entry = ["python", "-m", "ray_jobs.pipeline", "--config", opts.config, *[a for kv in opts.set for a in ("--set", kv)]]
+    if opts.run_dir:
+        entry += ["--run-dir", opts.run_dir]
+    out = _ray(state, "job", "submit", "--address", state["dashboard_url"], "--no-wait", "--submission-id", job_id,
+               "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--", *entry)
+    if out.returncode != 0:
+        sys.exit(f"ray job submit failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    state |= {"job_id": job_id, "submitted_at": time.time(), "config": opts.config, "sets": opts.set,
+              "entrypoint": entry}
+    save_state(opts.temp_dir, state)
+    print(f"submitted {job_id}: {' '.join(entry)}")
+    return job_id
+
+
+def _jobs(state: dict[str, Any]):
+    """Ray's job SDK against the recorded head (its token from the recorded client environment; call before
+    anything imports Ray)."""
+    os.environ.update(state["client_env"])
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(state["dashboard_url"])
+
+
+def wait(opts: argparse.Namespace) -> int:
+    """Follow the job's log (new lines only) until it ends or ``--timeout-s`` passes: 0 succeeded, 1 failed or
+    stopped, 3 still running."""
+    state = load_state(opts.temp_dir)
+    client = _jobs(state)  # before Ray is imported: it reads the token variables once
+    from ray.job_submission import JobStatus
+
+    job_id, seen = state["job_id"], int(state.get("log_lines_seen", 0))
+    deadline = time.monotonic() + opts.timeout_s
+    while True:
+        logs = client.get_job_logs(job_id).splitlines()
+        for line in logs[seen:]:
+            print(line, flush=True)
+        seen = max(seen, len(logs))
+        status = client.get_job_status(job_id)
+        if status.is_terminal() or time.monotonic() > deadline:
+            break
+        time.sleep(opts.poll_s)
+    state["log_lines_seen"] = seen
+    save_state(opts.temp_dir, state)
+    print(f"job {job_id}: {status.value} ({time.time() - state['submitted_at']:.0f} s since submission)", flush=True)
+    return 0 if status == JobStatus.SUCCEEDED else 1 if status.is_terminal() else 3
+
+
+def record(opts: argparse.Namespace) -> Path:
+    """``bench/results/<name>.json``: the job's summary (stage status, seconds, placement), every stage's record
+    (its outputs: tokens/s, steps, the eval rows, the model version, the endpoint) and how it was submitted."""
+    from bench.common import write_result
+
+    state = load_state(opts.temp_dir)
+    run = Path(opts.run_dir)
+    summary = json.loads((run / "summary.json").read_text())
+    stages = {p.parent.name: json.loads(p.read_text()) for p in sorted(run.glob("*/stage.json"))}
+    for rec in stages.values():  # the training history is long: keep its first and last logged windows
+        hist = rec.get("outputs", {}).get("history")
+        if isinstance(hist, list) and len(hist) > 6:
+            rec["outputs"]["history"] = hist[:3] + hist[-3:]
+    payload = {"benchmark": "multi_gpu_pipeline", "summary": summary, "stage_records": stages,
+               "cluster": {k: state[k] for k in ("nodes", "gpus_per_node", "cpus_per_node", "mlflow_uri")},
+               "job": {k: state.get(k) for k in ("job_id", "config", "sets", "entrypoint")},
+               "gpus": _gpu_names(), "note": opts.note}
+    path = write_result(opts.name, payload)
+    print(f"wrote {path}")
+    return path
+
+
+def _gpu_names() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=False, timeout=30)
+        return [x.strip() for x in out.stdout.splitlines() if x.strip()]
+    except (OSError, subprocess.SubprocessError):
+        return []
+
+
+def down(opts: argparse.Namespace) -> None:
+    from pipelines.registry import server
+
+    local_ray.stop(opts.temp_dir)
+    server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--temp-dir", default=DEFAULT_TEMP, help="the head's private Ray temp dir (and this state)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("up")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--gpus-per-node", type=int, default=2)
+    p.add_argument("--cpus-per-node", type=int, default=16)
+    p.add_argument("--port", type=int, default=6390)
+    p.add_argument("--dashboard-port", type=int, default=8265)
+    p.add_argument("--mlflow-port", type=int, default=5000)
+    p = sub.add_parser("submit")
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--id", default=None, help="submission id (default peagle-<time>)")
+    p.add_argument("--git-sha", default=None, help="the commit, where the checkout has no .git")
+    p = sub.add_parser("wait")
+    p.add_argument("--timeout-s", type=float, default=540.0)
+    p.add_argument("--poll-s", type=float, default=10.0)
+    p = sub.add_parser("record")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--name", default="multi_gpu_pipeline")
+    p.add_argument("--note", default="")
+    sub.add_parser("down")
+    opts = ap.parse_args(argv)
+    out = {"up": up, "submit": submit, "wait": wait, "record": record, "down": down}[opts.cmd](opts)
+    return out if isinstance(out, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

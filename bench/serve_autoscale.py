@@ -1,0 +1,243 @@
+"""Load ramp against peagle's Serve endpoint: requests/s, TTFT and TPOT per concurrency level, the LLM replicas
+Serve's autoscaler runs meanwhile, how long scaling up and back down took, and what a replica SIGKILL costs.
+
+The endpoint is the serve stage's (``peagle run`` / ``ray job submit ... ray_jobs.pipeline``): this script only
+sends load and watches. Each level is a closed loop of ``c`` streaming clients (``/v1/completions``, a random
+prompt of ``--input-len`` token ids each, ``--output-len`` tokens with ``ignore_eos``) for ``seconds``; TTFT is the
+time to the first streamed token, TPOT (e2e - TTFT) / (tokens - 1). A poller reads ``serve.status()`` every
+second: the RUNNING / STARTING replicas of the LLMServer deployments of peagle's backend apps.
+
+    python -m bench.serve_autoscale --url http://127.0.0.1:8000 --model smollm2-135m-instruct \\
+        --tokenizer $PEAGLE_HOME/targets/smollm2-135m-instruct-bfloat16 --levels 1:30,16:60,64:150 \\
+        --idle-s 90 [--kill-replica-at 64] [--name serve_autoscale]
+
+``--kill-replica-at C``: halfway through level C, SIGKILL the process of one RUNNING LLMServer replica (a real
+fault: Serve restarts it; requests it held fail unless the ingress retries them). Needs this host's processes
+(the device's two raylets are one host). Writes ``bench/results/<name>.json`` (``bench.common.write_result``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    start_s: float
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    num_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ReplicaTimeline:
+    """``(seconds since start, running, starting)`` samples of the LLM replicas, one per poll."""
+
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def running_between(self, t0: float, t1: float) -> list[int]:
+        return [r for t, r, _ in self.samples if t0 <= t <= t1]
+
+    def first_reach(self, count: int, after_s: float = 0.0) -> float | None:
+        return next((t for t, r, _ in self.samples if t >= after_s and r >= count), None)
+
+    def first_at_most(self, count: int, after_s: float) -> float | None:
+        return next((t for t, r, _ in self.samples if t >= after_s and r <= count), None)
+
+
+def llm_replicas(app_prefix: str) -> tuple[int, int]:
+    """``(RUNNING, STARTING)`` replicas of every ``LLMServer`` deployment of the Serve apps named ``app_prefix*``."""
+    from ray import serve
+
+    running = starting = 0
+    for name, app in serve.status().applications.items():
+        if not name.startswith(app_prefix):
+            continue
+        for dname, dep in app.deployments.items():
+            if "LLMServer" in dname:
+                states = {str(k).split(".")[-1]: v for k, v in (dep.replica_states or {}).items()}
+                running += states.get("RUNNING", 0)
+                starting += states.get("STARTING", 0)
+    return running, starting
+
+
+def poll_replicas(timeline: ReplicaTimeline, t0: float, stop: threading.Event, app_prefix: str,
+                  period_s: float = 1.0) -> None:
+    while not stop.is_set():
+        try:
+            r, s = llm_replicas(app_prefix)
+            timeline.samples.append((time.monotonic() - t0, r, s))
+        except Exception as e:  # noqa: BLE001 - a failed poll is a gap, not a failed benchmark
+            print(f"replica poll failed: {e}", flush=True)
+        stop.wait(period_s)
+
+
+def kill_one_replica() -> int | None:
+    """SIGKILL one ``ServeReplica:...LLMServer`` process of this host; its pid, or None when none runs."""
+    import psutil
+
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ServeReplica:" in cmd and "LLMServer" in cmd:
+            os.kill(p.info["pid"], signal.SIGKILL)
+            return p.info["pid"]
+    return None
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], output_len: int,
+                      headers: dict[str, str]) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True,
+            "temperature": 0.0}
+    t = time.monotonic()
+    res = RequestResult(ok=False, start_s=t)
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("error"):
+                    res.error = str(chunk["error"])[:200]
+                    return res
+                text = "".join(c.get("text") or "" for c in chunk.get("choices") or [])
+                if text and res.ttft_s is None:
+                    res.ttft_s = time.monotonic() - t
+                res.num_tokens += sum(1 for c in chunk.get("choices") or [] if c.get("text") is not None)
+        res.e2e_s = time.monotonic() - t
+        res.ok = res.ttft_s is not None
+        if not res.ok:
+            res.error = "no token streamed"
+    except Exception as e:  # noqa: BLE001 - a failed request is a result
+        res.error = f"{type(e).__name__}: {e}"[:200]
+    return res
+
+
+async def run_level(url: str, model: str, *, concurrency: int, seconds: float, input_len: int, output_len: int,
+                    vocab: int, headers: dict[str, str], seed: int) -> list[RequestResult]:
+    """``concurrency`` closed-loop clients for ``seconds`` (requests started before the deadline finish)."""
+    import httpx
+
+    rng = random.Random(seed)
+    deadline = time.monotonic() + seconds
+    results: list[RequestResult] = []
+
+    async def client_loop(client) -> None:
+        while time.monotonic() < deadline:
+            prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
+            results.append(await one_request(client, url, model, prompt, output_len, headers))
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return results
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def level_row(concurrency: int, results: list[RequestResult], wall_s: float, replicas: list[int]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s * 1e3 for r in ok]
+    tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
+    tokens = sum(r.num_tokens for r in ok)
+    return {"concurrency": concurrency, "seconds": round(wall_s, 1), "completed": len(ok),
+            "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if r.error})[:5],
+            "requests_per_s": round(len(ok) / wall_s, 3), "output_tokens_per_s": round(tokens / wall_s, 1),
+            "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
+            "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99),
+            "replicas_min": min(replicas) if replicas else None, "replicas_max": max(replicas) if replicas else None,
+            "replicas_end": replicas[-1] if replicas else None}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--model", required=True, help="served model id")
+    ap.add_argument("--levels", default="1:30,16:60,64:150", help="C:SECONDS,... concurrency levels in order")
+    ap.add_argument("--idle-s", type=float, default=90.0, help="watch this long after the load for the scale-down")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
+    ap.add_argument("--kill-replica-at", type=int, default=None, help="SIGKILL one replica halfway through level C")
+    ap.add_argument("--api-key-env", default=None, help="env var holding the endpoint's API key")
+    ap.add_argument("--max-replicas", type=int, default=None, help="for the scale-up time (default: the most seen)")
+    ap.add_argument("--name", default="serve_autoscale", help="result file bench/results/<name>.json")
+    ap.add_argument("--note", default="")
+    opts = ap.parse_args(argv)
+
+    import ray
+
+    from bench.common import write_result
+    from pipelines.settings import SERVE_BACKEND_PREFIX
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="WARNING", log_to_driver=False)
+    headers = {"Authorization": f"Bearer {os.environ[opts.api_key_env]}"} if opts.api_key_env else {}
+    levels = [tuple(int(x) for x in part.split(":")) for part in opts.levels.split(",")]
+    timeline, stop = ReplicaTimeline(), threading.Event()
+    t0 = time.monotonic()
+    poller = threading.Thread(target=poll_replicas, args=(timeline, t0, stop, SERVE_BACKEND_PREFIX), daemon=True)
+    poller.start()
+    rows, kills = [], []
+    for i, (c, seconds) in enumerate(levels):
+        start = time.monotonic() - t0
+        killer = None
+        if opts.kill_replica_at == c:
+            def kill_later(delay: float = seconds / 2) -> None:
+                time.sleep(delay)
+                kills.append({"t_s": round(time.monotonic() - t0, 1), "pid": kill_one_replica()})
+            killer = threading.Thread(target=kill_later, daemon=True)
+            killer.start()
+        results = asyncio.run(run_level(opts.url, opts.model, concurrency=c, seconds=seconds,
+                                        input_len=opts.input_len, output_len=opts.output_len, vocab=opts.vocab,
+                                        headers=headers, seed=i))
+        end = time.monotonic() - t0
+        if killer is not None:
+            killer.join()
+        row = level_row(c, results, end - start, timeline.running_between(start, end)) | {"t_start_s": round(start, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    load_end = time.monotonic() - t0
+    stop.wait(opts.idle_s)
+    stop.set()
+    poller.join()
+    seen = max((r for _, r, _ in timeline.samples), default=0)
+    top = opts.max_replicas or seen
+    first = timeline.samples[0][1] if timeline.samples else None
+    up_from = next((r["t_start_s"] for r in rows if r["concurrency"] > 1), 0.0)
+    reach = timeline.first_reach(top, after_s=up_from) if top else None
+    down = timeline.first_at_most(first, after_s=load_end) if first is not None else None
+    result = {"benchmark": "serve_autoscale", "url": opts.url, "model": opts.model, "levels": rows, "kills": kills,
+              "input_len": opts.input_len, "output_len": opts.output_len,
+              "replicas_at_start": first, "replicas_max_seen": seen,
+              "scale_up_to_max_s": round(reach - up_from, 1) if reach is not None else None,
+              "scale_down_s": round(down - load_end, 1) if down is not None else None,
+              "timeline": timeline.samples, "note": opts.note,
+              "failed_total": sum(r["failed"] for r in rows),
+              "command": "python -m bench.serve_autoscale " + " ".join(argv if argv is not None else sys.argv[1:])}
+    path = write_result(opts.name, result)
+    print(f"wrote {path}: {len(rows)} levels, replicas {first} -> {seen}, up {result['scale_up_to_max_s']} s, "
+          f"down {result['scale_down_s']} s, failed {result['failed_total']}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
