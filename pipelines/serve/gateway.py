@@ -11,7 +11,11 @@
   replica (Ray 2.60 ``DeploymentVersion.requires_actor_restart``: only a new code version, actor options or
   placement restart a replica; ``user_config`` is reconfigure-only) -- no request is dropped by the switch.
 
-Each request takes the route active when it starts and keeps it to its end (stream included); requests
+Each request takes the route active when it starts and keeps it to its end (stream included); a request whose
+``LLMServer`` replica dies before it answered anything (queued in the dead replica's engine) is sent again, up
+to :data:`REPLICA_LOST_RETRIES` times, and Serve routes it to a live replica (or holds it until one is back):
+nothing was sent to the client yet, so the client sees one answer. A stream the replica had begun ends with
+the error event :data:`pipelines.serve.ingress.STREAM_INTERRUPTED` instead (tokens were already sent). Requests
 in flight per backend app are counted (:meth:`PeagleIngress.gateway_state`, read by the rollout before it
 deletes an old backend). Every answer carries :data:`pipelines.serve.ingress.SERVED_HEADER`: JSON of the
 served head (``backend``, ``head``, ``num_speculative_tokens``, ``k_schedule``), which the traffic log
@@ -20,6 +24,7 @@ copies into its rows.
 Imports Ray Serve LLM (and so vLLM): import this module lazily.
 """
 
+import asyncio
 import collections
 import json
 import os
@@ -37,6 +42,16 @@ from ray.serve.llm.ingress import OpenAiIngress
 from starlette.responses import Response
 
 from pipelines.serve.ingress import SERVED_HEADER
+
+REPLICA_LOST_RETRIES = 3  # sends of a request whose replica died before its first chunk, after the first
+REPLICA_LOST_BACKOFF_S = 0.5  # wait before the n-th retry: n * this
+
+
+def _replica_lost(e: BaseException) -> bool:
+    """Whether ``e`` says the replica handling a request is gone (killed, crashed, unreachable)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return isinstance(e, RayActorError | ActorUnavailableError)
 
 
 class Route(BaseModel):
@@ -126,8 +141,18 @@ class PeagleIngress(OpenAiIngress):
             raw_request.state.peagle_served = active.header
         self._in_flight[active.app] += 1
         try:
-            async for item in super()._get_response(body=body, call_method=call_method, raw_request=raw_request):
-                yield item
+            for attempt in range(REPLICA_LOST_RETRIES + 1):
+                answered = False
+                try:
+                    async for item in super()._get_response(body=body, call_method=call_method,
+                                                            raw_request=raw_request):
+                        answered = True
+                        yield item
+                    return
+                except Exception as e:
+                    if answered or attempt == REPLICA_LOST_RETRIES or not _replica_lost(e):
+                        raise
+                await asyncio.sleep(REPLICA_LOST_BACKOFF_S * (attempt + 1))
         finally:
             self._in_flight[active.app] -= 1
 

@@ -281,12 +281,12 @@ def test_replica_sigkill_with_mlflow_down(deployment):
     for why, n in Counter(w["why"] for w in failed).items():
         print(f"RESULT kill-window failure x{n}: {why} (chunks before it: {sorted(w['num_chunks'] for w in failed)})")
     assert all(a["ok"] for a in after), [a["why"] for a in after if not a["ok"]]
-    # No silent truncation: a stream cut by the kill ends with an error event, not as if complete; a request
-    # the replica had not begun answering (queued in its engine: no first chunk yet) gets Ray's OpenAI-shaped
-    # 5xx error body instead (the OpenAI SDK retries 5xx). Anything else -- a 200 stream without [DONE] or
-    # error event, a dropped connection -- fails here.
-    assert all("stream interrupted" in w["why"] or (w["why"].startswith("HTTP 5") and '"error"' in w["why"])
-               for w in failed), [w["why"] for w in failed]
+    # No silent truncation: a stream cut by the kill ends with an error event, not as if complete. A request the
+    # replica had not begun answering (queued in its engine: no first chunk yet) is sent again by the gateway
+    # (pipelines.serve.gateway.REPLICA_LOST_RETRIES) and answered by the restarted replica: it does not fail.
+    # Anything else -- a 5xx, a 200 stream without [DONE] or error event, a dropped connection -- fails here.
+    assert all("stream interrupted" in w["why"] and w["num_chunks"] >= 1 for w in failed), \
+        [(w["why"], w["num_chunks"]) for w in failed]
     assert fetches[-1]["source"] == "cache" and not fetches[-1]["asked_registry"] and fetches[-1]["pid"] == new, \
         fetches
     assert not orphans, f"vLLM processes of the killed replica still run: {orphans}"

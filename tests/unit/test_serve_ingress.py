@@ -103,3 +103,73 @@ def test_error_bodies_lose_rays_internal_wrapper(monkeypatch):
     r = c.post("/v1/refused?only=1", json={})
     assert r.json()["error"]["message"] == "the model server refused the request (HTTP 400)"
     assert "ray.llm" not in r.text
+
+
+class _Upstream:
+    """Stands in for the LLMServer behind the gateway: its replica is gone (Ray's ActorDiedError) for the first
+    ``lost`` calls, before or after the first chunk (``after_chunks``), then it answers ``chunks``."""
+
+    def __init__(self, lost: int, after_chunks: int = 0, chunks=("a", "b")) -> None:
+        self.lost, self.after_chunks, self.chunks, self.calls = lost, after_chunks, chunks, 0
+
+    def __call__(self, ingress, *, body, call_method, raw_request=None):
+        from ray.exceptions import ActorDiedError
+
+        async def gen():
+            self.calls += 1
+            if self.calls <= self.lost:
+                for c in self.chunks[:self.after_chunks]:
+                    yield c
+                raise ActorDiedError()
+            for c in self.chunks:
+                yield c
+
+        return gen()
+
+
+def _gateway(monkeypatch, upstream):
+    import asyncio
+
+    from ray.serve.llm.ingress import OpenAiIngress
+
+    from pipelines.serve import gateway
+
+    monkeypatch.setattr(OpenAiIngress, "_get_response", lambda self, **kw: upstream(self, **kw))
+    monkeypatch.setattr(gateway, "REPLICA_LOST_BACKOFF_S", 0.0)
+    ingress = gateway.PeagleIngress.__new__(gateway.PeagleIngress)  # no Serve replica context needed
+    ingress._in_flight, ingress._active = gateway.collections.Counter(), gateway._Active("b1", {}, {}, {})
+
+    async def run():
+        return [x async for x in ingress._get_response(body=None, call_method="completions")]
+
+    return lambda: asyncio.run(run()), ingress
+
+
+@pytest.mark.parametrize("lost", [1, 3])
+def test_gateway_sends_again_a_request_whose_replica_died_before_answering(monkeypatch, lost):
+    """Nothing was sent to the client yet: the gateway sends the request again (up to REPLICA_LOST_RETRIES), and
+    the client gets one whole answer."""
+    from pipelines.serve import gateway
+
+    upstream = _Upstream(lost=lost)
+    run, ingress = _gateway(monkeypatch, upstream)
+    assert lost <= gateway.REPLICA_LOST_RETRIES
+    assert run() == ["a", "b"] and upstream.calls == lost + 1
+    assert not +ingress._in_flight  # counted out again
+
+
+def test_gateway_does_not_resend_a_started_answer_or_retry_forever(monkeypatch):
+    from ray.exceptions import ActorDiedError
+
+    from pipelines.serve import gateway
+
+    started = _Upstream(lost=1, after_chunks=1)  # the replica died mid-stream: tokens were already sent
+    run, _ = _gateway(monkeypatch, started)
+    with pytest.raises(ActorDiedError):
+        run()
+    assert started.calls == 1
+    gone = _Upstream(lost=gateway.REPLICA_LOST_RETRIES + 1)  # no replica comes back
+    run, _ = _gateway(monkeypatch, gone)
+    with pytest.raises(ActorDiedError):
+        run()
+    assert gone.calls == gateway.REPLICA_LOST_RETRIES + 1
