@@ -28,6 +28,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from rich.console import Console
 
@@ -145,40 +146,148 @@ def tqdm_only_on_a_terminal() -> Iterator[None]:
 HEARTBEAT_S = 30.0  # off a terminal: one progress line this often while a step runs
 
 
+def format_duration(seconds: float) -> str:
+    """``"4m05s"`` (minutes grow past 59: ``"75m03s"``)."""
+    s = max(0, round(seconds))
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def format_rate(per_s: float | None) -> str:
+    """``"1,234"``, ``"12.3"``, ``"1.35"``, ``"0.042"`` (units/s; ``"-"`` for None)."""
+    if per_s is None:
+        return "-"
+    if per_s >= 100:
+        return f"{per_s:,.0f}"
+    return f"{per_s:.1f}" if per_s >= 10 else f"{per_s:.2f}" if per_s >= 1 else f"{per_s:.2g}"
+
+
+class Meter:
+    """What one progress line shows, and its rate and ETA.
+
+    ``done`` of ``total`` ``unit`` (conversations, steps) is the headline. Where that count moves in jumps
+    (regenerate: a vLLM engine decodes all its requests together, so they finish together at the end), the
+    work is also counted in a finer ``work_unit`` (tokens): ``work`` of ``work_total``, an upper bound
+    when ``work_bound`` (``"of at most"``: a response may end before its ``max_tokens``). The rate and the
+    ETA come from the work when there is a work unit, else from ``done``/``total``. The rate (units/s) is
+    measured from the first time the work moved (:meth:`rate`), so an engine's start-up does not dilute it.
+    Thread-safe: workers' counts arrive on a polling thread while the heartbeat thread reads. Calling the
+    meter, ``meter(n)``, advances ``done`` by ``n``.
+    """
+
+    def __init__(self, total: int | None, unit: str, *, work_unit: str | None = None, work_total: int | None = None,
+                 work_bound: bool = False, clock: Callable[[], float] | None = None):
+        import threading
+        import time
+
+        self.total, self.unit, self.done = total, unit, 0
+        self.work_unit, self.work_total, self.work_bound, self.work = work_unit, work_total, work_bound, 0
+        self._clock = clock or time.monotonic
+        self.start = self._clock()
+        self._first: tuple[float, float] | None = None  # (time, work) when work first moved
+        self._lock = threading.Lock()
+        self.listeners: list[Callable[[Meter], None]] = []  # called after each change (the rich bar)
+
+    def __call__(self, n: int = 1) -> None:
+        self.update(advance=n)
+
+    def update(self, *, advance: int = 0, done: int | None = None, work: int | None = None,
+               work_total: int | None = None) -> None:
+        """Set the counts given (absolute values; a work unit's ``work`` is kept within ``work_total``), then
+        advance ``done`` by ``advance``."""
+        with self._lock:
+            if done is not None:
+                self.done = done
+            self.done += advance
+            if work_total is not None:
+                self.work_total = work_total
+            if work is not None:
+                self.work = work if self.work_total is None else min(work, self.work_total)
+            if self._first is None and self._work_done() > 0:
+                self._first = (self._clock(), self._work_done())
+        for listener in self.listeners:
+            listener(self)
+
+    def _work_done(self) -> float:
+        return self.work if self.work_unit else self.done
+
+    def fraction(self) -> tuple[float, float | None]:
+        """(work done, work total or None) in the unit of the rate."""
+        return (self.work, self.work_total) if self.work_unit else (self.done, self.total)
+
+    def rate(self) -> float | None:
+        """Units of work per second since the work first moved (that first move itself not counted: it may
+        be work kept from an earlier run, or all that one report held); None until the work moved again."""
+        with self._lock:
+            if self._first is None or self._work_done() <= self._first[1]:
+                return None
+            t, w = self._first
+            return (self._work_done() - w) / max(self._clock() - t, 1e-9)
+
+    def eta_s(self) -> float | None:
+        """Seconds left at :meth:`rate` (None without a rate or a total)."""
+        rate, (done, total) = self.rate(), self.fraction()
+        if not rate or total is None:
+            return None
+        return max(0.0, total - done) / rate
+
+    def text(self) -> str:
+        """``"40/304 conversations, 5,623 of at most 6,720 tokens, 210 tokens/s, ETA 0m05s at most, 2m27s"``: the
+        counts, the rate (``-`` before the work moves), the ETA, the time since the meter started."""
+        of = f"/{self.total:,}" if self.total is not None else ""
+        parts = [f"{self.done:,}{of} {self.unit}"]
+        if self.work_unit:
+            bound = "" if self.work_total is None else f" of {'at most ' if self.work_bound else ''}{self.work_total:,}"
+            parts.append(f"{self.work:,}{bound} {self.work_unit}")
+        rate, eta = self.rate(), self.eta_s()
+        parts.append(f"{format_rate(rate)} {self.work_unit or self.unit}/s")
+        if eta is not None:
+            parts.append(f"ETA {format_duration(eta)}{' at most' if self.work_unit and self.work_bound else ''}")
+        parts.append(format_duration(self._clock() - self.start))
+        return ", ".join(parts)
+
+
 @contextmanager
-def progress(description: str, total: int | None, unit: str) -> Iterator[Callable[[int], None]]:
-    """One progress bar (rich) for a long step; yields ``advance(n)``.
+def progress(description: str, total: int | None, unit: str, **work: Any) -> Iterator[Meter]:
+    """One progress bar (rich) for a long step; yields its :class:`Meter` (``meter(n)`` advances it by ``n``;
+    ``work``: the meter's ``work_unit``, ``work_total``, ``work_bound``).
 
     On a terminal it updates live. Off a terminal (a log file, ``ray job submit``) a bar cannot redraw, so
-    a line ``[description] done/total unit, elapsed`` is printed when the step starts, every
-    :data:`HEARTBEAT_S` seconds while it runs, and when it ends.
+    a line ``[description] <Meter.text()>`` is printed when the step starts, every :data:`HEARTBEAT_S`
+    seconds while it runs, and when it ends.
     """
+    meter = Meter(total, unit, **work)
     if not console.is_terminal:
-        with _heartbeat(description, total, unit) as advance:
-            yield advance
+        with _heartbeat(description, meter):
+            yield meter
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
+    from rich.text import Text
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+    class MeterColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(meter.text())
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MeterColumn(), console=console,
+                  transient=False) as bar:
+        task = bar.add_task(description, total=meter.fraction()[1])
+
+        def redraw(m: Meter) -> None:
+            done, total = m.fraction()
+            bar.update(task, completed=done, total=total)
+
+        meter.listeners.append(redraw)
+        yield meter
 
 
 @contextmanager
-def _heartbeat(description: str, total: int | None, unit: str,
-               period_s: float | None = None) -> Iterator[Callable[[int], None]]:
+def _heartbeat(description: str, meter: Meter, period_s: float | None = None) -> Iterator[None]:
     """Plain progress lines from a daemon thread (see :func:`progress`)."""
     import threading
-    import time
 
-    done, start, stop = [0], time.monotonic(), threading.Event()
+    stop = threading.Event()
 
     def line() -> None:
-        elapsed = int(time.monotonic() - start)
-        of = f"/{total}" if total is not None else ""
-        console.print(f"[{description}] {done[0]}{of} {unit}, {elapsed // 60}m{elapsed % 60:02d}s", highlight=False, markup=False)
+        console.print(f"[{description}] {meter.text()}", highlight=False, markup=False)
 
     def beat() -> None:
         while not stop.wait(HEARTBEAT_S if period_s is None else period_s):
@@ -188,7 +297,7 @@ def _heartbeat(description: str, total: int | None, unit: str,
     thread = threading.Thread(target=beat, name=f"peagle-progress-{description}", daemon=True)
     thread.start()
     try:
-        yield lambda n=1: done.__setitem__(0, done[0] + n)
+        yield
     finally:
         stop.set()
         thread.join()

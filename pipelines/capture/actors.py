@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ from pipelines.capture.rows import (
     tokenized_from_batch,
 )
 from pipelines.capture.target import load_target
+from pipelines.tally import Tally
 
 if TYPE_CHECKING:
     from pipelines.recipe import CaptureConfig
@@ -96,15 +97,21 @@ class CaptureActor:
         else:
             self.model, self.tokenizer = load_target(target_path, target_dtype, num_threads=num_threads)
 
-    def capture(self, tokenized: Sequence[Mapping[str, Any]], stats: Counter | None = None) -> list[dict[str, Any]]:
+    def capture(self, tokenized: Sequence[Mapping[str, Any]], stats: Counter | None = None,
+                progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+        """Captured samples of ``tokenized``; ``progress(n)`` as ``n`` of them are done (transformers: per
+        ``capture.batch_size`` batch; vllm: all at once, one ``generate``)."""
         stats = self.stats if stats is None else stats
         if self.engine is not None:
             from pipelines.capture.vllm_backend import capture_tokenized_vllm
 
-            return capture_tokenized_vllm(self.engine, tokenized, self.cfg, max_length_tokens=self.max_length_tokens,
-                                          stats=stats)
+            out = capture_tokenized_vllm(self.engine, tokenized, self.cfg, max_length_tokens=self.max_length_tokens,
+                                         stats=stats)
+            if progress is not None:
+                progress(len(out))
+            return out
         return capture_tokenized(self.model, tokenized, self.cfg, self.layer_ids, pad_token_id=pad_id(self.tokenizer),
-                                 max_length_tokens=self.max_length_tokens, stats=stats)
+                                 max_length_tokens=self.max_length_tokens, stats=stats, progress=progress)
 
     def __call__(self, batch) -> dict[str, Any]:
         return samples_to_columns(self.capture(tokenized_from_batch(batch)))
@@ -114,12 +121,14 @@ class CaptureShardActor(CaptureActor):
     """Materialized capture: each input row is one tokenized shard (from
     :func:`~pipelines.capture.tokenize.tokenize_shard_tasks`); captures it, writes
     ``shard-XXXXX.safetensors`` atomically (into ``out_dir``, with ``shard_metadata`` in its header),
-    returns its manifest rows and counts.
+    returns its manifest rows and counts. ``reports``: where it reports the conversations it is done with
+    (``conversations=n``) as each batch of samples is captured, and the shard's dropped ones at its end.
     """
 
-    def __init__(self, *args, out_dir: str, shard_metadata: dict[str, Any], **kwargs):
+    def __init__(self, *args, out_dir: str, shard_metadata: dict[str, Any], reports: Tally | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.out_dir, self.shard_metadata = Path(out_dir), shard_metadata
+        self.reports = reports or Tally()
 
     def __call__(self, batch) -> dict[str, Any]:
         out: dict[str, list] = {"shard_index": [], "rows": [], "stats": []}
@@ -139,10 +148,11 @@ class CaptureShardActor(CaptureActor):
             batch.column(SAMPLE_ID)[r].as_py(), ragged_from_arrow(batch.column(INPUT_IDS)[r].values),
             ragged_from_arrow(batch.column(LOSS_MASK)[r].values))]
         stats: Counter = Counter(json.loads(batch.column("tokenize_stats")[r].as_py()))
+        conversation_ids = json.loads(batch.column("conversation_ids")[r].as_py())
         t0 = time.perf_counter()
-        samples = self.capture(tokenized, stats)
+        samples = self.capture(tokenized, stats, progress=lambda n: self.reports.add(conversations=n))
         stats["forward_ms"] = round(1000 * (time.perf_counter() - t0))
-        meta = {**self.shard_metadata, "conversation_ids": json.loads(batch.column("conversation_ids")[r].as_py()),
-                "stats": dict(stats)}
+        self.reports.add(conversations=len(conversation_ids) - len(samples))  # dropped by the tokenize stage
+        meta = {**self.shard_metadata, "conversation_ids": conversation_ids, "stats": dict(stats)}
         path = self.out_dir / shards.shard_name(k)
         return k, shards.write_shard(path, samples, metadata=meta, validate=False), stats  # validated above

@@ -13,7 +13,7 @@ A aux width (``len(layer_ids) * Ht``), Ht target hidden.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +110,7 @@ def capture_tokenized(
     max_length_tokens: int | None = None,
     stats: Counter | None = None,
     validate: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """The model step of capture: tokenized rows (``sample_id``, ``input_ids [N]``, ``loss_mask [N]``,
     e.g. from :func:`~pipelines.capture.tokenize.tokenize_rows`) -> one captured sample per row, in
@@ -130,13 +131,14 @@ def capture_tokenized(
     any forward (array ops, microseconds per row). ``validate``: also check the hidden states for
     NaN/Inf, by one reduction per batch on the device (a failing batch's samples then go through
     ``validate_sample`` on the host, which names the sample). ``stats`` receives ``num_samples``,
-    ``num_tokens``, ``num_loss_tokens``.
+    ``num_tokens``, ``num_loss_tokens``; ``progress(n)`` is called as each batch's ``n`` samples are done.
 
     Raises:
         ValueError: a malformed tokenized row (before compute), or NaN/Inf in a sample's hidden states
             (naming the sample and the field; the target forward overflowed).
     """
     stats = stats if stats is not None else Counter()
+    advance = progress or (lambda n: None)
     dtype = storage_dtype(cfg)
     layer_ids = tuple(int(i) for i in layer_ids)
     rows = _check_tokenized(tokenized, dtype, max_length_tokens)
@@ -152,8 +154,10 @@ def capture_tokenized(
                                copy_stream=copy_stream, validate=validate)
         if pending is not None:  # the previous batch's copy ran while this batch's forward was queued
             _cut_samples(pending, rows, results, stats, dtype, layer_ids, max_length_tokens)
+            advance(len(pending.index))
         pending = batch
     _cut_samples(pending, rows, results, stats, dtype, layer_ids, max_length_tokens)
+    advance(len(pending.index))
     return [r for r in results if r is not None]
 
 

@@ -41,6 +41,7 @@ from pipelines.capture.actors import CaptureShardActor, actor_num_gpus, tokenize
 from pipelines.capture.rows import SAMPLE_ID, conversation_rows
 from pipelines.capture.target import check_backend
 from pipelines.capture.tokenize import DROP_REASONS, count_assistant_tokens, tokenize_shard_tasks
+from pipelines.tally import tally
 
 if TYPE_CHECKING:
     from pipelines.recipe import CaptureConfig, DataConfig, TargetConfig
@@ -99,7 +100,8 @@ def run_capture(
     and ``num_gpus_per_worker`` GPUs each; None = 1 if the Ray cluster has GPUs, else 0); Ray starts
     locally if ``ray.init`` has not run. With False the same two stages run in-process (a GPU box
     without Ray). None = Ray when importable. ``progress(n)`` is called as ``n`` conversations are
-    captured (shards kept from an earlier run count at the start). ``engine_kwargs``: added to each
+    captured, batch by batch inside each shard (the actors report them: ``pipelines.tally``; shards kept
+    from an earlier run count at the start). ``engine_kwargs``: added to each
     actor's ``vllm.LLM`` (``capture.backend: vllm``; the pipeline passes
     ``pipelines.stages.base.engine_settings(recipe).vllm_kwargs``), ignored by transformers.
 
@@ -128,6 +130,7 @@ def run_capture(
     pending = [k for k in range(len(tasks)) if k not in done]
     advance = progress or (lambda n: None)
     advance(sum(len(tasks[k]) for k in done))
+    use_ray = use_ray and bool(pending)
     log.info("capture: %d shards, %d verified and kept, %d to write", len(tasks), num_reused, len(pending))
 
     t_run = time.perf_counter()
@@ -136,14 +139,18 @@ def run_capture(
                     "engine_kwargs": dict(engine_kwargs or {})}
     tokenize_kwargs = {"tokenizer_path": str(asset.path), "max_length_tokens": data_cfg.max_length_tokens,
                        "on_too_long": capture_cfg.on_too_long}
-    if not pending:
-        written: Iterator[Mapping[str, Any]] = iter(())
-    elif use_ray:
-        written = _capture_with_ray(tasks, pending, actor_args, actor_kwargs, tokenize_kwargs, capture_cfg.num_workers,
-                                    num_cpus_per_worker=num_cpus_per_worker, num_gpus_per_worker=num_gpus_per_worker)
-    else:  # the same two stages, in-process
-        written = _capture_in_process(tasks, pending, actor_args, actor_kwargs, tokenize_kwargs)
-    _collect(written, tasks, done, shard_stats, advance)
+    # the actors report conversations as each batch of samples is captured (pipelines.tally)
+    with tally(lambda counts: advance(counts.get("conversations", 0)), use_ray=use_ray) as reports:
+        actor_kwargs["reports"] = reports
+        if not pending:
+            written: Iterator[Mapping[str, Any]] = iter(())
+        elif use_ray:
+            written = _capture_with_ray(tasks, pending, actor_args, actor_kwargs, tokenize_kwargs,
+                                        capture_cfg.num_workers, num_cpus_per_worker=num_cpus_per_worker,
+                                        num_gpus_per_worker=num_gpus_per_worker)
+        else:  # the same two stages, in-process
+            written = _capture_in_process(tasks, pending, actor_args, actor_kwargs, tokenize_kwargs)
+        _collect(written, done, shard_stats)
     run_s = time.perf_counter() - t_run
 
     meta, disk = _finish(out_dir, tasks, done, shard_stats, pending, run_s, asset=asset, target_cfg=target_cfg,
@@ -158,16 +165,14 @@ def run_capture(
     return result
 
 
-def _collect(written: Iterator[Mapping[str, Any]], tasks: list, done: dict, shard_stats: dict,
-             advance: Callable[[int], None]) -> None:
+def _collect(written: Iterator[Mapping[str, Any]], done: dict, shard_stats: dict) -> None:
     """Record each shard row the capture stage yields (``shard_index``, its sample ``rows`` and ``stats`` as JSON)
-    in ``done`` / ``shard_stats`` by shard index, log it and advance progress by its conversations."""
+    in ``done`` / ``shard_stats`` by shard index and log it."""
     for row in written:
         k = int(row["shard_index"])
         done[k] = json.loads(row["rows"])
         shard_stats[k] = json.loads(row["stats"])
         log.info("captured %s (%d samples)", shards.shard_name(k), len(done[k]))
-        advance(len(tasks[k]))
 
 
 def _fingerprint(asset, layer_ids, capture_cfg: CaptureConfig, data_cfg: DataConfig) -> dict[str, Any]:

@@ -25,14 +25,18 @@ prompt that leaves no room gets ``None``. Per-request seeds: :func:`request_seed
 from __future__ import annotations
 
 import json
+import logging
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pipelines.recipe import DataConfig, RegenerateConfig, TargetConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,15 +106,23 @@ class VLLMEngine:
     Prompts longer than ``max_model_len - 1`` tokens get ``None`` (the conversation stops there);
     ``max_tokens`` is capped so prompt + response fit ``max_model_len``.
     Create inside an ``if __name__ == "__main__":`` script, a Ray actor or a subprocess (vLLM spawns).
+
+    ``on_tokens(n)``: told every :data:`TOKENS_EVERY_S` seconds while a generate call runs how many tokens
+    the engine generated since (vLLM's own ``vllm:generation_tokens`` counter, ``LLM.get_metrics``, read by a
+    thread; it turns the engine's statistics on: ``disable_log_stats=False``). The requests of a call decode
+    together and finish together: this is how the call's progress shows before they do.
     """
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: int = 2048,
-                 gpu_memory_utilization: float = 0.5, seed: int = 0, name: str | None = None, **engine_kwargs: Any):
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, name: str | None = None,
+                 on_tokens: Callable[[int], None] | None = None, **engine_kwargs: Any):
         from vllm import LLM
 
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}; use a value in (0, 1]")
-        self.max_model_len = max_model_len
+        self.max_model_len, self.on_tokens = max_model_len, on_tokens
+        if on_tokens is not None:
+            engine_kwargs.setdefault("disable_log_stats", False)
         self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -138,10 +150,65 @@ class VLLMEngine:
             index.append(j)
         out: list[Generation | None] = [None] * len(prompt_ids)
         if reqs:
-            for j, res in zip(index, self.llm.generate(reqs, params, use_tqdm=False)):
+            with _counting_tokens(self.llm, self.on_tokens):
+                results = self.llm.generate(reqs, params, use_tqdm=False)
+            for j, res in zip(index, results):
                 o = res.outputs[0]
                 out[j] = Generation(o.text, len(o.token_ids), str(o.finish_reason))
         return out
+
+
+TOKENS_EVERY_S = 2.0  # VLLMEngine's on_tokens: how often the generated tokens are read while a call runs
+
+
+def generated_tokens(llm) -> int:
+    """vLLM's ``vllm:generation_tokens`` counter of ``llm`` (a ``vllm.LLM`` with statistics on), summed over
+    its engines."""
+    from vllm.v1.metrics.reader import Counter as MetricCounter
+
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:generation_tokens"
+               and isinstance(m, MetricCounter))
+
+
+@contextmanager
+def _counting_tokens(llm, on_tokens: Callable[[int], None] | None) -> Iterator[None]:
+    """While the body runs, ``on_tokens(n)`` every :data:`TOKENS_EVERY_S` seconds with the tokens ``llm``
+    generated since the last call, and once more when it ends; nothing when ``on_tokens`` is None or the
+    engine keeps no statistics (``disable_log_stats=True`` given)."""
+    import threading
+
+    try:
+        last = [generated_tokens(llm)] if on_tokens is not None else None
+    except Exception as e:  # noqa: BLE001 - no count, no progress: the generation itself is unaffected
+        log.debug("no token count from the vLLM engine: %s", e)
+        last = None
+    if last is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def tell() -> None:
+        try:
+            now = generated_tokens(llm)
+        except Exception as e:  # noqa: BLE001 - as above
+            log.debug("token count of the vLLM engine unreadable: %s", e)
+            return
+        if now > last[0]:
+            on_tokens(now - last[0])
+            last[0] = now
+
+    def loop() -> None:
+        while not stop.wait(TOKENS_EVERY_S):
+            tell()
+
+    thread = threading.Thread(target=loop, name="peagle-vllm-tokens", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        tell()
 
 
 class RayDataLLMEngine:
@@ -218,11 +285,14 @@ class TransformersEngine:
     one batch size per cache length (``_cap``), short batches filled up with copies of their first
     prompt (outputs dropped), one cache object per shape, reset and reused.
     On CPU the static cache runs uncompiled (same results, no speed-up).
+
+    ``on_tokens(n)``: told after each ``generate`` batch how many tokens it generated.
     """
 
     def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: int = 2048,
                  name: str | None = None, num_threads: int | None = None, model=None, tokenizer=None,
-                 batch_size: int = 64, static_cache: bool = False, max_batch_tokens: int = 262_144):
+                 batch_size: int = 64, static_cache: bool = False, max_batch_tokens: int = 262_144,
+                 on_tokens: Callable[[int], None] | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -238,6 +308,7 @@ class TransformersEngine:
         self.model.eval()
         self.max_model_len = max_model_len
         self.batch_size, self.static_cache, self.max_batch_tokens = batch_size, static_cache, max_batch_tokens
+        self.on_tokens = on_tokens
         # static cache lengths (tokens): a few fixed sizes, so few compiled decoding graphs
         self.cache_lengths = tuple(sorted({c for c in (512, 1024) if c < max_model_len} | {max_model_len}))
         self.max_new_hint = 0
@@ -277,6 +348,8 @@ class TransformersEngine:
             gens = self._generate_batch([list(prompt_ids[j]) for j in chunk], p, int(seeds[chunk[0]]))
             for j, g in zip(chunk, gens):
                 out[j] = g
+            if self.on_tokens is not None:
+                self.on_tokens(sum(g.num_tokens for g in gens))
         return out
 
     def _cache_len(self, length: int) -> int:

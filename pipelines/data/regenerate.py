@@ -28,15 +28,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelines.data.engines import ENGINES, Engine, RayDataLLMEngine, engine_setup, make_engine, request_seed
 from pipelines.data.rows import KEEP_ANSWERS
+from pipelines.tally import Tally, VLLMTokenGauge, tally
 
 if TYPE_CHECKING:
+    from pipelines.console import Meter
     from pipelines.recipe import DataConfig, RegenerateConfig, TargetConfig
 
 log = logging.getLogger(__name__)
@@ -49,9 +52,19 @@ def sampling_dict(cfg: RegenerateConfig) -> dict[str, Any]:
             "greedy": cfg.temperature == 0}
 
 
+def user_turns(row: Mapping[str, Any], cfg: RegenerateConfig) -> list[str]:
+    """The user turns of conversation ``row`` that get an answer: the first ``cfg.max_turns``."""
+    return [m["content"] for m in row["messages"] if m["role"] == "user"][: cfg.max_turns]
+
+
+def token_budget(rows: Iterable[Mapping[str, Any]], cfg: RegenerateConfig) -> int:
+    """The most tokens regenerating ``rows`` can generate: ``max_tokens_per_turn`` per answered user turn."""
+    return cfg.max_tokens_per_turn * sum(len(user_turns(r, cfg)) for r in rows)
+
+
 def regenerate_conversations(
     rows: Iterable[Mapping[str, Any]], engine: Engine, cfg: RegenerateConfig, *, stats: Counter | None = None,
-    progress: Callable[[int], None] | None = None,
+    report: Callable[..., None] | None = None,
 ) -> list[dict[str, Any]]:
     """Regenerate the assistant turns of conversation ``rows`` (``id, messages, source``) with ``engine``,
     turn by turn, batched across conversations; no Ray.
@@ -61,22 +74,24 @@ def regenerate_conversations(
     context (counted ``stopped_context_full``) or a response is empty (``empty_generations``);
     conversations left with no assistant turn are dropped (``dropped_no_response``; of them
     ``dropped_context_full`` and ``dropped_empty`` stopped at their first turn for that reason).
-    ``stats`` receives ``num_generated_tokens``, ``num_turns``, ``finish_<reason>`` and ``generate_s``;
-    ``progress(n)`` is called as ``n`` conversations finish.
+    ``stats`` receives ``num_generated_tokens``, ``num_turns``, ``finish_<reason>`` and ``generate_s``.
+    ``report(conversations=, tokens=, unused_tokens=)`` (a :class:`pipelines.tally.Tally`'s ``add``) gets,
+    after each turn, the conversations that finished, the tokens generated and the part of
+    :func:`token_budget` that will not be (answers ended before ``max_tokens_per_turn``, turns not asked).
 
     Returns:
         rows ``{id, messages, source, source_id, regen_model, sampling, num_generated_tokens}`` in input order.
     """
     stats = stats if stats is not None else Counter()
+    report = report or (lambda **counts: None)
     convs = []
     for r in rows:
         msgs = [{"role": m["role"], "content": m["content"]} for m in r["messages"]]
         system = [m for m in msgs[:1] if m["role"] == "system"]
-        users = [m["content"] for m in msgs if m["role"] == "user"][: cfg.max_turns]
-        convs.append({"row": r, "history": list(system), "users": users, "tokens": 0, "active": True})
+        convs.append({"row": r, "history": list(system), "users": user_turns(r, cfg), "tokens": 0, "active": True})
     num_turns = max((len(c["users"]) for c in convs), default=0)
-    advance = progress or (lambda n: None)
-    advance(sum(1 for c in convs if not c["users"]))
+    report(conversations=sum(1 for c in convs if not c["users"]))
+    max_tokens = cfg.max_tokens_per_turn
     for t in range(num_turns):
         todo = [c for c in convs if c["active"] and t < len(c["users"])]
         if not todo:
@@ -86,21 +101,27 @@ def regenerate_conversations(
         t0 = time.perf_counter()
         gens = engine.generate(prompts, cfg, seeds)
         stats["generate_s"] += time.perf_counter() - t0
+        tokens = unused = 0
         for c, prompt, g in zip(todo, prompts, gens):
             if g is None:
                 c["active"], c["stop"] = False, "context_full"
                 stats["stopped_context_full"] += 1
+                unused += max_tokens * (len(c["users"]) - t)
                 continue
             stats[f"finish_{g.finish_reason}"] += 1
             stats["num_generated_tokens"] += g.num_tokens
+            tokens += g.num_tokens
+            unused += max(0, max_tokens - g.num_tokens)
             if not g.text.strip():
                 c["active"], c["stop"] = False, "empty"
                 stats["empty_generations"] += 1
+                unused += max_tokens * (len(c["users"]) - t - 1)
                 continue
             c["history"] = prompt + [{"role": "assistant", "content": g.text}]
             c["tokens"] += g.num_tokens
             stats["num_turns"] += 1
-        advance(sum(1 for c in todo if not c["active"] or t + 1 >= len(c["users"])))
+        report(conversations=sum(1 for c in todo if not c["active"] or t + 1 >= len(c["users"])), tokens=tokens,
+               unused_tokens=unused)
     sampling = sampling_dict(cfg)
     out = []
     for c in convs:
@@ -139,16 +160,22 @@ def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
 
 
 class RegenerateActor:
-    """Ray Data ``map_batches`` actor holding one engine: conversation rows -> regenerated rows."""
+    """Ray Data ``map_batches`` actor holding one engine: conversation rows -> regenerated rows. ``reports``: where
+    it reports its progress (:func:`regenerate_conversations`' counts; ``live_tokens`` as its engine generates)."""
 
-    def __init__(self, backend: str, model_path: str, cfg: RegenerateConfig, engine_kwargs: dict[str, Any]):
-        self.engine = make_engine(backend, model_path, **engine_kwargs)
+    def __init__(self, backend: str, model_path: str, cfg: RegenerateConfig, engine_kwargs: dict[str, Any],
+                 reports: Tally | None = None):
+        self.reports = reports or Tally()
+        self.engine = make_engine(backend, model_path, on_tokens=self._live_tokens, **engine_kwargs)
         self.cfg = cfg
+
+    def _live_tokens(self, n: int) -> None:
+        self.reports.add(live_tokens=n)
 
     def __call__(self, batch) -> dict[str, list]:
         rows = batch.to_pylist() if hasattr(batch, "to_pylist") else batch.to_dict("records")
         stats: Counter = Counter()
-        out = regenerate_conversations(rows, self.engine, self.cfg, stats=stats)
+        out = regenerate_conversations(rows, self.engine, self.cfg, stats=stats, report=self.reports.add)
         keys = ("id", "messages", "source", "source_id", "regen_model", "sampling", "num_generated_tokens")
         cols: dict[str, list] = {k: [r[k] for r in out] for k in keys}
         cols["_batch_stats"] = [dict(stats)] + [{}] * (len(out) - 1) if out else []
@@ -222,9 +249,14 @@ def run_regenerate(
     if todo:
         model_path, kwargs = engine_setup(target_cfg, regen_cfg, data_cfg, num_cpus_per_worker=num_cpus_per_worker,
                                           engine_kwargs=engine_kwargs)
-        with progress("regenerate", total=len(todo), unit="conversations") as advance:
-            out += _generate(todo, model_path, regen_cfg, kwargs, num_cpus_per_worker=num_cpus_per_worker,
-                             use_ray=use_ray, stats=totals, progress=advance)
+        budget = token_budget(todo, regen_cfg)
+        with progress("regenerate", total=len(todo), unit="conversations", work_unit="tokens", work_total=budget,
+                      work_bound=True) as meter:
+            with _progress_tally(meter, budget, use_ray=use_ray, regen_cfg=regen_cfg, model_path=model_path) as reports:
+                out += _generate(todo, model_path, regen_cfg, kwargs, num_cpus_per_worker=num_cpus_per_worker,
+                                 use_ray=use_ray, stats=totals, reports=reports)
+            generated = int(totals["num_generated_tokens"])
+            meter.update(done=len(todo), work_total=generated, work=generated)  # exact, whatever reports were lost
     order = {r["id"]: r["_order"] for r in rows}
     out.sort(key=lambda r: order[r["id"]])
     seconds = time.perf_counter() - t0
@@ -249,20 +281,46 @@ def served_row(row: Mapping[str, Any], cfg: RegenerateConfig) -> dict[str, Any]:
             "sampling": sampling_dict(cfg) | {"temperature": 0.0, "greedy": True}, "num_generated_tokens": 0}
 
 
-def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: RegenerateConfig, kwargs: dict[str, Any], *,
-              num_cpus_per_worker: float, use_ray: bool, stats: Counter,
-              progress: Callable[[int], None]) -> list[dict[str, Any]]:
-    """The engine part of :func:`run_regenerate`: ``ray.data.llm`` passes, one in-process engine, or
-    an actor pool; regenerated rows in any order; ``progress(n)`` as conversations finish."""
-    if use_ray and regen_cfg.backend == "vllm" and regen_cfg.vllm_runner == "ray_data_llm":
-        engine = RayDataLLMEngine(model_path, regen_cfg, num_cpus=num_cpus_per_worker, **kwargs)
-        return regenerate_conversations(rows, engine, regen_cfg, stats=stats, progress=progress)
+def _ray_runner(regen_cfg: RegenerateConfig, use_ray: bool) -> str | None:
+    """Where :func:`_generate` runs the engines: ``ray_data_llm`` passes, an ``actor`` pool, or None (in-process)."""
     if not use_ray:
-        engine = make_engine(regen_cfg.backend, model_path, **kwargs)
+        return None
+    return "ray_data_llm" if regen_cfg.backend == "vllm" and regen_cfg.vllm_runner == "ray_data_llm" else "actor"
+
+
+@contextmanager
+def _progress_tally(meter: Meter, budget: int, *, use_ray: bool, regen_cfg: RegenerateConfig,
+                    model_path: Path) -> Iterator[Tally]:
+    """The :class:`Tally` the engines report into, feeding ``meter``: conversations finished; tokens, the most of
+    those of finished answers and those counted live (by the actors' engines, or for ``ray.data.llm``
+    vLLM's own counter, :class:`~pipelines.tally.VLLMTokenGauge`); the budget less what will not be used."""
+    runner = _ray_runner(regen_cfg, use_ray)
+    counts: Counter = Counter()
+
+    def on_delta(delta: dict[str, int]) -> None:
+        counts.update(delta)
+        meter.update(done=counts["conversations"], work_total=budget - counts["unused_tokens"],
+                     work=max(counts["tokens"], counts["live_tokens"]))
+
+    gauges = [VLLMTokenGauge(str(model_path), key="live_tokens")] if runner == "ray_data_llm" else []
+    with tally(on_delta, use_ray=runner == "actor", gauges=gauges) as t:
+        yield t
+
+
+def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: RegenerateConfig, kwargs: dict[str, Any], *,
+              num_cpus_per_worker: float, use_ray: bool, stats: Counter, reports: Tally) -> list[dict[str, Any]]:
+    """The engine part of :func:`run_regenerate`: ``ray.data.llm`` passes, one in-process engine, or
+    an actor pool; regenerated rows in any order; progress reported into ``reports``."""
+    runner = _ray_runner(regen_cfg, use_ray)
+    if runner == "ray_data_llm":
+        engine = RayDataLLMEngine(model_path, regen_cfg, num_cpus=num_cpus_per_worker, **kwargs)
+        return regenerate_conversations(rows, engine, regen_cfg, stats=stats, report=reports.add)
+    if runner is None:
+        engine = make_engine(regen_cfg.backend, model_path, on_tokens=lambda n: reports.add(live_tokens=n), **kwargs)
         out: list[dict[str, Any]] = []
         for i in range(0, len(rows), regen_cfg.batch_size):
             out.extend(regenerate_conversations(rows[i:i + regen_cfg.batch_size], engine, regen_cfg, stats=stats,
-                                                progress=progress))
+                                                report=reports.add))
             log.info("regenerated %d/%d conversations, %d tokens", min(i + regen_cfg.batch_size, len(rows)),
                      len(rows), stats["num_generated_tokens"])
         return out
@@ -273,7 +331,7 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
     ds = ray.data.from_items(rows)
     res = ds.map_batches(
         RegenerateActor,
-        fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs),
+        fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs, reports),
         compute=ray.data.ActorPoolStrategy(size=regen_cfg.num_workers),
         batch_size=regen_cfg.batch_size,
         batch_format="pyarrow",
@@ -283,9 +341,7 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
     out = []
     for r in res.iter_rows():
         # Arrow gives the other rows of a batch the first row's stats keys with None values: skip them
-        batch_stats = {k: v for k, v in (r.pop("_batch_stats") or {}).items() if v is not None}
-        stats.update(batch_stats)
-        progress(int(batch_stats.get("num_conversations") or 0))
+        stats.update({k: v for k, v in (r.pop("_batch_stats") or {}).items() if v is not None})
         if r["id"] is not None:
             out.append(r)
             if len(out) % max(1, regen_cfg.batch_size) == 0:

@@ -83,9 +83,10 @@ class CaptureStage(Stage):
                          f"({format_bytes(sum(tree_bytes(d) for d in older))}): {', '.join(d.name for d in older)}")
         from pipelines.console import progress
 
-        with progress("capture", total=len(rows), unit="conversations") as advance:
+        with progress("capture", total=len(rows), unit="conversations") as meter:
             res = run_capture(rows, r.target, cap, r.data, out_dir, num_cpus_per_worker=cpus_per_worker(cap.num_workers),
-                              progress=advance, engine_kwargs=self.ctx.engine.vllm_kwargs)
+                              progress=meter, engine_kwargs=self.ctx.engine.vllm_kwargs)
+            meter.update(done=len(rows))  # all of them, whatever progress reports were lost
         self.ctx.say(f"{res.num_samples} samples, {res.num_tokens} tokens ({res.num_loss_tokens} assistant), "
                      f"{res.num_shards} shards ({res.num_shards_reused} reused), "
                      f"{format_bytes(res.bytes_per_token * res.num_tokens)} on disk, "

@@ -81,6 +81,11 @@ class TrainCallback:
         last logged window. An exception raised here ends ``fit`` on every rank (a worker failure: Ray
         restarts from this checkpoint when ``max_failures`` allows)."""
 
+    def on_step(self, step: int) -> None:
+        """Called on every rank after each optimizer step (``step`` counts from 1, a resumed run from its
+        checkpoint's step), before any log or checkpoint of that step; keep it cheap (the progress bar:
+        :class:`pipelines.train.progress.StepReporter`)."""
+
 
 class Trainer:
     """One worker's training loop, Ray-free.
@@ -102,7 +107,7 @@ class Trainer:
         on_log: ``f(step, metrics)`` called every ``log_every_steps`` on every rank.
         write_checkpoint: ``f(step, metrics)`` called at checkpoint steps on every rank; it calls
             :meth:`save_checkpoint` into a directory of its choice (None: no checkpoints written).
-        callbacks: :class:`TrainCallback` s, called after each checkpoint.
+        callbacks: :class:`TrainCallback` s, called after each step and each checkpoint.
         on_epoch_end: ``f(EpochRecord)`` on every rank when an epoch ends and when the run ends (its
             last, possibly partial, epoch); a collective may run in it (all ranks call it together).
         log_every_steps: metric window.
@@ -279,6 +284,8 @@ class Trainer:
         st.positions_seen += int(metrics.get(NUM_FORWARD_SLOTS_KEY, 0))  # drafter slots run: "positions"
         for k, v in metrics.items():
             self._window[k].append(float(v))
+        for cb in self.callbacks:
+            cb.on_step(st.step)
         done = st.step >= self.total_steps
         if st.step % self.log_every == 0 or done:
             self._log_window()

@@ -1,5 +1,6 @@
-"""The train stage's progress bar: Ray Train runs in worker processes, so rank 0 sends the step of each
-checkpoint to the driver through a Ray queue and a driver thread advances the bar.
+"""The train stage's progress bar: Ray Train runs in worker processes, so rank 0 sends its step to the
+driver through a Ray queue, at most every :data:`REPORT_EVERY_S` seconds and at each checkpoint, and a
+driver thread moves the bar.
 
 Imported by :meth:`pipelines.stages.train.TrainStage.run` only (it imports torch via the train loop).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,19 +17,30 @@ from pipelines.train.loop import TrainCallback
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
+REPORT_EVERY_S = 1.0  # a step is sent at most this often (a queue put: a Ray actor call, ~0.1 ms)
 
 
 class StepReporter(TrainCallback):
-    """Puts each checkpoint's step on ``queue`` (rank 0 only); never fails the training."""
+    """Puts rank 0's step on ``queue``: after a step when :data:`REPORT_EVERY_S` seconds have passed since
+    the last one sent, and at each checkpoint; never fails the training."""
 
     def __init__(self, queue) -> None:
         self.queue = queue
+        self._sent_at = float("-inf")
+
+    def on_step(self, step: int) -> None:
+        if time.monotonic() - self._sent_at >= REPORT_EVERY_S:
+            self._send(step)
 
     def on_checkpoint(self, step: int, metrics: dict[str, float]) -> None:
+        self._send(step)
+
+    def _send(self, step: int) -> None:
         import ray.train
 
         if ray.train.get_context().get_world_rank() != 0:
             return
+        self._sent_at = time.monotonic()
         try:
             self.queue.put_nowait(int(step))
         except Exception as e:  # noqa: BLE001 - a lost progress update must not stop training
@@ -43,7 +56,7 @@ def train_progress(total_steps: int) -> Iterator[list[TrainCallback]]:
 
     queue = Queue(actor_options={"num_cpus": 0})
     stop = threading.Event()
-    with progress("train", total=total_steps, unit="steps") as advance:
+    with progress("train", total=total_steps, unit="steps") as meter:
 
         def pump() -> None:
             done = 0
@@ -54,8 +67,8 @@ def train_progress(total_steps: int) -> Iterator[list[TrainCallback]]:
                     if stop.is_set():
                         return
                     continue
-                advance(max(0, step - done))
                 done = max(done, step)
+                meter.update(done=done)
 
         thread = threading.Thread(target=pump, name="peagle-train-progress", daemon=True)
         thread.start()

@@ -1,6 +1,7 @@
 """pipelines.data.regenerate and pipelines.data.engines without Ray or vLLM: turn-by-turn conditioning, provenance,
 the transformers engine."""
 
+import time
 from collections import Counter
 
 import pytest
@@ -78,6 +79,28 @@ def test_empty_and_context_full_stop_the_conversation():
         "; 1 of 2 kept: 1 dropped (1 first prompt longer than the context), 1 cut short (1 an empty response)")
 
 
+def test_progress_reports_add_up_to_the_budget_turn_by_turn():
+    """After each turn: conversations finished, tokens generated, budget that will not be used; at the end the
+    tokens generated are the budget less what was not used."""
+    rows = [
+        {"id": "a", "messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "-"},
+                                 {"role": "user", "content": "u2"}]},  # two turns of 3 tokens
+        {"id": "e", "messages": [{"role": "user", "content": "EMPTY"}, {"role": "assistant", "content": "-"},
+                                 {"role": "user", "content": "never asked"}]},  # ends at turn 1: turn 2 unused
+        {"id": "n", "messages": [{"role": "user", "content": "FULL"}]},  # no room: its whole budget unused
+        {"id": "s", "messages": [{"role": "system", "content": "no user turn"}]},  # done before any turn
+    ]
+    cfg, reports, stats = RegenerateConfig(max_tokens_per_turn=10, max_turns=2), [], Counter()
+    regenerate.regenerate_conversations(rows, EchoEngine(empty_on="EMPTY", none_on="FULL"), cfg, stats=stats,
+                                        report=lambda **counts: reports.append(counts))
+    assert regenerate.token_budget(rows, cfg) == 10 * (2 + 2 + 1 + 0)
+    assert reports == [{"conversations": 1},
+                       {"conversations": 2, "tokens": 3 + 1, "unused_tokens": 7 + (9 + 10) + 10},
+                       {"conversations": 1, "tokens": 3, "unused_tokens": 7}]
+    assert sum(r.get("conversations", 0) for r in reports) == len(rows)
+    assert 50 - sum(r.get("unused_tokens", 0) for r in reports) == stats["num_generated_tokens"] == 7
+
+
 def test_transformers_engine_greedy_matches_generate():
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_target_config(eos_token_id=2)).eval()
@@ -118,6 +141,10 @@ def test_transformers_engine_static_cache_buckets_and_caps():
     assert sorted(n for c in calls for n in c) == sorted(len(engines._chat_ids(tok, m)) for m in prompts)
     assert all(c == sorted(c) for c in calls) and max(map(len, calls)) <= 2  # 150 // 64 (the only cache length)
     assert static.cache_lengths == (64,) and set(static._caches) == {(2, 64)}  # short batches filled up to 2
+    told = []
+    static.on_tokens = told.append
+    got = static.generate(prompts, cfg, [0] * 7)
+    assert len(told) == len(calls) // 2 and sum(told) == sum(g.num_tokens for g in got)  # once per batch
     with pytest.raises(ValueError, match="batch_size=0"):
         engines.TransformersEngine("tiny", model=model, tokenizer=tok, batch_size=0)
 
@@ -161,3 +188,38 @@ def test_vllm_step_sizes_reach_the_engine_only_when_set(monkeypatch, tmp_path):
     got = kwargs(max_num_seqs=512, max_num_batched_tokens=32768)
     assert got["max_num_seqs"] == 512 and got["max_num_batched_tokens"] == 32768
     assert "max_num_seqs" not in kwargs(backend="transformers", max_num_seqs=512)
+
+
+def test_vllm_token_count_is_told_while_a_generate_call_runs(monkeypatch):
+    """``VLLMEngine(on_tokens=...)``: a thread reads vLLM's ``vllm:generation_tokens`` while the call runs and
+    tells the increase; an engine without statistics tells nothing and still generates."""
+    pytest.importorskip("vllm")
+    from vllm.v1.metrics.reader import Counter as MetricCounter
+
+    class FakeLLM:
+        def __init__(self) -> None:
+            self.tokens = 0
+
+        def get_metrics(self):
+            return [MetricCounter("vllm:generation_tokens", {"engine": "0"}, self.tokens),
+                    MetricCounter("vllm:prompt_tokens", {"engine": "0"}, 10**6)]
+
+    monkeypatch.setattr(engines, "TOKENS_EVERY_S", 0.01)
+    llm, told = FakeLLM(), []
+    llm.tokens = 500  # an earlier call's tokens: not told again
+    with engines._counting_tokens(llm, told.append):
+        for _ in range(3):
+            llm.tokens += 40
+            deadline = time.monotonic() + 10
+            while sum(told) < llm.tokens - 500 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        llm.tokens += 2  # just before the end: told by the last read
+    assert len(told) >= 3 and sum(told) == 122
+
+    class NoStats:
+        def get_metrics(self):
+            raise AssertionError("Stat logging disabled")
+
+    with engines._counting_tokens(NoStats(), told.append):
+        pass
+    assert sum(told) == 122

@@ -14,13 +14,14 @@ pytestmark = pytest.mark.unit
 
 
 def test_progress_off_a_terminal_prints_heartbeat_lines(capsys):
-    with console._heartbeat("train", 10, "steps", period_s=0.05) as advance:
+    meter = console.Meter(10, "steps")
+    with console._heartbeat("train", meter, period_s=0.05):
         for _ in range(4):
-            advance(2)
+            meter(2)
             time.sleep(0.06)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.strip()]
-    assert lines[0] == "[train] 0/10 steps, 0m00s"
-    assert lines[-1].startswith("[train] 8/10 steps, ")
+    assert lines[0] == "[train] 0/10 steps, - steps/s, 0m00s"
+    assert lines[-1].startswith("[train] 8/10 steps, ") and "ETA 0m0" in lines[-1]
     assert len(lines) >= 4  # start, at least two beats while it ran, the end
     assert not [t for t in threading.enumerate() if t.name.startswith("peagle-progress-")]
 
@@ -29,15 +30,73 @@ def test_progress_off_a_terminal_goes_through_the_heartbeat(monkeypatch):
     calls = []
     monkeypatch.setattr(console, "_heartbeat", lambda *a, **k: calls.append(a) or _null())
     monkeypatch.setattr(type(console.console), "is_terminal", property(lambda self: False))
-    with console.progress("capture", 3, "conversations") as advance:
-        advance(3)
-    assert calls == [("capture", 3, "conversations")]
+    with console.progress("capture", 3, "conversations") as meter:
+        meter(3)
+    assert [(d, m.done, m.total, m.unit) for d, m in calls] == [("capture", 3, 3, "conversations")]
+
+
+def test_progress_on_a_terminal_draws_the_meter_in_a_rich_bar(monkeypatch):
+    from rich.console import Console
+
+    monkeypatch.setattr(console, "console", Console(force_terminal=True, width=160, record=True))
+    with console.progress("train", 960, "steps") as meter:
+        meter.update(done=640)
+    assert "640/960 steps" in console.console.export_text()
 
 
 def _null():
     from contextlib import nullcontext
 
-    return nullcontext(lambda n=1: None)
+    return nullcontext()
+
+
+class Clock:
+    """A settable clock for :class:`console.Meter`."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_meter_rate_and_eta_are_measured_from_the_first_move():
+    clock = Clock()
+    meter = console.Meter(960, "steps", clock=clock)
+    clock.now += 120  # start-up: no work yet, no rate
+    assert (meter.rate(), meter.eta_s()) == (None, None)
+    meter.update(done=40)  # a resumed run's steps, or start-up work: the first move is not timed
+    assert meter.rate() is None
+    clock.now += 10
+    meter(20)
+    assert meter.rate() == pytest.approx(2.0) and meter.eta_s() == pytest.approx(900 / 2.0)
+    assert meter.text() == "60/960 steps, 2.00 steps/s, ETA 7m30s, 2m10s"
+
+
+def test_meter_with_a_work_unit_times_the_work_and_bounds_it():
+    clock = Clock()
+    meter = console.Meter(304, "conversations", work_unit="tokens", work_total=58_368, work_bound=True, clock=clock)
+    assert meter.text() == "0/304 conversations, 0 of at most 58,368 tokens, - tokens/s, 0m00s"
+    clock.now += 60
+    meter.update(work=1_000)
+    clock.now += 10
+    meter.update(work=3_100, work_total=50_000)  # answers ended early: less left than the bound said
+    assert meter.rate() == pytest.approx(210.0) and meter.eta_s() == pytest.approx((50_000 - 3_100) / 210.0)
+    assert meter.text() == ("0/304 conversations, 3,100 of at most 50,000 tokens, 210 tokens/s, ETA 3m43s at most, "
+                            "1m10s")
+    meter.update(work=60_000)  # a count that overshoots (a retried task reported twice) stays within the total
+    assert meter.work == 50_000
+
+
+@pytest.mark.parametrize(("per_s", "text"), [(None, "-"), (1234.4, "1,234"), (12.34, "12.3"), (1.346, "1.35"),
+                                            (0.0421, "0.042")])
+def test_format_rate(per_s, text):
+    assert console.format_rate(per_s) == text
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0, "0m00s"), (59.6, "1m00s"), (4503, "75m03s"), (-3, "0m00s")])
+def test_format_duration(seconds, text):
+    assert console.format_duration(seconds) == text
 
 
 def test_piped_output_is_wide():

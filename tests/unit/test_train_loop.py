@@ -163,6 +163,57 @@ def test_loss_decreases_and_checkpoints(tmp_path):
         assert (tmp_path / "ck" / kept[-1] / name).is_file()
 
 
+class Steps(T.TrainCallback):
+    """Records the step of each on_step and on_checkpoint call."""
+
+    def __init__(self) -> None:
+        self.steps, self.checkpoints = [], []
+
+    def on_step(self, step: int) -> None:
+        self.steps.append(step)
+
+    def on_checkpoint(self, step: int, metrics: dict) -> None:
+        self.checkpoints.append(step)
+
+
+def test_callbacks_hear_every_step_not_only_checkpoints(tmp_path):
+    seen = Steps()
+    res = train(make_samples(14), tmp_path / "ck", max_steps=9, checkpoint_every_steps=4, callbacks=[seen])
+    assert seen.steps == list(range(1, res.step + 1)) and seen.checkpoints == [4, 8, 9]
+
+
+def test_step_reporter_sends_rank_zeros_step_at_most_every_second_and_at_checkpoints(monkeypatch):
+    from pipelines.train import progress
+
+    class Queue:
+        def __init__(self) -> None:
+            self.items = []
+
+        def put_nowait(self, item) -> None:
+            self.items.append(item)
+
+    class Context:
+        rank = 0
+
+        def get_world_rank(self) -> int:
+            return self.rank
+
+    clock, ctx = [1000.0], Context()
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr("ray.train.get_context", lambda: ctx)
+    reporter = progress.StepReporter(Queue())
+    for step in range(1, 8):  # 0.4 s per step
+        reporter.on_step(step)
+        clock[0] += 0.4
+    reporter.on_checkpoint(7, {})
+    assert reporter.queue.items == [1, 4, 7, 7]  # steps 1, 4 (1.2 s later), 7 (1.2 s later), the checkpoint
+    ctx.rank = 1
+    reporter.on_checkpoint(8, {})
+    clock[0] += 5
+    reporter.on_step(9)
+    assert reporter.queue.items == [1, 4, 7, 7]  # other ranks send nothing
+
+
 def test_resume_is_exact(tmp_path):
     """A run killed after its step-4 checkpoint and resumed ends bit-identical to an uninterrupted
     run: model, optimizer (AdamW moments), scheduler, data position (mid-epoch) and RNG restored."""
