@@ -1,6 +1,6 @@
 # Sourced by every device script: the packages installed by install_target.sh and the peagle home live in ~/keep.
 export PYTHONUNBUFFERED=1 PEAGLE_HOME=~/keep/peagle PEAGLE_KEEP=~/keep
-if [ -d ~/keep/site ]; then export PYTHONPATH=~/keep/site${PYTHONPATH:+:$PYTHONPATH}; fi
+case ":${PYTHONPATH:-}:" in *":$HOME/keep/site:"*) ;; *) if [ -d ~/keep/site ]; then export PYTHONPATH=~/keep/site${PYTHONPATH:+:$PYTHONPATH}; fi ;; esac
 mkdir -p "$OUT/r"
 # Only what this call wrote comes back (a call returns at most 8 files): JSONs newer than the call's first sourcing
 # of this file (not than $OUT/r, whose time moves whenever a script copies a file into it).
