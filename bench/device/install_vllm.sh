@@ -12,6 +12,8 @@ if [ ! -f ~/keep/vllm-site/vllm/__init__.py ]; then
   echo "vLLM installed in $(( $(date +%s) - t0 )) s"
   CHECK=1
 fi
+# Ray 2.60's ray.llm imports two vLLM 0.29 module paths that 0.26 has elsewhere: aliases (bench/device/vllm_compat)
+{ [ -f ~/keep/vllm-site/vllm/__init__.py ] && cp -rn bench/device/vllm_compat/vllm/. ~/keep/vllm-site/vllm/; } || true
 case ":${PYTHONPATH:-}:" in *":$HOME/keep/vllm-site:"*) ;; *) export PYTHONPATH=~/keep/vllm-site${PYTHONPATH:+:$PYTHONPATH} ;; esac
 # FlashInfer's sampler JIT-compiles kernels on first use (its cubins are not carried): PyTorch's sampler instead.
 # A caller that touched CUDA before the engine (the target conversion) cannot fork its engine core: spawn it.

