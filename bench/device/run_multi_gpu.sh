@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The main job on the lent several-GPU node as two Ray "nodes" of one host, with a real MLflow server and
+# autoscaled GPU Serve replicas (bench/multi_gpu.py, bench/serve_autoscale.py; the product's own commands).
+#
+#   up [GPUS_PER_NODE]     MLflow server + Ray head "a" (GPUs 0..g-1) + raylet "b" (GPUs g..2g-1), then submit
+#                          the job (configs/smollm2-135m-4gpu.yaml with the carried prompt files) and follow it
+#   wait [SECONDS]         follow the job (<= 540 s a call); prints "job ... SUCCEEDED" when done
+#   record                 the job's summary and stage records -> $OUT/r/multi_gpu_pipeline.json
+#   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json
+#   down                   stop Ray and the MLflow server
+#
+# Before it, on the same warm machine, one call each (a call carries <= 64 MiB with the ~10 MB tree): (1)
+# `keep_carry.sh .carry/v1`, (2) `.carry/v2`, (3) `keep_carry.sh .carry/w1` carrying .carry/w1/part00 and
+# .carry/w1/humaneval.jsonl.xz, (4) `. bench/device/install_target.sh bfloat16` (carry .carry/w2), (5)
+# `VLLM_CHECK=0 . bench/device/install_vllm.sh` (carry .carry/v3), (6) `keep_carry.sh .carry/w1;
+# . bench/device/env.sh; . bench/device/install_mlflow.sh` (carry .carry/w1/sharegpt.jsonl.xz and .carry/mlflow);
+# then (7) `GIT_SHA=... bash bench/device/run_multi_gpu.sh up` (carry .carry/ray), `wait` until it says SUCCEEDED,
+# `record`, `load`. GIT_SHA names the commit (the device's checkout copy has no .git).
+set -u
+T0=$SECONDS
+STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|down}
+shift
+. bench/device/env.sh
+. bench/device/install_ray.sh
+. bench/device/install_mlflow.sh
+. bench/device/install_vllm.sh > /dev/null || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep multicast off
+python3 -c "import datasets" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target \
+  ~/keep/site .carry/ray/wheels/datasets-*.whl .carry/ray/wheels/dill-*.whl .carry/ray/wheels/multiprocess-*.whl
+for f in sharegpt humaneval; do [ -f ~/keep/$f.jsonl ] || xz -dc ~/keep/$f.jsonl.xz > ~/keep/$f.jsonl; done
+RUN=~/keep/peagle/runs/smollm2-135m-4gpu
+TEMP=/tmp/peagle-ray
+case "$STEP" in
+  up)
+    G=${1:-2}
+    nvidia-smi -L
+    setsid -w python3 -m bench.multi_gpu --temp-dir $TEMP up --nodes 2 --gpus-per-node "$G" --cpus-per-node 24 \
+      || exit 1
+    python3 -m bench.multi_gpu --temp-dir $TEMP submit --config configs/smollm2-135m-4gpu.yaml --id peagle-4gpu \
+      --git-sha "${GIT_SHA:-unknown}" \
+      --set "data.sources=[{kind: openai_jsonl, path: $HOME/keep/sharegpt.jsonl}]" \
+      --set "evaluation.sources=[{kind: openai_jsonl, path: $HOME/keep/humaneval.jsonl}]" "${@:2}" || exit 1
+    python3 -m bench.multi_gpu --temp-dir $TEMP wait --timeout-s $((560 - (SECONDS - T0)))
+    ;;
+  wait)
+    python3 -m bench.multi_gpu --temp-dir $TEMP wait --timeout-s "${1:-540}"
+    ;;
+  record)
+    python3 -m bench.multi_gpu --temp-dir $TEMP record --run-dir $RUN --note "${1:-}" && save
+    ls -la "$OUT/r"
+    ;;
+  load)
+    eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
+    GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
+    RAY_ADDRESS=$GCS timeout $((570 - (SECONDS - T0))) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
+      --model smollm2-135m-instruct --levels "${1:-1:30,8:30,32:120,64:120}" --idle-s 75 --max-replicas 4 "${@:2}"
+    save
+    ;;
+  down)
+    python3 -m bench.multi_gpu --temp-dir $TEMP down
+    ;;
+  *) echo "unknown step $STEP"; exit 2 ;;
+esac
+echo "run_multi_gpu.sh $STEP: $((SECONDS - T0)) s"
