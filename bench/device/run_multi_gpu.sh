@@ -53,7 +53,7 @@ case "$STEP" in
     eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
     GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
     RAY_ADDRESS=$GCS timeout $((570 - (SECONDS - T0))) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
-      --model smollm2-135m-instruct --levels "${1:-1:30,8:30,32:120,64:120}" --idle-s 75 --max-replicas 4 "${@:2}"
+      --model smollm2-135m-instruct --levels "${1:-1:20,32:150,64:60}" --idle-s 60 --max-replicas 4 "${@:2}"
     save
     ;;
   down)
