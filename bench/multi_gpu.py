@@ -145,8 +145,9 @@ def record(opts: argparse.Namespace) -> Path:
 
     state = load_state(opts.temp_dir)
     run = Path(opts.run_dir)
-    summary = json.loads((run / "summary.json").read_text())
     stages = {p.parent.name: json.loads(p.read_text()) for p in sorted(run.glob("*/stage.json"))}
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else \
+        summary_of_failed_job(run, stages, opts.failure)
     for rec in stages.values():  # the training history is long: keep its first and last logged windows
         hist = rec.get("outputs", {}).get("history")
         if isinstance(hist, list) and len(hist) > 6:
@@ -154,10 +155,33 @@ def record(opts: argparse.Namespace) -> Path:
     payload = {"benchmark": "multi_gpu_pipeline", "summary": summary, "stage_records": stages,
                "cluster": {k: state[k] for k in ("nodes", "gpus_per_node", "cpus_per_node", "mlflow_uri")},
                "job": {k: state.get(k) for k in ("job_id", "config", "sets", "entrypoint")},
-               "gpus": _gpu_names(), "note": opts.note}
+               "gpus": _gpu_names() or opts.gpus, "note": opts.note}
+    if opts.environment_json:  # records a device returned, recorded on another machine: the device's environment
+        payload["environment"] = json.loads(Path(opts.environment_json).read_text())
     path = write_result(opts.name, payload)
     print(f"wrote {path}")
     return path
+
+
+def summary_of_failed_job(run: Path, stages: dict[str, dict], failure: str | None) -> dict[str, Any]:
+    """A job that failed writes no ``summary.json``: the stages that ran, from their own records, then the stage
+    that failed (the first stage without a record) with ``failure`` as its reason."""
+    from pipelines.pipeline import STAGES
+
+    import yaml
+
+    recipe = run / "recipe.yaml"
+    name = (yaml.safe_load(recipe.read_text()) or {}).get("name") if recipe.is_file() else None
+    out: dict[str, Any] = {"recipe": name or run.name, "run_dir": str(run), "failed": True, "stages": {}}
+    for name in STAGES:
+        rec = stages.get(name)
+        if rec is not None:
+            out["stages"][name] = {"status": rec["status"], "seconds": round(rec["seconds"], 1)} | (
+                {"placement": rec["placement"]} if rec.get("placement") else {})
+        else:
+            out["stages"][name] = {"status": "failed", "seconds": 0.0, "reason": failure or "see the job log"}
+            break
+    return out
 
 
 def _gpu_names() -> list[str]:
@@ -200,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--name", default="multi_gpu_pipeline")
     p.add_argument("--note", default="")
+    p.add_argument("--failure", default=None, help="why the job failed, for a run without summary.json")
+    p.add_argument("--environment-json", default=None, help="the device's environment (date, device, versions) when "
+                   "recording its returned run directory on another machine")
+    p.add_argument("--gpus", nargs="*", default=[], help="GPU names when nvidia-smi is not here")
     sub.add_parser("down")
     opts = ap.parse_args(argv)
     out = {"up": up, "submit": submit, "wait": wait, "record": record, "down": down}[opts.cmd](opts)

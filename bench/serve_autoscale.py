@@ -168,6 +168,29 @@ def level_row(concurrency: int, results: list[RequestResult], wall_s: float, rep
             "replicas_end": replicas[-1] if replicas else None}
 
 
+def wait_ready(url: str, model: str, timeout_s: float) -> float:
+    """Seconds until ``/v1/models`` lists ``model``.
+
+    Raises:
+        SystemExit: not within ``timeout_s`` (no load is sent and no result written: a ramp against an endpoint that
+            is not there measures nothing).
+    """
+    import httpx
+
+    t0 = time.monotonic()
+    last = ""
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            r = httpx.get(f"{url}/v1/models", timeout=5)
+            if r.status_code == 200 and any(m.get("id") == model for m in r.json().get("data", [])):
+                return time.monotonic() - t0
+            last = f"HTTP {r.status_code}"
+        except (httpx.HTTPError, ValueError) as e:
+            last = type(e).__name__
+        time.sleep(2)
+    raise SystemExit(f"{url} does not serve {model!r} after {timeout_s:.0f} s ({last}): no load sent")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", required=True)
@@ -182,7 +205,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-replicas", type=int, default=None, help="for the scale-up time (default: the most seen)")
     ap.add_argument("--name", default="serve_autoscale", help="result file bench/results/<name>.json")
     ap.add_argument("--note", default="")
+    ap.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for the endpoint first")
     opts = ap.parse_args(argv)
+    wait_ready(opts.url, opts.model, opts.ready_timeout_s)
 
     import ray
 

@@ -12,7 +12,10 @@
 #       what vLLM imports at start that the image lacks (API server, tokenizer/structured-output backends,
 #       engine-core imports); versions fixed so a rebuilt carry is the one measured; those .carry/ray and
 #       .carry/mlflow carry too are at the same versions (pydantic 2.14.4, fastapi, starlette, uvicorn,
-#       jsonschema, dill; cachetools 7.3.2: MLflow wants < 8, vLLM any)
+#       jsonschema, dill; cachetools 7.3.2: MLflow wants < 8, vLLM any). The OpenAI server a Serve LLM replica
+#       imports also needs python-multipart (Ray's ingress declares a form route) and
+#       model-hosting-container-standards (+ jmespath, supervisor): vllm.entrypoints.openai.api_server imports its
+#       SageMaker router at module level (missing, the first GPU replica failed to start on 2026-11-27)
 #
 #   bash bench/device/prepare_vllm_carry.sh        # all three
 #   bash bench/device/prepare_vllm_carry.sh v3     # .carry/v3 only (v1, v2 and /tmp/peagle-vllm untouched)
@@ -48,5 +51,6 @@ download -d .carry/v3 \
   llguidance==1.7.6 xgrammar==0.2.6 outlines-core==0.2.14 lm-format-enforcer==0.11.3 interegular==0.3.3 \
   lark==1.2.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
   compressed-tensors==0.17.0 nvtx==0.2.15 flashinfer-python==0.6.14 apache-tvm-ffi==0.1.10 \
-  cuda-tile==1.4.0 nvidia-cudnn-frontend==1.22.0 python-multipart==0.0.34
+  cuda-tile==1.4.0 nvidia-cudnn-frontend==1.22.0 python-multipart==0.0.34 \
+  model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0
 ls -la .carry/v* && du -sh .carry/v*

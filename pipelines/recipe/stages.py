@@ -182,10 +182,11 @@ class TrainingConfig(Section):
     block_mask: Literal["auto", "compiled", "blockwise"] = Field(
         "auto", description="How a flex block mask is built: compiled (torch.compile(create_block_mask) on CUDA), "
         "blockwise (the same block tables, eager, a chunk of query blocks at a time; no compilation; exact: "
-        "tests/unit/test_blockwise_mask.py), or auto = blockwise with num_partitions > 1, else compiled. On an H100 "
-        "(torch 2.11, bench.mask_compile) the compiled build of a 2-partition segment did not finish within 80 s and "
-        "a real run sat 9 minutes in ptxas, while blockwise built every mask in <= 0.08 s and the run trained at "
-        "0.26 s/step; with one partition the compiled build costs ~36 s once, then nothing."
+        "tests/unit/test_blockwise_mask.py), or auto = blockwise where P-EAGLE partitions (num_partitions > 1) or "
+        "several workers train (num_workers > 1), else compiled. The compiled build stalled both: on an H100 "
+        "(torch 2.11, bench.mask_compile) a 2-partition segment did not finish within 80 s and a real run sat 9 "
+        "minutes in ptxas; on 4 H200s four DDP workers compiling one-partition masks at once had no step after 5 "
+        "minutes (2026-11-27), where one process takes ~36 s once. Blockwise built every mask in <= 0.08 s."
     )
     init_from: str | None = Field(
         None,
@@ -227,11 +228,12 @@ class TrainingConfig(Section):
 
     @property
     def block_mask_build(self) -> Literal["compiled", "blockwise"]:
-        """``block_mask`` resolved: ``auto`` -> blockwise for P-EAGLE with ``num_partitions > 1`` (the compiled build
-        stalls there on CUDA), else compiled."""
+        """``block_mask`` resolved: ``auto`` -> blockwise for P-EAGLE with ``num_partitions > 1`` or with
+        ``num_workers > 1`` (the compiled build stalls both on CUDA), else compiled."""
         if self.block_mask != "auto":
             return self.block_mask
-        return "blockwise" if self.method == "peagle" and self.num_partitions > 1 else "compiled"
+        several = self.method == "peagle" and self.num_partitions > 1 or self.num_workers > 1
+        return "blockwise" if several else "compiled"
 
     def objective_config(self, num_speculative_tokens: int) -> ObjectiveConfig:
         """The ``peagle_core`` config of this section's objective: ``PEagleConfig`` (K = ``num_speculative_tokens``

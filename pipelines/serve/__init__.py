@@ -244,7 +244,7 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
                 "target_config": target_config, "parallel_drafting": args.parallel_drafting,
             },
         }
-    env = {k: os.environ[k] for k in ("PEAGLE_HOME", "MLFLOW_TRACKING_URI") if k in os.environ}
+    env = {k: os.environ[k] for k in ("PEAGLE_HOME", "MLFLOW_TRACKING_URI") if k in os.environ} | _cluster_address()
     kw: dict[str, Any] = {
         "model_loading_config": {"model_id": args.resolved_model_id(), "model_source": target_path},
         "engine_kwargs": engine_kwargs,
@@ -268,6 +268,17 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
         if args.accelerator_type:
             kw["accelerator_type"] = args.accelerator_type
     return LLMConfig(**kw)
+
+
+def _cluster_address() -> dict[str, str]:
+    """``{"RAY_ADDRESS": <GCS address>}`` of the cluster this process is connected to, for the replicas' environment;
+    ``{}`` when not connected. vLLM's Ray executor (a GPU engine of Ray Serve LLM) runs in an engine-core process
+    that calls ``ray.init()`` itself: without ``RAY_ADDRESS`` it looks for ``/tmp/ray/ray_current_cluster``, which a
+    cluster with its own temp dir (``pipelines.local_ray``) does not write, starts a new local Ray, and does not find
+    the replica's placement group there (``KeyError: 'bundles_to_node_id'``, 4 H200s, 2026-11-27)."""
+    import ray
+
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address} if ray.is_initialized() else {}
 
 
 @dataclass(frozen=True)

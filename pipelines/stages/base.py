@@ -166,8 +166,26 @@ def engine_settings(recipe: Recipe) -> EngineSettings:
 
 
 def cpus_per_worker(num_workers: int) -> float:
-    """Threads/CPUs per stage actor: the node's cores split over the stage's workers (>= 1)."""
+    """Threads/CPUs per stage actor (>= 1). On a Ray cluster with GPUs (one actor per GPU):
+    :func:`gpu_actor_cpus` of its nodes, so that every GPU of every node gets its actor; otherwise this machine's
+    cores split over the stage's workers."""
+    import ray
+
+    if ray.is_initialized():
+        share = gpu_actor_cpus([n for n in ray.nodes() if n.get("Alive")])
+        if share is not None:
+            return share
     return max(1, (os.cpu_count() or 1) // max(1, num_workers))
+
+
+def gpu_actor_cpus(nodes: list[dict[str, Any]]) -> int | None:
+    """CPUs per one-GPU actor on Ray ``nodes`` (``ray.nodes()`` rows): on the tightest GPU node, its CPUs but one
+    (for Ray Data's tasks beside the actors) split over its GPUs, at least 1; None without a GPU node. A share
+    taken from the driver's own core count instead left whole nodes without an actor (2026-11-27, 4 H200s as two
+    nodes of 24 CPUs: 16 CPUs per actor let one actor per node start, 2 of the 4 GPUs idle)."""
+    shares = [max(1, int((n["Resources"].get("CPU", 0) - 1) // n["Resources"]["GPU"]))
+              for n in nodes if n.get("Resources", {}).get("GPU", 0) >= 1]
+    return min(shares) if shares else None
 
 
 # ---------------------------------------------------------------------------------------------- context

@@ -95,9 +95,12 @@ def test_depth_decay_reaches_the_objective_and_only_peagle():
     (["training.num_partitions=2", "training.block_mask=compiled"], "compiled"),
     (["training.block_mask=blockwise"], "blockwise"),
     (["training.method=eagle3", "training.num_partitions=2"], "compiled"),  # EAGLE-3 does not partition
+    (["training.num_workers=4"], "blockwise"),  # four ranks compiling at once stalled on 4 H200s
+    (["training.method=eagle3", "training.num_workers=2"], "blockwise"),
 ])
 def test_block_mask_auto_resolves_by_partitions(overrides, build):
-    """``training.block_mask: auto`` (the default) reaches the objective as blockwise where P-EAGLE partitions."""
+    """``training.block_mask: auto`` (the default) reaches the objective as blockwise where P-EAGLE partitions or
+    several workers train."""
     assert recipe_from_dict({"name": "t"}, overrides).training.objective_config(5).block_mask == build
     assert "training.block_mask" in _err({}, "training.block_mask=eager")
 

@@ -151,3 +151,22 @@ def test_head_ref_resolves_to_a_pinned_version(uri, tmp_path, monkeypatch):
         HeadRef.parse("models:/peagle-x@champion").resolve(dead, missing_ok=True)
     assert not isinstance(e.value, ValueError)
     reg.get_client(uri)  # the fluent API's URI back on the test's store
+
+
+def test_replicas_get_the_address_of_the_cluster_that_deploys_them():
+    """A GPU replica's vLLM engine core calls ray.init() on its own: the replicas' environment names the cluster
+    (RAY_ADDRESS), which a private temp dir (pipelines.local_ray) hides from Ray's auto-detection."""
+    import ray
+
+    from pipelines.serve import ServeAppArgs, build_llm_config
+
+    def env():
+        c = build_llm_config(ServeAppArgs(head=None), target_path="/t", target_config=None, head=None)
+        return (c.runtime_env or {}).get("env_vars") or {}
+
+    assert "RAY_ADDRESS" not in env()  # not connected: nothing to name
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
+    try:
+        assert env()["RAY_ADDRESS"] == ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

@@ -374,3 +374,15 @@ def test_registry_stages_need_mlflow(tmp_path, monkeypatch):
                            "serve": "mlflow not installed on this machine"}
     warm = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["training.init_from=models:/peagle-x@champion"])
     assert PipelineRun(warm, run_dir=tmp_path).not_run["train"] == "mlflow not installed on this machine"
+
+
+def test_gpu_actor_cpus_gives_every_gpu_its_actor():
+    """One actor per GPU must fit every GPU node: the tightest node's CPUs (one kept for Ray Data's tasks) split
+    over its GPUs; no GPU node: None (the CPU rule applies)."""
+    from pipelines.stages.base import gpu_actor_cpus
+
+    node = lambda cpus, gpus: {"Alive": True, "Resources": {"CPU": cpus} | ({"GPU": gpus} if gpus else {})}
+    assert gpu_actor_cpus([node(24, 2), node(24, 2)]) == 11  # the 4-GPU host as two nodes: 2 x 11 <= 24 each
+    assert gpu_actor_cpus([node(64, 4), node(8, 2)]) == 3
+    assert gpu_actor_cpus([node(2, 4)]) == 1
+    assert gpu_actor_cpus([node(16, 0)]) is None and gpu_actor_cpus([]) is None
