@@ -166,9 +166,9 @@ def record(opts: argparse.Namespace) -> Path:
 def summary_of_failed_job(run: Path, stages: dict[str, dict], failure: str | None) -> dict[str, Any]:
     """A job that failed writes no ``summary.json``: the stages that ran, from their own records, then the stage
     that failed (the first stage without a record) with ``failure`` as its reason."""
-    from pipelines.pipeline import STAGES
-
     import yaml
+
+    from pipelines.pipeline import STAGES
 
     recipe = run / "recipe.yaml"
     name = (yaml.safe_load(recipe.read_text()) or {}).get("name") if recipe.is_file() else None
