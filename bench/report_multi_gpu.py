@@ -41,7 +41,7 @@ def _what(n_gpus: dict[str, int]) -> dict:
         "capture": lambda o: (f"{o.get('num_samples', 0):,} samples, {o.get('num_tokens', 0):,} tokens, "
                               f"{(o.get('bytes_on_disk') or 0) / 2**30:.1f} GiB, {o.get('tokens_per_s') or 0:,.0f} "
                               f"tok/s over the stage{per_gpu(o.get('tokens_per_s'), 'capture')}"),
-        "train": lambda o: (f"{o['step']} steps, {f(_train_tok_s(o.get('history') or []), 0)} training tok/s "
+        "train": lambda o: (f"{o['step']} steps, {_train_tok_s(o.get('history') or []) or 0:,.0f} training tok/s "
                             "(median logged window after the first, all workers)"),
         "evaluate": lambda o: "; ".join(f"{x['method']} K={x['K']} c={x['concurrency']}: AL "
                                         f"{x['acceptance_length']:.2f}, {x['tokens_per_s']:,.0f} tok/s"
