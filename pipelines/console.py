@@ -280,25 +280,34 @@ def progress(description: str, total: int | None, unit: str, **work: Any) -> Ite
 
 
 @contextmanager
-def _heartbeat(description: str, meter: Meter, period_s: float | None = None) -> Iterator[None]:
-    """Plain progress lines from a daemon thread (see :func:`progress`)."""
+def every(period_s: float, fn: Callable[[], None], *, name: str) -> Iterator[None]:
+    """Call ``fn`` every ``period_s`` seconds from a daemon thread named ``name`` while the body runs, and once
+    more when it ends (the one home of the progress loops: heartbeat lines, token counts, tallies)."""
     import threading
 
     stop = threading.Event()
 
-    def line() -> None:
-        console.print(f"[{description}] {meter.text()}", highlight=False, markup=False)
+    def loop() -> None:
+        while not stop.wait(period_s):
+            fn()
 
-    def beat() -> None:
-        while not stop.wait(HEARTBEAT_S if period_s is None else period_s):
-            line()
-
-    line()
-    thread = threading.Thread(target=beat, name=f"peagle-progress-{description}", daemon=True)
+    thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
-        line()
+        fn()
+
+
+@contextmanager
+def _heartbeat(description: str, meter: Meter, period_s: float | None = None) -> Iterator[None]:
+    """Plain progress lines from a daemon thread (see :func:`progress`)."""
+
+    def line() -> None:
+        console.print(f"[{description}] {meter.text()}", highlight=False, markup=False)
+
+    line()
+    with every(HEARTBEAT_S if period_s is None else period_s, line, name=f"peagle-progress-{description}"):
+        yield

@@ -21,8 +21,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
+
+from pipelines.console import every
 
 log = logging.getLogger(__name__)
 
@@ -113,22 +115,11 @@ def tally(on_delta: Callable[[Counts], None], *, use_ray: bool, gauges: Sequence
             if delta:
                 deliver(delta)
 
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(POLL_S if period_s is None else period_s):
-            poll()
-
-    thread = threading.Thread(target=loop, name="peagle-tally", daemon=True) if sources else None
-    if thread is not None:
-        thread.start()
+    polling = every(POLL_S if period_s is None else period_s, poll, name="peagle-tally") if sources else nullcontext()
     try:
-        yield Tally(actor=actor, local=None if use_ray else deliver)
+        with polling:
+            yield Tally(actor=actor, local=None if use_ray else deliver)
     finally:
-        stop.set()
-        if thread is not None:
-            thread.join()
-            poll()
         if actor is not None:
             import ray
 

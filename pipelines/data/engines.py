@@ -175,8 +175,6 @@ def _counting_tokens(llm, on_tokens: Callable[[int], None] | None) -> Iterator[N
     """While the body runs, ``on_tokens(n)`` every :data:`TOKENS_EVERY_S` seconds with the tokens ``llm``
     generated since the last call, and once more when it ends; nothing when ``on_tokens`` is None or the
     engine keeps no statistics (``disable_log_stats=True`` given)."""
-    import threading
-
     try:
         last = [generated_tokens(llm)] if on_tokens is not None else None
     except Exception as e:  # noqa: BLE001 - no count, no progress: the generation itself is unaffected
@@ -185,7 +183,6 @@ def _counting_tokens(llm, on_tokens: Callable[[int], None] | None) -> Iterator[N
     if last is None:
         yield
         return
-    stop = threading.Event()
 
     def tell() -> None:
         try:
@@ -197,18 +194,10 @@ def _counting_tokens(llm, on_tokens: Callable[[int], None] | None) -> Iterator[N
             on_tokens(now - last[0])
             last[0] = now
 
-    def loop() -> None:
-        while not stop.wait(TOKENS_EVERY_S):
-            tell()
+    from pipelines.console import every
 
-    thread = threading.Thread(target=loop, name="peagle-vllm-tokens", daemon=True)
-    thread.start()
-    try:
+    with every(TOKENS_EVERY_S, tell, name="peagle-vllm-tokens"):
         yield
-    finally:
-        stop.set()
-        thread.join()
-        tell()
 
 
 class RayDataLLMEngine:
