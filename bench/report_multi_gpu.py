@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench.report_fmt import f, load, stage_table, table
+from bench.report_fmt import f, load, section, stage_table, table
 
 PIPELINE_HEADING = "### The main job on one 4-GPU node: every stage through Ray, a real MLflow server"
 SERVING_HEADING = "### Autoscaled GPU vLLM replicas under a load ramp"
@@ -52,10 +52,8 @@ def _what(n_gpus: dict[str, int]) -> dict:
 
 
 def pipeline(lines: list[str]) -> None:
-    r = load("multi_gpu_pipeline")
-    lines += [PIPELINE_HEADING, ""]
+    r = section(lines, "multi_gpu_pipeline", PIPELINE_HEADING)
     if r is None:
-        lines += ["not run", ""]
         return
     e, c, job = r["environment"], r["cluster"], r["job"]
     gpus = r.get("gpus") or []
@@ -83,10 +81,8 @@ def pipeline(lines: list[str]) -> None:
 
 
 def serving(lines: list[str]) -> None:
-    r = load("serve_autoscale")
-    lines += [SERVING_HEADING, ""]
+    r = section(lines, "serve_autoscale", SERVING_HEADING)
     if r is None:
-        lines += ["not run", ""]
         return
     e = r["environment"]
     lines += [(f"{e['device']}, {e['date'][:10]}; `{r['command']}` against the serve stage's endpoint: closed-loop "
