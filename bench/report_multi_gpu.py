@@ -97,8 +97,10 @@ def serving(lines: list[str]) -> None:
     kills = ", ".join(f"pid {k['pid']} at {k['t_s']} s" for k in r.get("kills") or []) or "none"
     start, top = r["replicas_at_start"], r["replicas_max_seen"]
     if top is not None and start is not None and top > start:
-        scaled = (f"Replicas {start} -> {top}: {top} were running {f(r['scale_up_to_max_s'], 0)} s after the first "
-                  "level above concurrency 1 began; " + (f"back to {start} {f(r['scale_down_s'], 0)} s after the load "
+        reach = r["scale_up_to_max_s"]
+        scaled = (f"Replicas {start} -> {top}: " + (
+            f"{top} were running {f(reach, 0)} s after the first level above concurrency 1 began; " if reach is not None
+            else f"{top} at most, fewer than the ramp's --max-replicas; ") + (f"back to {start} {f(r['scale_down_s'], 0)} s after the load "
                                                          "ended." if r["scale_down_s"] is not None else
                                                          f"not back to {start} within the idle watch."))
     else:
@@ -108,6 +110,16 @@ def serving(lines: list[str]) -> None:
     if r.get("note"):
         lines += ["", r["note"]]
     lines += [""]
+    started = load("serve_replicas")
+    if started is not None:
+        e = started["environment"]
+        outcome = (f"all ran {f(started['seconds'], 0)} s after the roll began" if started["ok"]
+                   else f"failed after {f(started['seconds'], 0)} s: {started['error'][-300:]}")
+        lines += [(f"Replicas starting together (`python -m bench.serve_replicas --replicas {started['replicas']}`, "
+                   f"{len(started['gpus'])}x {e['device']}, {e['date'][:10]}; the serve stage's deployment, target "
+                   f"alone, replica environment {started['replica_env']}): {outcome}."), ""]
+        if started.get("note"):
+            lines += [started["note"], ""]
 
 
 def training(lines: list[str]) -> None:

@@ -245,6 +245,8 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
             },
         }
     env = {k: os.environ[k] for k in ("PEAGLE_HOME", "MLFLOW_TRACKING_URI") if k in os.environ} | _cluster_address()
+    if args.accelerator == "gpu":
+        env |= GPU_REPLICA_ENV
     kw: dict[str, Any] = {
         "model_loading_config": {"model_id": args.resolved_model_id(), "model_source": target_path},
         "engine_kwargs": engine_kwargs,
@@ -268,6 +270,16 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
         if args.accelerator_type:
             kw["accelerator_type"] = args.accelerator_type
     return LLMConfig(**kw)
+
+
+GPU_REPLICA_ENV = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"}
+"""Environment of every GPU ``LLMServer`` replica: vLLM's classic Ray executor, in which Ray sets each worker's
+``CUDA_VISIBLE_DEVICES`` from its placement bundle and the engine takes a random free TCPStore port. vLLM 0.26's
+default ``RayExecutorV2`` failed replicas that started while others ran on the same host (4 H200s as two Ray
+nodes, 2026-11-27, ``bench/results/serve_autoscale.json``): the engine core died with ``CUDA driver error: invalid
+argument`` while profiling memory, or on ``EADDRINUSE`` because every engine with data-parallel rank 0 searches
+the same TCPStore port window (``master_port + 100``, ``ray_executor_v2._select_tcpstore_port``). The first
+replica of a deployment starts either way; autoscaling beyond it did not."""
 
 
 def _cluster_address() -> dict[str, str]:
@@ -430,5 +442,5 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
     return build_ingress(backend, server=build_llm_deployment(backend.llm_config))
 
 
-__all__ = ["Backend", "ServeAppArgs", "build_app", "build_ingress", "build_llm_config", "gateway_version",
-           "resolve_backend", "resolve_k_schedule", "speculative_config"]
+__all__ = ["GPU_REPLICA_ENV", "Backend", "ServeAppArgs", "build_app", "build_ingress", "build_llm_config",
+           "gateway_version", "resolve_backend", "resolve_k_schedule", "speculative_config"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from pipelines import settings
 from pipelines.preflight import Machine, Problem, Severity
-from pipelines.stages.base import RunContext, Stage, StageOutput
+from pipelines.stages.base import EngineSettings, RunContext, Stage, StageOutput
 from pipelines.stages.register import RegisterOutput
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,19 @@ class ServeOutput(StageOutput):
         from pipelines.serve.client import curl_line
 
         return curl_line(self.url, self.model_id, self.api_key_env)
+
+
+def serve_app_args(recipe, engine: EngineSettings, *, tracking_uri: str | None, **overrides: Any):
+    """The ``pipelines.serve.ServeAppArgs`` the serve stage deploys for ``recipe`` on engines ``engine``
+    (:func:`pipelines.stages.base.engine_settings`): the serving section, the served model id (the target's
+    basename), ``max_model_len`` (>= 1024, >= ``data.max_length_tokens``), the engines' vLLM kwargs, accelerator and
+    Serve CPU reservations; ``overrides`` replace fields (``bench.serve_replicas``: ``head=None``, replicas)."""
+    from pipelines.serve import ServeAppArgs
+
+    return ServeAppArgs.from_recipe(
+        recipe, tracking_uri=tracking_uri, model_id=Path(recipe.target.model.rstrip("/")).name,
+        engine_kwargs={"max_model_len": max(1024, recipe.data.max_length_tokens)} | engine.vllm_kwargs,
+        accelerator=engine.accelerator, **engine.serve_resources | overrides)
 
 
 class ServeStage(Stage):
@@ -81,19 +94,16 @@ class ServeStage(Stage):
 
     def run(self) -> ServeOutput:
         from pipelines.registry.refs import HeadRef
-        from pipelines.serve import ServeAppArgs, resolve_k_schedule
+        from pipelines.serve import resolve_k_schedule
         from pipelines.serve.client import chat_once
         from pipelines.serve.heads import PIN_FIX
         from pipelines.serve.rollout import ray_serve, roll
 
         serve = ray_serve()
 
-        r, s, eng = self.recipe, self.recipe.serving, self.ctx.engine
+        s = self.recipe.serving
         registered = self.ctx.upstream(RegisterOutput).version
-        args = ServeAppArgs.from_recipe(
-            r, tracking_uri=self.ctx.tracking_uri, model_id=Path(r.target.model.rstrip("/")).name,
-            engine_kwargs={"max_model_len": max(1024, r.data.max_length_tokens)} | eng.vllm_kwargs,
-            accelerator=eng.accelerator, **eng.serve_resources)
+        args = serve_app_args(self.recipe, self.ctx.engine, tracking_uri=self.ctx.tracking_uri)
         serve.start(http_options={"host": s.host, "port": s.port})
         rolled = roll(args)
         if rolled.changed:

@@ -170,3 +170,17 @@ def test_replicas_get_the_address_of_the_cluster_that_deploys_them():
         assert env()["RAY_ADDRESS"] == ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+def test_gpu_replicas_run_vllms_classic_ray_executor():
+    """GPU replicas get GPU_REPLICA_ENV (vLLM 0.26's RayExecutorV2 failed replicas that started beside others on one
+    host); CPU replicas (vLLM's mp executor) get none of it."""
+    from pipelines.serve import GPU_REPLICA_ENV, ServeAppArgs, build_llm_config
+
+    def env(accelerator):
+        c = build_llm_config(ServeAppArgs(head=None, accelerator=accelerator), target_path="/t", target_config=None,
+                             head=None)
+        return (c.runtime_env or {}).get("env_vars") or {}
+
+    assert env("gpu").items() >= GPU_REPLICA_ENV.items() == {("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")}
+    assert not env("cpu").keys() & GPU_REPLICA_ENV.keys()
