@@ -33,12 +33,12 @@ KEYS = {
         "serve": "d4c6d6a2501f647c75dec327b20f8fa97d9329f8ae7ebfe9bc676c0f869f2ae1",
     },
     "smollm2-135m-cpu.yaml": {
-        "regenerate": "c67b34b473425fe61f37cafa4849aa1b25acc51c25b14ab4bcfcaf5bd17acd1b",
-        "capture": "2e9af589227c8c4b7d82a0c0879618e7505f800bc50442b9b3b32f80482ac16f",
-        "train": "cb5de443ba549d710772ede662ee358e6cc0c72685ebc01319d68db1f9a33744",
-        "evaluate": "d1a635df1fe4b394651c689ab1edbe967453f70ab0bd4bfa1a9eb2262336dcac",
-        "register": "a4d276c3ffe29f55499b17fa5e946d318544b7a494ec0f27926efb6fac75720d",
-        "serve": "01b6ec20f660760f6684679f3f4ce9bb4f406bd3fe6e5fdf7742f37c4086116a",
+        "regenerate": "e1b4e92a9c07429b1acaae8fafab7abfa645110ef72d4cc0963b078e7d54f721",
+        "capture": "2d4750e2ac4c9e4499b8aceab0af8f93cc656c2de7a371105a84856c72dbc73c",
+        "train": "e3e6068d5606fb133e0e95471a3b643555c589b365517a1f8c021fcf30687d69",
+        "evaluate": "f18d6b404a4d90e90f24989cd46a860760ad0a8b1b7b621c37b22df5a05cfc58",
+        "register": "561bb4b529d1d87bc1ea0cb438c740cc229e02d83fbee5ae2151216e65ffb02f",
+        "serve": "0d051efeedefe278a819f1fe6921ac104c974aea9ab0d8ea8714e33a8f0129dd",
     },
     "smollm2-135m-gpu.yaml": {
         "regenerate": "92bf454e78435fc66b56d2e625c03efd3d0d1629b778519babf792fe338340a3",
