@@ -1,8 +1,6 @@
 """Evaluation engines on a GPU cluster: one Ray task per engine holding one GPU, side by side
 (pipelines.evaluate.measure.run_engines); on CPU one after another in this process's children."""
 
-import time
-
 import pytest
 
 from pipelines.evaluate import measure
@@ -28,9 +26,7 @@ def test_gpu_engines_run_side_by_side_one_gpu_each(monkeypatch):
     try:
         specs = [measure.EngineSpec(target="t", method="peagle", K=k) for k in (3, 5, 7)]
         done = []
-        t = time.monotonic()
         out = measure.run_engines(specs, on_gpus=True, done=lambda: done.append(1))
-        wall = time.monotonic() - t
     finally:
         ray.shutdown()
     rows = [r[0][0] for r in out]
@@ -39,7 +35,8 @@ def test_gpu_engines_run_side_by_side_one_gpu_each(monkeypatch):
     assert {r["gpu"] for r in rows} == {"0", "1"}  # one GPU each, never both
     overlapping = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:] if a["t0"] < b["t1"] and b["t0"] < a["t1"]]
     assert overlapping and all(a["gpu"] != b["gpu"] for a, b in overlapping)  # side by side, each on its own GPU
-    assert wall < 3 * 1.5  # three engines, two GPUs: two waves, not three
+    span = max(r["t1"] for r in rows) - min(r["t0"] for r in rows)
+    assert span < sum(r["t1"] - r["t0"] for r in rows)  # two waves, not three (timestamps: load-proof, no wall limit)
 
 
 def test_cpu_engines_run_one_after_another(monkeypatch):
