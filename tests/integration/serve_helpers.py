@@ -1,4 +1,4 @@
-"""Helpers of the Serve integration tests (test_serve, test_faults_serve): a free loopback port, the
+"""Helpers of the Serve integration tests (test_serve, test_serve_rollout, test_faults_train): a free loopback port, the
 CPU Serve args, peagle's ``mlflow server`` process, the replica processes of a local Ray cluster, and one
 streamed chat request. (The random-init head is ``bench.serve_load.random_head``: the benchmark
 serves the same one.)"""
