@@ -1,7 +1,7 @@
-"""Helpers of the Serve integration tests (test_serve, test_serve_rollout, test_faults_train): a free loopback port, the
-CPU Serve args, peagle's ``mlflow server`` process, the replica processes of a local Ray cluster, and one
-streamed chat request. (The random-init head is ``bench.serve_load.random_head``: the benchmark
-serves the same one.)"""
+"""Helpers of the Serve integration tests (test_serve, test_serve_rollout; MlflowServer also test_train and
+test_faults_register): a free loopback port, the CPU Serve args, peagle's ``mlflow server`` process, the
+replica processes of a local Ray cluster, and one streamed chat request. (The random-init head is
+``bench.serve_load.random_head``: the benchmark serves the same one.)"""
 
 from __future__ import annotations
 
