@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from bench.common import RESULTS, write_result
+from pipelines.stages.base import STAGE_FILE
 
 NAME = "demo_cpu_sweep"
 STAGES = ("regenerate", "capture", "train", "evaluate")
@@ -41,11 +42,11 @@ def row(label: str, run_dir: Path) -> dict[str, Any]:
         FileNotFoundError: the run dir has no ``recipe.yaml`` or no train / evaluate record.
     """
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
-    records = {s: json.loads((run_dir / s / "stage.json").read_text()) for s in STAGES
-               if (run_dir / s / "stage.json").exists()}
+    records = {s: json.loads((run_dir / s / STAGE_FILE).read_text()) for s in STAGES
+               if (run_dir / s / STAGE_FILE).exists()}
     for s in ("train", "evaluate"):
         if s not in records:
-            raise FileNotFoundError(f"{run_dir / s / 'stage.json'}: run the {s} stage first")
+            raise FileNotFoundError(f"{run_dir / s / STAGE_FILE}: run the {s} stage first")
     train, ev = records["train"]["outputs"], records["evaluate"]["outputs"]
     last = train["history"][-1] if train.get("history") else {}
     by_method = {r["method"]: r for r in ev["rows"] if int(r.get("concurrency", 1)) == 1}

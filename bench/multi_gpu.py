@@ -142,10 +142,11 @@ def record(opts: argparse.Namespace) -> Path:
     """``bench/results/<name>.json``: the job's summary (stage status, seconds, placement), every stage's record
     (its outputs: tokens/s, steps, the eval rows, the model version, the endpoint) and how it was submitted."""
     from bench.common import write_result
+    from pipelines.stages.base import STAGE_FILE
 
     state = load_state(opts.temp_dir)
     run = Path(opts.run_dir)
-    stages = {p.parent.name: json.loads(p.read_text()) for p in sorted(run.glob("*/stage.json"))}
+    stages = {p.parent.name: json.loads(p.read_text()) for p in sorted(run.glob(f"*/{STAGE_FILE}"))}
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else \
         summary_of_failed_job(run, stages, opts.failure)
     for rec in stages.values():  # the training history is long: keep its first and last logged windows

@@ -94,15 +94,14 @@ def serving(lines: list[str]) -> None:
             for x in r["levels"]]
     lines += table(["concurrency", "seconds", "replicas min-max (end)", "completed", "failed", "requests/s",
                     "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"], rows)
-    kills = ", ".join(f"pid {k['pid']} at {k['t_s']} s" for k in r.get("kills") or []) or "none"
     start, top = r["replicas_at_start"], r["replicas_max_seen"]
     if top is not None and start is not None and top > start:
-        reach = r["scale_up_to_max_s"]
-        scaled = (f"Replicas {start} -> {top}: " + (
-            f"{top} were running {f(reach, 0)} s after the first level above concurrency 1 began; " if reach is not None
-            else f"{top} at most, fewer than the ramp's --max-replicas; ") + (f"back to {start} {f(r['scale_down_s'], 0)} s after the load "
-                                                         "ended." if r["scale_down_s"] is not None else
-                                                         f"not back to {start} within the idle watch."))
+        reach, down = r["scale_up_to_max_s"], r["scale_down_s"]
+        up = (f"{top} were running {f(reach, 0)} s after the first level above concurrency 1 began" if reach is not None
+              else f"{top} at most, fewer than the ramp's --max-replicas")
+        back = (f"back to {start} {f(down, 0)} s after the load ended" if down is not None
+                else f"not back to {start} within the idle watch")
+        scaled = f"Replicas {start} -> {top}: {up}; {back}."
     else:
         scaled = f"No scale-up: {start} replica(s) throughout."
     kills = ", ".join(f"pid {k['pid']} at {k['t_s']} s" for k in r.get("kills") or []) or "none"
