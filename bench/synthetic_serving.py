@@ -113,12 +113,35 @@ def write_head_config(target: dict, method: str, out: Path) -> Path:
     return out
 
 
-def _ours(path: str | None) -> tuple[list[float], str]:
+def _ours(path: str | None, head: str | None = None) -> tuple[list[float], str]:
+    """Per-position acceptance of a P-EAGLE head served in GPU vLLM (``head``: its row label in ``path``; None:
+    any head), at its deepest K served one request at a time; the issue-25 head's when ``path`` is missing."""
     if not path or not Path(path).exists():
         return ISSUE25_HEAD_RATES, "issue 25: P-EAGLE 280 GPU-s head, GPU vLLM 0.26, K=5"
-    rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["method"] == "peagle" and r.get("al_per_pos")]
+    rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["method"] == "peagle" and r.get("al_per_pos")
+            and (head is None or r.get("head") == head)]
+    if not rows:
+        raise SystemExit(f"--ours-head {head!r}: no P-EAGLE rows of that head in {path}")
     best = max(rows, key=lambda r: (r["K"], -r["concurrency"]))  # the deepest K, served one request at a time
-    return best["al_per_pos"], f"{path}: peagle K={best['K']} c={best['concurrency']} {best.get('eval_set', '')}"
+    return best["al_per_pos"], f"{path}: {best.get('head', 'peagle')} K={best['K']} c={best['concurrency']} " \
+                               f"{best.get('eval_set', '')}".rstrip()
+
+
+def _settings_key(row: dict) -> str:
+    """A cell's engine settings (environment, extra engine kwargs, extra speculative kwargs) as one key."""
+    return json.dumps({k: row.get(k, {}) for k in ("engine_env", "engine_kwargs", "spec_kwargs")}, sort_keys=True)
+
+
+def _brief(profile: dict | None) -> dict | None:
+    """The step profile's headline figures (host phases from the timers-only wave), for the progress line."""
+    if not profile or "timers" not in profile:
+        return profile
+    t, p = profile["timers"], profile["profiler"]
+    return {"wall_ms": round(t["wall_ms"], 2), "tok_s": round(t["tokens_per_s"]), "tok_step": t["tokens_per_step"],
+            "graphs": profile["engine"]} | {
+        k: round(v, 2) for k, v in t["host_ms"].items()} | {
+        k: (round(v, 2) if isinstance(v, float) else v) for k, v in p.items()
+        if k in ("wall_ms", "sync_ms", "device_busy_ms", "device_busy_fraction", "graph_launches", "kernel_launches")}
 
 
 def main() -> None:
@@ -136,18 +159,29 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--budget-s", type=float, default=480.0, help="no new engine start after this many seconds")
     ap.add_argument("--ours-from", default=str(RESULTS / "gpu_vllm_serving.json"))
+    ap.add_argument("--ours-head", default=None, help="the head of --ours-from whose acceptance is the "
+                    "peagle-smollm2 profile (e.g. peagle-99k-long8k-330s; default: the deepest K of any head)")
+    ap.add_argument("--engine-kwargs", default="{}", metavar="JSON", help="vLLM engine kwargs merged into the "
+                    "defaults, e.g. '{\"compilation_config\": {\"cudagraph_mode\": \"FULL\"}}' (part of a cell's key)")
+    ap.add_argument("--spec-kwargs", default="{}", metavar="JSON",
+                    help="merged into speculative_config, e.g. '{\"disable_padded_drafter_batch\": true}' (cell key)")
+    ap.add_argument("--step-profile", action="store_true",
+                    help="one more wave per c under pipelines.evaluate.step_profile (host phases, device busy)")
+    ap.add_argument("--step-costs", action=argparse.BooleanOptionalAction, default=True,
+                    help="one more wave per c under pipelines.evaluate.step_costs (synchronized split)")
     ap.add_argument("--out", default=str(RESULTS / f"{RESULT}.json"))
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="environment of each engine worker, e.g. VLLM_USE_V2_MODEL_RUNNER=0 (part of a cell's key)")
     args = ap.parse_args()
     engine_env = dict(e.split("=", 1) for e in args.engine_env)
+    extra_kwargs, spec_kwargs = json.loads(args.engine_kwargs), json.loads(args.spec_kwargs)
+    settings = {"engine_env": engine_env, "engine_kwargs": extra_kwargs, "spec_kwargs": spec_kwargs}
 
     t_start = time.perf_counter()
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {"benchmark": RESULT, "rows": []}
-    done = {(r["target"], r["profile"], r["method"], r["K"], json.dumps(r.get("engine_env", {}), sort_keys=True))
-            for r in result["rows"]}
-    ours, ours_source = _ours(args.ours_from)
+    done = {(r["target"], r["profile"], r["method"], r["K"], _settings_key(r)) for r in result["rows"]}
+    ours, ours_source = _ours(args.ours_from, args.ours_head)
     conc = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(0)
     lo, hi = 10, min(100000, TARGET_CONFIGS[args.target]["vocab_size"])
@@ -160,8 +194,10 @@ def main() -> None:
         target = Path(tmp) / args.target
         target.mkdir()
         (target / "config.json").write_text(json.dumps(target_cfg))
-        for profile, method, K in cells:
-            if (args.target, profile, method, K, json.dumps(engine_env, sort_keys=True)) in done:
+        for profile_name, method, K in cells:
+            # the peagle-smollm2 profile of a named head is labelled by that head
+            profile = args.ours_head if profile_name == "peagle-smollm2" and args.ours_head else profile_name
+            if (args.target, profile, method, K, _settings_key(settings)) in done:
                 continue
             if time.perf_counter() - t_start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping before {profile} {method} K={K}", flush=True)
@@ -170,26 +206,31 @@ def main() -> None:
                 target=str(target), method=method, K=K, prompts=prompts, concurrency=conc, max_tokens=args.max_tokens,
                 engine_kwargs={"dtype": target_cfg["torch_dtype"], "load_format": "dummy", "skip_tokenizer_init": True,
                                "max_model_len": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
-                               **({} if torch.cuda.is_available() else {"enforce_eager": True})},
-                ignore_eos=True, waves=args.waves, step_costs=True, env=engine_env)
+                               **({} if torch.cuda.is_available() else {"enforce_eager": True}), **extra_kwargs},
+                ignore_eos=True, waves=args.waves, step_costs=args.step_costs, step_profile=args.step_profile,
+                env=engine_env)
             rates = None
             if method != "none":
                 spec.head = str(write_head_config(target_cfg, method, Path(tmp) / f"head-{method}"))
-                rates = profile_rates(profile, method, K, ours)
+                rates = profile_rates(profile_name, method, K, ours)
                 spec.speculative_overrides = {"rejection_sample_method": "synthetic",
-                                              "synthetic_acceptance_rates": rates}
+                                              "synthetic_acceptance_rates": rates, **spec_kwargs}
             t = time.perf_counter()
             rows = run_engine_subprocess(spec, timeout_s=900)
             for r in rows:
-                r.update(target=args.target, profile=profile, synthetic_acceptance_rates=rates, engine_env=engine_env,
+                r.update(target=args.target, profile=profile, synthetic_acceptance_rates=rates, **settings,
+                         profile_source=ours_source if profile_name == "peagle-smollm2" else "paper anchors",
                          expected_acceptance_length=1 + sum(rates) if rates else 1.0)
                 print(json.dumps({k: r[k] for k in ("target", "profile", "method", "K", "concurrency",
                                                     "acceptance_length", "tokens_per_s", "tpot_ms", "model_runner")}
-                                 | {"step": r.get("step_costs")}), flush=True)
+                                 | {"step": r.get("step_costs"), "profile": _brief(r.get("step_profile"))}),
+                      flush=True)
             result["rows"] += rows
             command = "python -m bench.synthetic_serving " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("out", "engine_env", "ours_from", "budget_s"))
+                if k not in ("out", "engine_env", "ours_from", "budget_s", "engine_kwargs", "spec_kwargs")) + "".join(
+                f" --{k.replace('_', '-')} '{json.dumps(v)}'" for k, v in (("engine_kwargs", extra_kwargs),
+                                                                        ("spec_kwargs", spec_kwargs)) if v)
             for r in rows:
                 r["command"] = command
             result.update(environment=environment(), ours_profile={"rates": ours, "source": ours_source})

@@ -8,7 +8,7 @@
 set -u
 T0=$SECONDS
 . bench/device/install_vllm.sh || exit 1
-NAME=gpu_synthetic_serving
+NAME=${NAME:-gpu_synthetic_serving}  # NAME=gpu_synthetic_load: issue 41's rows (engine settings, step profiles)
 [ -f ~/keep/$NAME.json ] || cp bench/results/$NAME.json ~/keep/ 2>/dev/null || true
 timeout $((585 - (SECONDS - T0))) python3 -m bench.synthetic_serving --out ~/keep/$NAME.json \
   --budget-s $((470 - (SECONDS - T0))) "$@" 2>&1 | grep -E '^\{|^cell|^budget|Error|error' | cut -c1-500

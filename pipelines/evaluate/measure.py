@@ -82,6 +82,7 @@ class EngineSpec:
     ignore_eos: bool = False  # every request generates max_tokens (random-weight targets)
     waves: int | None = None  # waves of c requests per concurrency c (None: all prompts at every c)
     step_costs: bool = False  # after the sweep, one wave per c with pipelines.evaluate.step_costs' split of a step
+    step_profile: bool = False  # after the sweep, one wave per c under pipelines.evaluate.step_profile (unsynchronized)
     env: dict[str, str] = field(default_factory=dict)  # set in the worker before vLLM is imported
 
 
@@ -103,7 +104,7 @@ def _spec_counters(llm) -> dict[str, Any]:
 def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
     """Inside the worker process: build the engine, sweep concurrency, read the counters."""
     os.environ.update(spec.env)
-    if spec.step_costs:  # step_costs' functions reach the engine core by pickle (our own child processes)
+    if spec.step_costs or spec.step_profile:  # their functions reach the engine core by pickle (our own children)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
@@ -160,10 +161,33 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
             "al_per_pos": [p / drafts for p in per_pos] if drafts else [],
             "engine_load_s": load_s, "model_runner": runner,
         })
+    if spec.step_profile:  # before step_costs, whose synchronizing wrappers stay installed
+        for row in rows:
+            row["step_profile"] = _profile_steps(llm, prompts[:row["concurrency"]], params)
     if spec.step_costs:
         for row in rows:
             row["step_costs"] = _split_steps(llm, prompts[:row["concurrency"]], params)
     return rows
+
+
+def _profile_steps(llm, prompts: list[dict[str, Any]], params) -> dict[str, Any]:
+    """Two waves of ``prompts`` under :mod:`pipelines.evaluate.step_profile` (no added synchronization): host
+    timers alone (``timers``: the step's wall and host phases as served), then with ``torch.profiler`` too
+    (``profiler``: device busy time, launches, waits); each with its wave's tokens/s and tokens per step; and
+    ``engine``: the graph modes and attention backends the worker resolved."""
+    from pipelines.evaluate import step_profile
+
+    out: dict[str, Any] = {"engine": llm.collective_rpc(step_profile.engine_facts)[0]}
+    for name, torch_profiler in (("timers", False), ("profiler", True)):
+        wrapped = llm.collective_rpc(step_profile.start, args=(torch_profiler,))[0]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        got = llm.collective_rpc(step_profile.stop)[0]
+        out[name] = got | {"missing_phases": wrapped["missing"], "tokens_per_s": tokens / dt if dt else 0.0,
+                           "tokens_per_step": tokens / got["num_steps"] if got["num_steps"] else None}
+    return out
 
 
 def _split_steps(llm, prompts: list[dict[str, Any]], params) -> dict[str, Any]:
