@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import time
 from typing import Any
 
@@ -180,7 +181,7 @@ def summarize(events, *, wall_s: float, steps: list[float], host: dict[str, list
             elif e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"):
                 launches += 1
     busy_us = _union_us(device)
-    periods = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    periods = [b - a for a, b in itertools.pairwise(steps)]
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     return {
         "num_steps": len(steps), "window_s": wall_s,
