@@ -129,7 +129,8 @@ def _ours(path: str | None, head: str | None = None) -> tuple[list[float], str]:
 
 def _settings_key(row: dict) -> str:
     """A cell's engine settings (environment, extra engine kwargs, extra speculative kwargs) as one key."""
-    return json.dumps({k: row.get(k, {}) for k in ("engine_env", "engine_kwargs", "spec_kwargs")}, sort_keys=True)
+    return json.dumps({k: row.get(k, {}) for k in ("engine_env", "engine_kwargs", "spec_kwargs")}
+                      | ({"warmup_waves": row["warmup_waves"]} if row.get("warmup_waves") else {}), sort_keys=True)
 
 
 def _brief(profile: dict | None) -> dict | None:
@@ -156,6 +157,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--waves", type=int, default=2, help="waves of c requests per concurrency c")
+    ap.add_argument("--warmup-waves", type=int, default=0,
+                    help="untimed waves before each concurrency (part of a cell's key when > 0)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--budget-s", type=float, default=480.0, help="no new engine start after this many seconds")
     ap.add_argument("--ours-from", default=str(RESULTS / "gpu_vllm_serving.json"))
@@ -176,6 +179,8 @@ def main() -> None:
     engine_env = dict(e.split("=", 1) for e in args.engine_env)
     extra_kwargs, spec_kwargs = json.loads(args.engine_kwargs), json.loads(args.spec_kwargs)
     settings = {"engine_env": engine_env, "engine_kwargs": extra_kwargs, "spec_kwargs": spec_kwargs}
+    if args.warmup_waves:
+        settings["warmup_waves"] = args.warmup_waves
 
     t_start = time.perf_counter()
     out = Path(args.out)
@@ -207,7 +212,7 @@ def main() -> None:
                 engine_kwargs={"dtype": target_cfg["torch_dtype"], "load_format": "dummy", "skip_tokenizer_init": True,
                                "max_model_len": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
                                **({} if torch.cuda.is_available() else {"enforce_eager": True}), **extra_kwargs},
-                ignore_eos=True, waves=args.waves, step_costs=args.step_costs, step_profile=args.step_profile,
+                ignore_eos=True, waves=args.waves, warmup_waves=args.warmup_waves, step_costs=args.step_costs, step_profile=args.step_profile,
                 env=engine_env)
             rates = None
             if method != "none":

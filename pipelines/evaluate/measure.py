@@ -77,6 +77,7 @@ class EngineSpec:
     max_tokens: int = 128
     engine_kwargs: dict[str, Any] = field(default_factory=lambda: dict(CPU_ENGINE_KWARGS))
     warmup: bool = True
+    warmup_waves: int = 0  # untimed waves of c requests before each concurrency c is timed (prompts reversed)
     k_schedule: list[list[int]] | None = None  # vLLM num_speculative_tokens_per_batch_size (then K is unused)
     speculative_overrides: dict[str, Any] = field(default_factory=dict)  # merged into speculative_config
     ignore_eos: bool = False  # every request generates max_tokens (random-weight targets)
@@ -129,6 +130,11 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
     runner = "v2" if getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False) else "v1"
     rows = []
     for c in spec.concurrency:
+        # A concurrency's first steps JIT-compile kernels for new batch shapes (Triton specializes sizes that are 1
+        # or multiples of 16): untimed waves on reversed prompts (no prefix-cache hits) measure the steady state.
+        for _ in range(spec.warmup_waves):
+            llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:c]], params,
+                         use_tqdm=False)
         before = _spec_counters(llm)
         latencies, tpots, tokens, wall = [], [], 0, 0.0
         for i in range(0, len(prompts) if spec.waves is None else min(len(prompts), c * spec.waves), c):
