@@ -360,6 +360,7 @@ def evaluate(
     specs = [EngineSpec(target=str(target), method=method, K=K, head=str(head) if head else None,
                         prompts=[list(p) for p in prompts], concurrency=list(cfg.concurrency_sweep),
                         max_tokens=cfg.max_tokens, engine_kwargs=ekw, step_costs=bool(cfg.step_costs),
+                        warmup_waves=cfg.warmup_waves_for(on_gpus),
                         env=dict(engine_env or {})) for _, method, K, head in runs]
     requests_per_run = len(prompts) * len(cfg.concurrency_sweep)
     with progress("evaluate", total=len(runs) * requests_per_run, unit="requests") as advance:

@@ -275,6 +275,14 @@ class EvalConfig(Section):
         "sweep, with synchronized phases (the sweep's tokens/s are measured without them). vLLM's V1 model runner "
         "only: rows of a Model Runner V2 engine say 'unavailable'. None (default) = off.",
     )
+    warmup_waves: Annotated[int | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, ge=0, description="Untimed waves of c requests before each concurrency c of the sweep is timed "
+        "(pipelines.evaluate.measure.EngineSpec.warmup_waves). A GPU engine's first steps at a new concurrency "
+        "compile kernels for new batch shapes: on an H200 (vLLM 0.26, Llama-3.1-8B shape) the first waves of "
+        "P-EAGLE at c=16 ran 0.55x no speculation and warm ones 1.15x (bench/results/gpu_synthetic_load.json), and "
+        "the K schedule fitted from cold rows turns speculation off where a warm endpoint gains from it. None "
+        "(default) = 1 on GPU engines, 0 on CPU engines.",
+    )
     compare_champion: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="Also measure the registry's current champion (models:/<registry model>@champion, pinned "
         "to its version and head_sha256 when the run starts; part of the evaluate stage's key) in the same evaluate "
@@ -284,6 +292,10 @@ class EvalConfig(Section):
         "registered. None (default) = on when training.init_from is a registry reference (models:/...), off "
         "otherwise. No champion yet: only the challenger is measured and the gate promotes it.",
     )
+
+    def warmup_waves_for(self, on_gpus: bool) -> int:
+        """Untimed waves before each concurrency (``warmup_waves``; None = 1 on GPU engines, 0 on CPU ones)."""
+        return self.warmup_waves if self.warmup_waves is not None else int(on_gpus)
 
     def compares_champion(self, training: TrainingConfig) -> bool:
         """Whether the evaluate stage measures the champion (``compare_champion``, None = warm start from a

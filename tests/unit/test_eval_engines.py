@@ -44,3 +44,19 @@ def test_cpu_engines_run_one_after_another(monkeypatch):
     out = measure.run_engines([measure.EngineSpec(target="t", K=k) for k in (3, 5)], on_gpus=False)
     (a,), (b,) = (r[0] for r in out)
     assert a["t1"] <= b["t0"]
+
+
+@pytest.mark.parametrize(("on_gpus", "warmup_waves", "expected"), [(True, None, 1), (False, None, 0), (True, 0, 0),
+                                                                   (False, 2, 2)])
+def test_engines_warm_up_each_concurrency_on_gpus(monkeypatch, on_gpus, warmup_waves, expected):
+    """GPU engines run one untimed wave per concurrency before timing it (first waves compile kernels for new batch
+    shapes); CPU engines none, unless the recipe says otherwise."""
+    from pipelines.recipe.stages import EvalConfig
+
+    seen = []
+    monkeypatch.setattr(measure, "run_engines", lambda specs, **kw: seen.extend(specs) or [([], 0.0) for _ in specs])
+    monkeypatch.setattr(measure, "build_report", lambda rows, eval_set, **kw: rows)
+    cfg = EvalConfig(methods=["none"], concurrency_sweep=[1, 16], include_offline_decoder=False,
+                     warmup_waves=warmup_waves)
+    measure.evaluate(target="t", prompts=[[1, 2, 3]], heads={}, cfg=cfg, eval_set="humaneval", on_gpus=on_gpus)
+    assert [s.warmup_waves for s in seen] == [expected]
