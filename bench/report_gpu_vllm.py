@@ -335,3 +335,78 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
                    "construction; P-EAGLE keeps one K (vLLM's parallel drafting sizes its slots once). Not done: "
                    "interpolating between concurrencies from the per-step split instead of the nearest measured one."),
               ""]
+
+
+LOAD_HEADING = "Speculation under load: cold and warm concurrencies, and where a step's time goes"
+LOAD_GOALS = {1: 1.9, 16: 1.3, 64: 1.0}  # issue 41: P-EAGLE / none on the 8B shape at each concurrency
+
+
+def _load_settings(row: dict) -> str:
+    """A row's engine settings beyond the defaults (extra engine and speculative kwargs), '-' for none."""
+    extra = {**row.get("engine_kwargs", {}), **row.get("spec_kwargs", {})}
+    return ", ".join(f"{k}={v}" for k, v in extra.items()) or "-"
+
+
+def under_load(lines: list[str], data: dict | None) -> None:
+    """Issue 41: ``bench.synthetic_serving --step-profile`` rows (``gpu_synthetic_load.json``): each cell's tokens/s
+    against no speculation at the same warm-up, the later unsynchronized wave's, and that wave's step profile
+    (``pipelines.evaluate.step_profile``)."""
+    lines += [f"### {LOAD_HEADING}", ""]
+    if data is None:
+        lines += ["not run", ""]
+        return
+    rows = data["rows"]
+    commands = sorted({r["command"] for r in rows if r.get("command")})
+    lines += [(f"{_env(data)}; `NAME=gpu_synthetic_load bash bench/device/run_synthetic_serving.sh FLAGS` ("
+               + "; ".join(f"`{c}`" for c in commands) + "). vLLM's V1 runner for every method "
+               "(`VLLM_USE_V2_MODEL_RUNNER=0`; P-EAGLE has no other), random-weight targets, synthetic acceptance "
+               "at the profile of the head named in the table (its per-position acceptance in GPU vLLM, "
+               f"{rows[-1].get('profile_source', '-')}). *warm-up*: untimed waves of c requests before c is timed "
+               "(0: the first waves at a new concurrency, as the rows before this table were measured). *later "
+               "wave*: one more wave of c requests after the whole sweep, host timers only "
+               "(`pipelines.evaluate.step_profile`); its step is the wall time between two engine steps; *device "
+               "busy*, *launches* from the wave after it, under `torch.profiler`. Host ms: time inside the runner's "
+               "`propose_draft_token_ids` (draft) and `execute_model` (target forward queued) per step."), ""]
+    none = {(r["target"], r.get("warmup_waves", 0), r["concurrency"]): r for r in rows if r["method"] == "none"
+            and not r.get("engine_kwargs")}
+
+    def later(r: dict) -> dict:
+        return (r.get("step_profile") or {}).get("timers") or {}
+
+    table = []
+    for r in rows:
+        n = none.get((r["target"], r.get("warmup_waves", 0), r["concurrency"]))
+        t, p = later(r), (r.get("step_profile") or {}).get("profiler") or {}
+        nt = later(n) if n else {}
+        host = t.get("host_ms", {})
+        table.append([r["target"], r["method"], r["K"] or "-", _load_settings(r), r.get("warmup_waves", 0),
+                      r["concurrency"], _f(r["acceptance_length"]), f"{r['tokens_per_s']:.0f}",
+                      _f(r["tokens_per_s"] / n["tokens_per_s"]) if n and r is not n else "-",
+                      f"{t['tokens_per_s']:.0f}" if t else "-",
+                      _f(t["tokens_per_s"] / nt["tokens_per_s"]) if t and nt and r is not n else "-",
+                      _f(t.get("wall_ms"), 1) if t else "-",
+                      f"{100 * p['device_busy_fraction']:.0f}%" if p.get("device_busy_fraction") is not None else "-",
+                      " / ".join(_f(host.get(k), 1) for k in ("draft", "execute_model")) if host else "-",
+                      f"{p['graph_launches']:.0f} / {p['kernel_launches']:.0f}" if p else "-"])
+    lines += _table(["target", "method", "K", "settings", "warm-up", "c", "AL", "tok/s", "x none", "later wave tok/s",
+                     "x none", "later step ms", "device busy", "host ms draft / forward", "graphs / kernels"],
+                    table) + [""]
+    for target in sorted({r["target"] for r in rows}):
+        plain = [r for r in rows if r["target"] == target and not r.get("engine_kwargs") and r["K"] in (0, 5)]
+        cell = {(r["method"], r.get("warmup_waves", 0), r["concurrency"]): r for r in plain}
+        cs = sorted({c for m, w, c in cell if m == "peagle" and w == 1 and ("none", 1, c) in cell
+                     and ("peagle", 0, c) in cell and ("none", 0, c) in cell})
+        if not cs:
+            continue
+        ratio = {(m, w, c, base): cell[(m, w, c)]["tokens_per_s"] / cell[(base, w, c)]["tokens_per_s"]
+                 for m, w, c in cell for base in ("none", "eagle3") if (base, w, c) in cell}
+        later_ratio = {c: later(cell[("peagle", 1, c)])["tokens_per_s"] / later(cell[("none", 1, c)])["tokens_per_s"]
+                       for c in cs}
+        vs_e3 = [f"c={c} {_f(ratio['peagle', 1, c, 'eagle3'])}x" for c in cs if ("eagle3", 1, c) in cell]
+        lines += [(f"**{target}**, P-EAGLE K=5 against no speculation, first waves -> after one warm-up wave: "
+                   + ", ".join(f"c={c} {_f(ratio['peagle', 0, c, 'none'])}x -> {_f(ratio['peagle', 1, c, 'none'])}x" for c in cs)
+                   + "; in the later wave: " + ", ".join(f"c={c} {_f(later_ratio[c])}x" for c in cs) + ". "
+                   + (f"P-EAGLE / EAGLE-3 (both on V1, warm): {', '.join(vs_e3)}. " if vs_e3 else "")
+                   + ("Goals (P-EAGLE / none after the warm-up wave): " + ", ".join(
+                       f"c={c} >= {g}x {met(ratio['peagle', 1, c, 'none'] >= g)}" for c, g in LOAD_GOALS.items() if c in cs)
+                      + "." if target == "llama-3.1-8b" else "")), ""]

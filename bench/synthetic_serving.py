@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import time
@@ -123,7 +124,8 @@ def _ours(path: str | None, head: str | None = None) -> tuple[list[float], str]:
     if not rows:
         raise SystemExit(f"--ours-head {head!r}: no P-EAGLE rows of that head in {path}")
     best = max(rows, key=lambda r: (r["K"], -r["concurrency"]))  # the deepest K, served one request at a time
-    return best["al_per_pos"], f"{path}: {best.get('head', 'peagle')} K={best['K']} c={best['concurrency']} " \
+    shown = os.path.relpath(path, RESULTS.parents[1]) if Path(path).is_absolute() else path
+    return best["al_per_pos"], f"{shown}: {best.get('head', 'peagle')} K={best['K']} c={best['concurrency']} " \
                                f"{best.get('eval_set', '')}".rstrip()
 
 
