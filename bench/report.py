@@ -90,7 +90,7 @@ QUESTIONS = [
         _gpu(report_gpu_vllm.serving, "gpu_vllm_serving"),
         _gpu(report_gpu_vllm.synthetic, "gpu_synthetic_serving"),
         _gpu(report_gpu_vllm.under_load, "gpu_synthetic_load"),
-        _gpu(report_gpu_vllm.k_schedule, "gpu_vllm_serving", "gpu_synthetic_serving"),
+        _gpu(report_gpu_vllm.k_schedule, "gpu_vllm_serving", "gpu_synthetic_serving", "gpu_synthetic_load"),
         _gpu(report_gpu_vllm.parity, "gpu_vllm_parity"),
         report_multi_gpu.serving,
     ]),

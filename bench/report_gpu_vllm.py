@@ -300,8 +300,10 @@ def parity(lines: list[str], data: dict | None) -> None:
                "`tests/integration/test_vllm_parity.py` replays vLLM's exact inputs at 1e-4."), ""]
 
 
-def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict | None) -> None:
-    """Item 7: ``pipelines.evaluate.k_schedule.build_k_schedule`` over the GPU rows (measured tokens/s per K and c)."""
+def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict | None,
+               load_data: dict | None = None) -> None:
+    """Item 7: ``pipelines.evaluate.k_schedule.build_k_schedule`` over the GPU rows (measured tokens/s per K and c);
+    issue 41: the same over the rows under load, from the first waves and after a warm-up wave."""
     from pipelines.evaluate.k_schedule import build_k_schedule
 
     lines += ["### K schedule from the GPU vLLM rows", ""]
@@ -314,6 +316,13 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
         rows = [r for r in synthetic_data["rows"] if r["target"] == target and r["profile"] in ("-", "paper")
                 and not r.get("engine_env")]
         cases += [(f"{target}, paper profile", rows, m) for m in ("peagle", "eagle3")]
+    for target in sorted({r["target"] for r in (load_data or {}).get("rows", [])}):
+        for warm, label in ((0, "first waves"), (1, "after one warm-up wave")):
+            rows = [r for r in load_data["rows"] if r["target"] == target and not r.get("engine_kwargs")
+                    and r.get("warmup_waves", 0) == warm]
+            profiles = sorted({r["profile"] for r in rows if r["method"] != "none"})
+            cases += [(f"{target}, {', '.join(profiles)} profile, {label}", rows, m) for m in ("peagle", "eagle3")
+                      if profiles]
     if not cases:
         lines += ["not run", ""]
         return

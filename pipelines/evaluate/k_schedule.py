@@ -219,7 +219,9 @@ def vllm_speculative_config(model: str, *, num_speculative_tokens: int, parallel
     Without ``k_schedule``: a fixed ``num_speculative_tokens``. With one: the schedule as
     ``num_speculative_tokens_per_batch_size`` and ``num_speculative_tokens`` = its largest K (vLLM clamps
     every scheduled K to it). A schedule with one K everywhere is passed as that fixed K (vLLM's dynamic
-    path measured 2-5% slower than the same fixed K on CPU, ``bench/results/k_schedule.json``); one that
+    path measured 2-5% slower than the same fixed K on CPU, ``bench/results/k_schedule.json``; on GPU, vLLM
+    0.26's V1 runner also drops the target's CUDA graphs from FULL to PIECEWISE under a per-batch-size
+    schedule, ``vllm/config/vllm.py``: ``_maybe_override_dynamic_sd_cudagraph_mode``); one that
     is K=0 everywhere returns None: no speculation at all (a K=0 step under a schedule still runs the
     drafter's first pass, vLLM keeps the draft KV cache in sync, so plain decoding is what the
     measured K=0 rows were).
