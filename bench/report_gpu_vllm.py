@@ -419,3 +419,15 @@ def under_load(lines: list[str], data: dict | None) -> None:
                    + ("Goals (P-EAGLE / none after the warm-up wave): " + ", ".join(
                        f"c={c} >= {g}x {met(ratio['peagle', 1, c, 'none'] >= g)}" for c, g in LOAD_GOALS.items() if c in cs)
                       + "." if target == "llama-3.1-8b" else "")), ""]
+        prof = {m: (cell[(m, 1, 1)].get("step_profile") or {}).get("profiler") for m in ("none", "peagle")
+                if (m, 1, 1) in cell}
+        if all(prof.get(m) for m in ("none", "peagle")):
+            extra = prof["peagle"]["device_busy_ms"] - prof["none"]["device_busy_ms"]
+            host = later(cell[("peagle", 1, 1)]).get("host_ms", {}).get("draft")
+            lines += [(f"At c=1, warm: the device is busy {_f(prof['peagle']['device_busy_ms'], 2)} ms per P-EAGLE "
+                       f"step against {_f(prof['none']['device_busy_ms'], 2)} ms per target-only step, so drafting "
+                       f"and verifying K+1 tokens add {_f(extra, 2)} ms of device time "
+                       f"({100 * extra / prof['none']['device_busy_ms']:.0f}% of the target's), while the drafter "
+                       f"holds the host {_f(host, 2)} ms per step and the device is busy "
+                       f"{100 * prof['peagle']['device_busy_fraction']:.0f}% of the time: the step is host-bound "
+                       "(vLLM's V1 drafter: PIECEWISE graphs, eager logits and input preparation)."), ""]
