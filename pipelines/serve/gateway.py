@@ -14,8 +14,10 @@
 Each request takes the route active when it starts and keeps it to its end (stream included); a request whose
 ``LLMServer`` replica dies before it answered anything (queued in the dead replica's engine) is sent again, up
 to :data:`REPLICA_LOST_RETRIES` times, and Serve routes it to a live replica (or holds it until one is back):
-nothing was sent to the client yet, so the client sees one answer. A stream the replica had begun ends with
-the error event :data:`pipelines.serve.ingress.STREAM_INTERRUPTED` instead (tokens were already sent). Requests
+nothing was sent to the client yet, so the client sees one answer. A stream the replica had begun is continued
+by another one from the text already sent (:mod:`pipelines.serve.resume`: same stream, same id, usage of the whole
+answer), within the same number of sends; a stream that cannot be resumed (several choices, tool calls, token-id
+prompts) ends with the error event :data:`pipelines.serve.ingress.STREAM_INTERRUPTED` instead. Requests
 in flight per backend app are counted (:meth:`PeagleIngress.gateway_state`, read by the rollout before it
 deletes an old backend). Every answer carries :data:`pipelines.serve.ingress.SERVED_HEADER`: JSON of the
 served head (``backend``, ``head``, ``num_speculative_tokens``, ``k_schedule``), which the traffic log
@@ -38,12 +40,14 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
     CompletionRequest,
     ModelCard,
 )
+from ray.llm._internal.serve.core.ingress.utils import _apply_openai_json_format
 from ray.serve.llm.ingress import OpenAiIngress
 from starlette.responses import Response
 
 from pipelines.serve.ingress import SERVED_HEADER
+from pipelines.serve.resume import StreamResume
 
-REPLICA_LOST_RETRIES = 3  # sends of a request whose replica died before its first chunk, after the first
+REPLICA_LOST_RETRIES = 3  # sends after the first of a request (or of a stream's rest) whose replica died
 REPLICA_LOST_BACKOFF_S = 0.5  # wait before the n-th retry: n * this
 
 
@@ -52,6 +56,22 @@ def _replica_lost(e: BaseException) -> bool:
     from ray.exceptions import ActorUnavailableError, RayActorError
 
     return isinstance(e, RayActorError | ActorUnavailableError)
+
+
+def _is_sse(item) -> bool:
+    """Whether a streamed item is server-sent-event text (a string, or a batch of them)."""
+    return isinstance(item, str) or (isinstance(item, list) and bool(item) and all(isinstance(i, str) for i in item))
+
+
+def _stream_resume(body, call_method: str):
+    """``(StreamResume or None, the first leg's body)``: a resumable stream asks its replica for usage on every
+    chunk (:mod:`pipelines.serve.resume`); anything else goes as the client sent it."""
+    if call_method not in ("chat", "completions") or not getattr(body, "stream", False):
+        return None, body
+    resume = StreamResume(body.model_dump(mode="json", exclude_unset=True), chat=call_method == "chat")
+    if not resume.resumable:
+        return None, body
+    return resume, type(body).model_validate(resume.upstream_body())
 
 
 class Route(BaseModel):
@@ -140,18 +160,27 @@ class PeagleIngress(OpenAiIngress):
         if raw_request is not None:
             raw_request.state.peagle_served = active.header
         self._in_flight[active.app] += 1
+        resume, leg = _stream_resume(body, call_method)
         try:
             for attempt in range(REPLICA_LOST_RETRIES + 1):
                 answered = False
                 try:
-                    async for item in super()._get_response(body=body, call_method=call_method,
+                    async for item in super()._get_response(body=leg, call_method=call_method,
                                                             raw_request=raw_request):
                         answered = True
-                        yield item
+                        if resume is None or not _is_sse(item):  # e.g. an ErrorResponse: the ingress raises it
+                            yield item
+                        elif packet := resume.observe(_apply_openai_json_format(item)):
+                            yield packet
                     return
                 except Exception as e:
-                    if answered or attempt == REPLICA_LOST_RETRIES or not _replica_lost(e):
+                    resumable = resume is not None and resume.resumable
+                    if (answered and not resumable) or attempt == REPLICA_LOST_RETRIES or not _replica_lost(e):
                         raise
+                    if answered:  # a stream cut mid-answer: the next leg continues it (pipelines.serve.resume)
+                        if (rest := resume.continuation()) is None:
+                            return  # nothing left to generate: the stream ends with [DONE]
+                        leg = type(body).model_validate(rest)
                 await asyncio.sleep(REPLICA_LOST_BACKOFF_S * (attempt + 1))
         finally:
             self._in_flight[active.app] -= 1

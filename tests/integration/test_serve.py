@@ -12,8 +12,9 @@ with real faults and hostile input (issue 15, items 3 and 5).
   give N log rows with the answers the clients received, the pinned head version, K and vLLM's per-request
   acceptance; hostile requests each get a 4xx with a message and leave the replica as it was; 64 concurrent
   requests all succeed (p50/p99 printed); last, the MLflow server is SIGKILLed, then the LLMServer replica is
-  SIGKILLed while 16 streams run: Serve starts a new replica, which loads the head from its node cache, and
-  every request after recovery succeeds (failed streams of the kill window and the recovery time printed).
+  SIGKILLed while 16 streams run: Serve starts a new replica, which loads the head from its node cache, the
+  streams cut mid-answer continue on it (none fails), and every request after recovery succeeds (the recovery
+  time printed).
 
 Run with ``-s`` to see the numbers (lines starting with ``RESULT``).
 """
@@ -465,12 +466,14 @@ def test_replica_sigkill_with_mlflow_down(deployment):
     for why, n in Counter(w["why"] for w in failed).items():
         print(f"RESULT kill-window failure x{n}: {why} (chunks before it: {sorted(w['num_chunks'] for w in failed)})")
     assert all(a["ok"] for a in after), [a["why"] for a in after if not a["ok"]]
-    # No silent truncation: a stream cut by the kill ends with an error event, not as if complete. A request the
-    # replica had not begun answering (queued in its engine: no first chunk yet) is sent again by the gateway
-    # (pipelines.serve.gateway.REPLICA_LOST_RETRIES) and answered by the restarted replica: it does not fail.
-    # Anything else -- a 5xx, a 200 stream without [DONE] or error event, a dropped connection -- fails here.
-    assert all("stream interrupted" in w["why"] and w["num_chunks"] >= 1 for w in failed), \
-        [(w["why"], w["num_chunks"]) for w in failed]
+    # No request fails: a request the replica had not begun answering (queued in its engine: no first chunk yet) is
+    # sent again by the gateway (pipelines.serve.gateway.REPLICA_LOST_RETRIES), and a stream cut mid-answer (at
+    # least 8 of the 16 had their first chunk at the kill) is continued from the text already sent by the restarted
+    # replica (pipelines.serve.resume): each ends with [DONE], no error event. Before the resume, each cut stream
+    # ended with the error event STREAM_INTERRUPTED; anything else -- a 5xx, a 200 stream without [DONE], a dropped
+    # connection -- fails here too.
+    assert streaming_at_kill >= 8
+    assert not failed, [(w["why"], w["num_chunks"]) for w in failed]
     assert fetches[-1]["source"] == "cache" and not fetches[-1]["asked_registry"] and fetches[-1]["pid"] == new, \
         fetches
     assert not orphans, f"vLLM processes of the killed replica still run: {orphans}"
