@@ -15,7 +15,11 @@ identical in both variants (bf16 rounding differs with the padding, so not all a
     python -m bench.regen_throughput --data ... --engines vllm,static --name regen_throughput_vllm
 
 The vLLM engine gets every prompt in one ``generate`` call (vLLM batches them itself), after a warm-up call
-on ``--batch-size`` prompts (CUDA graphs and compilation are in ``engine_start_s``).
+on ``--batch-size`` prompts (CUDA graphs and compilation are in ``engine_start_s``). ``--vllm-sweep
+512:32768,1024:16384`` starts one engine per ``max_num_seqs:max_num_batched_tokens`` pair in turn (rows in
+``vllm_sweep``; ``vllm`` is the fastest):
+
+    python -m bench.regen_throughput --data ... --engines vllm --name regen_sweep_vllm --vllm-sweep 256:8192,512:32768
 """
 
 from __future__ import annotations
@@ -61,6 +65,37 @@ def _agreement(a: list[str], b: list[str]) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(1, len(b))
 
 
+def _vllm_row(target, prompts, cfg, args, *, dtype: str, max_num_seqs: int | None,
+              max_num_batched_tokens: int | None) -> tuple[dict, list[str]]:
+    """One :class:`pipelines.data.engines.VLLMEngine` with these scheduler settings (None: vLLM's default): its
+    row (tokens/s of every prompt in one call after a warm-up call) and texts; the engine is shut down after."""
+    import gc
+
+    import vllm
+
+    from pipelines.data.engines import VLLMEngine
+
+    t0 = time.perf_counter()
+    extra = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
+             if v}
+    engine = VLLMEngine(target, dtype=dtype, max_model_len=args.max_model_len,
+                        gpu_memory_utilization=args.gpu_memory_utilization, **extra)
+    _timed(engine, prompts[: args.batch_size], cfg)
+    start_s = time.perf_counter() - t0
+    wall, toks, texts = _timed(engine, prompts, cfg)
+    sched = engine.llm.llm_engine.vllm_config.scheduler_config
+    row = {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall, "engine_start_s": start_s,
+           "vllm": vllm.__version__, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+           "scheduler_max_num_seqs": sched.max_num_seqs,
+           "scheduler_max_num_batched_tokens": sched.max_num_batched_tokens}
+    engine.llm.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row, texts
+
+
 def main() -> None:
     from pipelines.assets import ensure_target
     from pipelines.data.engines import TransformersEngine
@@ -78,6 +113,10 @@ def main() -> None:
     ap.add_argument("--engines", default="plain,static", help="comma list of plain, static, vllm")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="vLLM engine only")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="vLLM engine only (default: vLLM's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM engine only (default: vLLM's)")
+    ap.add_argument("--vllm-sweep", default=None, metavar="SEQS:TOKENS,...",
+                    help="vLLM engine only: one engine per max_num_seqs:max_num_batched_tokens pair, in turn, each "
+                         "a row of 'vllm_sweep' (issue 40 item 3; the public anchor's tuned setting is 512:32768)")
     args = ap.parse_args()
 
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -108,21 +147,17 @@ def main() -> None:
             print(f"static_{label}", json.dumps(res[f"static_{label}"]), flush=True)
         del static
     if "vllm" in engines:
-        from pipelines.data.engines import VLLMEngine
-
-        t0 = time.perf_counter()
-        extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
-        engine = VLLMEngine(target, dtype=dtype, max_model_len=args.max_model_len,
-                            gpu_memory_utilization=args.gpu_memory_utilization, **extra)
-        _timed(engine, prompts[: args.batch_size], cfg)
-        start_s = time.perf_counter() - t0
-        wall, toks, texts["vllm"] = _timed(engine, prompts, cfg)
-        import vllm
-
-        res["vllm"] = {"wall_s": wall, "generated_tokens": toks, "tokens_per_s": toks / wall,
-                       "engine_start_s": start_s, "vllm": vllm.__version__, "max_num_seqs": args.max_num_seqs,
-                       "scheduler_max_num_seqs": engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs}
-        print("vllm", json.dumps(res["vllm"]), flush=True)
+        settings = ([tuple(int(v) for v in pair.split(":")) for pair in args.vllm_sweep.split(",")]
+                    if args.vllm_sweep else [(args.max_num_seqs, args.max_num_batched_tokens)])
+        rows = []
+        for seqs, batched in settings:
+            row, texts["vllm"] = _vllm_row(target, prompts, cfg, args, dtype=dtype, max_num_seqs=seqs,
+                                           max_num_batched_tokens=batched)
+            print("vllm", json.dumps(row), flush=True)
+            rows.append(row)
+        res["vllm"] = max(rows, key=lambda r: r["tokens_per_s"])
+        if args.vllm_sweep:
+            res["vllm_sweep"] = rows
     if "plain" in texts and "static" in texts:
         res["agreement"] = _agreement(texts["plain"], texts["static"])
         res["speedup_warm"] = res["static_warm"]["tokens_per_s"] / res["plain"]["tokens_per_s"]

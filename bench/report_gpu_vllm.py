@@ -401,6 +401,18 @@ def under_load(lines: list[str], data: dict | None) -> None:
                      "x none", "later step ms", "device busy", "host ms draft / forward", "graphs / kernels"],
                     table) + [""]
     for target in sorted({r["target"] for r in rows}):
+        steps = {}
+        for r in rows:
+            if r["target"] == target and r["concurrency"] == 1 and not r.get("engine_kwargs") and later(r) \
+                    and r["method"] in ("none", "peagle") and r["K"] in (0, 5):
+                steps.setdefault(r["method"], later(r))
+        if len(steps) == 2:
+            pe, no = steps["peagle"], steps["none"]
+            lines += [(f"**{target}**, c=1, the later wave (asynchronous scheduling, nothing synchronized): a P-EAGLE "
+                       f"K=5 step takes {_f(pe['wall_ms'], 2)} ms against {_f(no['wall_ms'], 2)} ms without "
+                       f"speculation, so a head breaks even at AL {_f(pe['wall_ms'] / no['wall_ms'])}; this wave "
+                       f"emitted {_f(pe['tokens_per_step'])} tokens per step and ran {_f(pe['tokens_per_s'] / no['tokens_per_s'])}x "
+                       "no speculation."), ""]
         plain = [r for r in rows if r["target"] == target and not r.get("engine_kwargs") and r["K"] in (0, 5)]
         cell = {(r["method"], r.get("warmup_waves", 0), r["concurrency"]): r for r in plain}
         cs = sorted({c for m, w, c in cell if m == "peagle" and w == 1 and ("none", 1, c) in cell
