@@ -147,9 +147,7 @@ def _brief(profile: dict | None) -> dict | None:
         if k in ("wall_ms", "sync_ms", "device_busy_ms", "device_busy_fraction", "graph_launches", "kernel_launches")}
 
 
-def main() -> None:
-    from pipelines.evaluate.measure import EngineSpec, run_engine_subprocess
-
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="llama-3.1-8b", choices=sorted(TARGET_CONFIGS))
     ap.add_argument("--profiles", default="paper,peagle-smollm2")
@@ -177,7 +175,28 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / f"{RESULT}.json"))
     ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
                     help="environment of each engine worker, e.g. VLLM_USE_V2_MODEL_RUNNER=0 (part of a cell's key)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _command(args: argparse.Namespace, extra_kwargs: dict, spec_kwargs: dict) -> str:
+    """The command line of a cell (what is not about where results go or the call's budget)."""
+    def flag(k: str, v) -> str:
+        name = k.replace("_", "-")
+        if isinstance(v, bool):  # store_true flags, and --step-costs / --no-step-costs
+            return f"--{name}" if v else (f"--no-{name}" if k == "step_costs" else "")
+        return f"--{name} {v}"
+
+    return "python -m bench.synthetic_serving " + " ".join(filter(None, (
+        flag(k, v) for k, v in vars(args).items() if v is not None
+        and k not in ("out", "engine_env", "ours_from", "budget_s", "engine_kwargs", "spec_kwargs")))) + "".join(
+        f" --{k.replace('_', '-')} '{json.dumps(v)}'" for k, v in (("engine_kwargs", extra_kwargs),
+                                                                ("spec_kwargs", spec_kwargs)) if v)
+
+
+def main() -> None:
+    from pipelines.evaluate.measure import EngineSpec, run_engine_subprocess
+
+    args = _args()
     engine_env = dict(e.split("=", 1) for e in args.engine_env)
     extra_kwargs, spec_kwargs = json.loads(args.engine_kwargs), json.loads(args.spec_kwargs)
     settings = {"engine_env": engine_env, "engine_kwargs": extra_kwargs, "spec_kwargs": spec_kwargs}
@@ -214,8 +233,8 @@ def main() -> None:
                 engine_kwargs={"dtype": target_cfg["torch_dtype"], "load_format": "dummy", "skip_tokenizer_init": True,
                                "max_model_len": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
                                **({} if torch.cuda.is_available() else {"enforce_eager": True}), **extra_kwargs},
-                ignore_eos=True, waves=args.waves, warmup_waves=args.warmup_waves, step_costs=args.step_costs, step_profile=args.step_profile,
-                env=engine_env)
+                ignore_eos=True, waves=args.waves, warmup_waves=args.warmup_waves, step_costs=args.step_costs,
+                step_profile=args.step_profile, env=engine_env)
             rates = None
             if method != "none":
                 spec.head = str(write_head_config(target_cfg, method, Path(tmp) / f"head-{method}"))
@@ -233,11 +252,7 @@ def main() -> None:
                                  | {"step": r.get("step_costs"), "profile": _brief(r.get("step_profile"))}),
                       flush=True)
             result["rows"] += rows
-            command = "python -m bench.synthetic_serving " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if k not in ("out", "engine_env", "ours_from", "budget_s", "engine_kwargs", "spec_kwargs")) + "".join(
-                f" --{k.replace('_', '-')} '{json.dumps(v)}'" for k, v in (("engine_kwargs", extra_kwargs),
-                                                                        ("spec_kwargs", spec_kwargs)) if v)
+            command = _command(args, extra_kwargs, spec_kwargs)
             for r in rows:
                 r["command"] = command
             result.update(environment=environment(), ours_profile={"rates": ours, "source": ours_source})
