@@ -83,7 +83,8 @@ class EngineSpec:
     ignore_eos: bool = False  # every request generates max_tokens (random-weight targets)
     waves: int | None = None  # waves of c requests per concurrency c (None: all prompts at every c)
     step_costs: bool = False  # after the sweep, one wave per c with pipelines.evaluate.step_costs' split of a step
-    step_profile: bool = False  # after the sweep, one wave per c under pipelines.evaluate.step_profile (unsynchronized)
+    step_profile: bool = False  # after the sweep, one wave per c under pipelines.evaluate.step_profile (unsynchronized);
+    # and each row's "compiles": what its warm-up and timed waves compiled (step_profile.compile_counts)
     env: dict[str, str] = field(default_factory=dict)  # set in the worker before vLLM is imported
 
 
@@ -132,9 +133,11 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
     for c in spec.concurrency:
         # A concurrency's first steps JIT-compile kernels for new batch shapes (Triton specializes sizes that are 1
         # or multiples of 16): untimed waves on reversed prompts (no prefix-cache hits) measure the steady state.
+        compiles = _compile_counts(llm) if spec.step_profile else None
         for _ in range(spec.warmup_waves):
             llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts[:c]], params,
                          use_tqdm=False)
+        compiles_warm = _compile_counts(llm) if spec.step_profile else None
         before = _spec_counters(llm)
         latencies, tpots, tokens, wall = [], [], 0, 0.0
         for i in range(0, len(prompts) if spec.waves is None else min(len(prompts), c * spec.waves), c):
@@ -167,6 +170,10 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
             "al_per_pos": [p / drafts for p in per_pos] if drafts else [],
             "engine_load_s": load_s, "model_runner": runner,
         })
+        if compiles is not None:  # what the warm-up waves and the timed waves of this concurrency compiled
+            done = _compile_counts(llm)
+            rows[-1]["compiles"] = {"warmup": {k: compiles_warm[k] - compiles[k] for k in done},
+                                    "timed": {k: done[k] - compiles_warm[k] for k in done}}
     if spec.step_profile:  # before step_costs, whose synchronizing wrappers stay installed
         for row in rows:
             row["step_profile"] = _profile_steps(llm, prompts[:row["concurrency"]], params)
@@ -174,6 +181,12 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
         for row in rows:
             row["step_costs"] = _split_steps(llm, prompts[:row["concurrency"]], params)
     return rows
+
+
+def _compile_counts(llm) -> dict[str, int]:
+    from pipelines.evaluate import step_profile
+
+    return llm.collective_rpc(step_profile.compile_counts)[0]
 
 
 def _profile_steps(llm, prompts: list[dict[str, Any]], params) -> dict[str, Any]:

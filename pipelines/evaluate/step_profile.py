@@ -149,6 +149,33 @@ def engine_facts(worker) -> dict[str, Any]:
             "attention_backends": sorted(backends)}
 
 
+def compile_counts(worker) -> dict[str, int]:
+    """Running counts of what compiles in the worker's process: Dynamo frames compiled and graphs made
+    (``torch._dynamo.utils.counters``), and entries of Triton's kernel caches (``TRITON_CACHE_DIR``, else
+    ``~/.triton/cache``, and TorchInductor's; each JIT-compiled kernel specialization adds one). Two calls around a wave of requests
+    say what that wave compiled. Runs in the worker."""
+    import os
+    from pathlib import Path
+
+    out = {"dynamo_frames": 0, "dynamo_graphs": 0, "triton_cache_entries": 0}
+    try:
+        from torch._dynamo.utils import counters
+
+        out["dynamo_frames"] = int(counters["frames"]["ok"])
+        out["dynamo_graphs"] = int(counters["stats"]["unique_graphs"])
+    except ImportError:
+        pass
+    caches = {Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")}
+    try:  # TorchInductor's kernels compile into a Triton cache of its own
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        caches.add(Path(triton_cache_dir(0)))
+    except (ImportError, RuntimeError, AssertionError):
+        pass
+    out["triton_cache_entries"] = sum(sum(1 for _ in c.iterdir()) for c in caches if c.is_dir())
+    return out
+
+
 def _union_us(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for s, e in sorted(intervals):

@@ -85,3 +85,19 @@ def test_summary_unions_device_intervals_and_counts_launches_and_waits():
     assert out["sync_ms"] == 0.2 and out["host_ms"] == {"schedule": 0.1}
     assert [k["name"] for k in out["top_kernels"]] == ["gemm", "softmax"]
     assert out["top_kernels"][0]["calls_per_step"] == 1.0
+
+
+def test_compile_counts_see_a_new_dynamo_frame_and_a_new_triton_cache_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    worker = SimpleNamespace(model_runner=_Runner())
+    before = step_profile.compile_counts(worker)
+    assert set(before) == {"dynamo_frames", "dynamo_graphs", "triton_cache_entries"}
+    (tmp_path / "kernel-hash").mkdir()  # what Triton adds per compiled kernel specialization
+
+    def f(x):
+        return x * 2 + 1
+
+    torch.compile(f, backend="eager")(torch.ones(3))
+    after = step_profile.compile_counts(worker)
+    assert after["triton_cache_entries"] == before["triton_cache_entries"] + 1
+    assert after["dynamo_frames"] > before["dynamo_frames"]
