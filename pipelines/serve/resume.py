@@ -49,6 +49,7 @@ class StreamResume:
         self.id: str | None = None
         self.created: int | None = None
         self.legs = 1
+        self.finished = False  # a choice carried its finish_reason: the answer is whole
         self.resumable = self.resumable_request(body, chat=chat)
 
     @staticmethod
@@ -98,6 +99,7 @@ class StreamResume:
         event["id"], event["created"] = self.id, self.created
         choices = event.get("choices") or []
         for choice in choices:
+            self.finished = self.finished or bool(choice.get("finish_reason"))
             if self.chat:
                 delta = choice.get("delta") or {}
                 if delta.get("tool_calls"):
@@ -130,7 +132,9 @@ class StreamResume:
 
     def continuation(self) -> dict[str, Any] | None:
         """The request of the next leg, or None when nothing is left to generate (the answer reached its
-        ``max_tokens``). Call only when :attr:`resumable`."""
+        ``max_tokens``, or its finish reason was already sent). Call only when :attr:`resumable`."""
+        if self.finished:
+            return None
         self.completion_tokens += self.leg_tokens
         self.leg_tokens = 0
         self.legs += 1

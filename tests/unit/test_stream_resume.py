@@ -71,6 +71,12 @@ def test_a_completion_continues_its_prompt_and_an_answer_at_max_tokens_ends():
     assert r.continuation() is None  # all 4 tokens were sent: nothing left, the stream just ends
 
 
+def test_an_answer_whose_finish_reason_was_sent_is_not_continued():
+    r = StreamResume({"model": "m", "messages": [], "stream": True, "max_tokens": 50}, chat=True)
+    r.observe(_chunk("Blue.", tokens=2, finish="stop"))
+    assert r.continuation() is None  # the replica died before [DONE]: the answer was whole already
+
+
 def test_a_client_continuing_its_own_assistant_message_keeps_one():
     body = {"model": "m", "stream": True, "continue_final_message": True, "add_generation_prompt": False,
             "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}]}
