@@ -379,14 +379,11 @@ def under_load(lines: list[str], data: dict | None) -> None:
     none = {(r["target"], r.get("warmup_waves", 0), r["concurrency"]): r for r in rows if r["method"] == "none"
             and not r.get("engine_kwargs")}
 
-    def later(r: dict) -> dict:
-        return (r.get("step_profile") or {}).get("timers") or {}
-
     table = []
     for r in rows:
         n = none.get((r["target"], r.get("warmup_waves", 0), r["concurrency"]))
-        t, p = later(r), (r.get("step_profile") or {}).get("profiler") or {}
-        nt = later(n) if n else {}
+        t, p = _later(r), (r.get("step_profile") or {}).get("profiler") or {}
+        nt = _later(n) if n else {}
         host = t.get("host_ms", {})
         table.append([r["target"], r["method"], r["K"] or "-", _load_settings(r), r.get("warmup_waves", 0),
                       r["concurrency"], _f(r["acceptance_length"]), f"{r['tokens_per_s']:.0f}",
@@ -401,45 +398,58 @@ def under_load(lines: list[str], data: dict | None) -> None:
                      "x none", "later step ms", "device busy", "host ms draft / forward", "graphs / kernels"],
                     table) + [""]
     for target in sorted({r["target"] for r in rows}):
-        steps = {}
-        for r in rows:
-            if r["target"] == target and r["concurrency"] == 1 and not r.get("engine_kwargs") and later(r) \
-                    and r["method"] in ("none", "peagle") and r["K"] in (0, 5):
-                steps.setdefault(r["method"], later(r))
-        if len(steps) == 2:
-            pe, no = steps["peagle"], steps["none"]
-            lines += [(f"**{target}**, c=1, the later wave (asynchronous scheduling, nothing synchronized): a P-EAGLE "
-                       f"K=5 step takes {_f(pe['wall_ms'], 2)} ms against {_f(no['wall_ms'], 2)} ms without "
-                       f"speculation, so a head breaks even at AL {_f(pe['wall_ms'] / no['wall_ms'])}; this wave "
-                       f"emitted {_f(pe['tokens_per_step'])} tokens per step and ran {_f(pe['tokens_per_s'] / no['tokens_per_s'])}x "
-                       "no speculation."), ""]
-        plain = [r for r in rows if r["target"] == target and not r.get("engine_kwargs") and r["K"] in (0, 5)]
-        cell = {(r["method"], r.get("warmup_waves", 0), r["concurrency"]): r for r in plain}
-        cs = sorted({c for m, w, c in cell if m == "peagle" and w == 1 and ("none", 1, c) in cell
-                     and ("peagle", 0, c) in cell and ("none", 0, c) in cell})
-        if not cs:
-            continue
-        ratio = {(m, w, c, base): cell[(m, w, c)]["tokens_per_s"] / cell[(base, w, c)]["tokens_per_s"]
-                 for m, w, c in cell for base in ("none", "eagle3") if (base, w, c) in cell}
-        later_ratio = {c: later(cell[("peagle", 1, c)])["tokens_per_s"] / later(cell[("none", 1, c)])["tokens_per_s"]
-                       for c in cs}
-        vs_e3 = [f"c={c} {_f(ratio['peagle', 1, c, 'eagle3'])}x" for c in cs if ("eagle3", 1, c) in cell]
-        lines += [(f"**{target}**, P-EAGLE K=5 against no speculation, first waves -> after one warm-up wave: "
-                   + ", ".join(f"c={c} {_f(ratio['peagle', 0, c, 'none'])}x -> {_f(ratio['peagle', 1, c, 'none'])}x" for c in cs)
-                   + "; in the later wave: " + ", ".join(f"c={c} {_f(later_ratio[c])}x" for c in cs) + ". "
-                   + (f"P-EAGLE / EAGLE-3 (both on V1, warm): {', '.join(vs_e3)}. " if vs_e3 else "")
-                   + ("Goals (P-EAGLE / none after the warm-up wave): " + ", ".join(
-                       f"c={c} >= {g}x {met(ratio['peagle', 1, c, 'none'] >= g)}" for c, g in LOAD_GOALS.items() if c in cs)
-                      + "." if target == "llama-3.1-8b" else "")), ""]
-        prof = {m: (cell[(m, 1, 1)].get("step_profile") or {}).get("profiler") for m in ("none", "peagle")
-                if (m, 1, 1) in cell}
-        if all(prof.get(m) for m in ("none", "peagle")):
-            extra = prof["peagle"]["device_busy_ms"] - prof["none"]["device_busy_ms"]
-            host = later(cell[("peagle", 1, 1)]).get("host_ms", {}).get("draft")
-            lines += [(f"At c=1, warm: the device is busy {_f(prof['peagle']['device_busy_ms'], 2)} ms per P-EAGLE "
-                       f"step against {_f(prof['none']['device_busy_ms'], 2)} ms per target-only step, so drafting "
-                       f"and verifying K+1 tokens add {_f(extra, 2)} ms of device time "
-                       f"({100 * extra / prof['none']['device_busy_ms']:.0f}% of the target's), while the drafter "
-                       f"holds the host {_f(host, 2)} ms per step and the device is busy "
-                       f"{100 * prof['peagle']['device_busy_fraction']:.0f}% of the time: the step is host-bound "
-                       "(vLLM's V1 drafter: PIECEWISE graphs, eager logits and input preparation)."), ""]
+        lines += _load_readings(target, rows)
+
+
+def _later(row: dict) -> dict:
+    """The later, unsynchronized wave's timers of a row (``step_profile.timers``; empty without one)."""
+    return (row.get("step_profile") or {}).get("timers") or {}
+
+
+def _load_readings(target: str, rows: list[dict]) -> list[str]:
+    """The sentences under the under-load table for one target: break-even AL at c=1, P-EAGLE / none cold and
+    warm per concurrency (with the goals on the 8B shape), the c=1 device and host time of a step."""
+    lines: list[str] = []
+    steps = {}
+    for r in rows:
+        if r["target"] == target and r["concurrency"] == 1 and not r.get("engine_kwargs") and _later(r) \
+                and r["method"] in ("none", "peagle") and r["K"] in (0, 5):
+            steps.setdefault(r["method"], _later(r))
+    if len(steps) == 2:
+        pe, no = steps["peagle"], steps["none"]
+        lines += [(f"**{target}**, c=1, the later wave (asynchronous scheduling, nothing synchronized): a P-EAGLE "
+                   f"K=5 step takes {_f(pe['wall_ms'], 2)} ms against {_f(no['wall_ms'], 2)} ms without "
+                   f"speculation, so a head breaks even at AL {_f(pe['wall_ms'] / no['wall_ms'])}; this wave "
+                   f"emitted {_f(pe['tokens_per_step'])} tokens per step and ran {_f(pe['tokens_per_s'] / no['tokens_per_s'])}x "
+                   "no speculation."), ""]
+    plain = [r for r in rows if r["target"] == target and not r.get("engine_kwargs") and r["K"] in (0, 5)]
+    cell = {(r["method"], r.get("warmup_waves", 0), r["concurrency"]): r for r in plain}
+    cs = sorted({c for m, w, c in cell if m == "peagle" and w == 1 and ("none", 1, c) in cell
+                 and ("peagle", 0, c) in cell and ("none", 0, c) in cell})
+    if not cs:
+        return lines
+    ratio = {(m, w, c, base): cell[(m, w, c)]["tokens_per_s"] / cell[(base, w, c)]["tokens_per_s"]
+             for m, w, c in cell for base in ("none", "eagle3") if (base, w, c) in cell}
+    later_ratio = {c: _later(cell[("peagle", 1, c)])["tokens_per_s"] / _later(cell[("none", 1, c)])["tokens_per_s"]
+                   for c in cs}
+    vs_e3 = [f"c={c} {_f(ratio['peagle', 1, c, 'eagle3'])}x" for c in cs if ("eagle3", 1, c) in cell]
+    lines += [(f"**{target}**, P-EAGLE K=5 against no speculation, first waves -> after one warm-up wave: "
+               + ", ".join(f"c={c} {_f(ratio['peagle', 0, c, 'none'])}x -> {_f(ratio['peagle', 1, c, 'none'])}x" for c in cs)
+               + "; in the later wave: " + ", ".join(f"c={c} {_f(later_ratio[c])}x" for c in cs) + ". "
+               + (f"P-EAGLE / EAGLE-3 (both on V1, warm): {', '.join(vs_e3)}. " if vs_e3 else "")
+               + ("Goals (P-EAGLE / none after the warm-up wave): " + ", ".join(
+                   f"c={c} >= {g}x {met(ratio['peagle', 1, c, 'none'] >= g)}" for c, g in LOAD_GOALS.items() if c in cs)
+                  + "." if target == "llama-3.1-8b" else "")), ""]
+    prof = {m: (cell[(m, 1, 1)].get("step_profile") or {}).get("profiler") for m in ("none", "peagle")
+            if (m, 1, 1) in cell}
+    if all(prof.get(m) for m in ("none", "peagle")):
+        extra = prof["peagle"]["device_busy_ms"] - prof["none"]["device_busy_ms"]
+        host = _later(cell[("peagle", 1, 1)]).get("host_ms", {}).get("draft")
+        lines += [(f"At c=1, warm: the device is busy {_f(prof['peagle']['device_busy_ms'], 2)} ms per P-EAGLE "
+                   f"step against {_f(prof['none']['device_busy_ms'], 2)} ms per target-only step, so drafting "
+                   f"and verifying K+1 tokens add {_f(extra, 2)} ms of device time "
+                   f"({100 * extra / prof['none']['device_busy_ms']:.0f}% of the target's), while the drafter "
+                   f"holds the host {_f(host, 2)} ms per step and the device is busy "
+                   f"{100 * prof['peagle']['device_busy_fraction']:.0f}% of the time: the step is host-bound "
+                   "(vLLM's V1 drafter: PIECEWISE graphs, eager logits and input preparation)."), ""]
+    return lines
