@@ -9,6 +9,8 @@ name), ``ray job submit -- python -m ray_jobs.pipeline --config RECIPE`` (the jo
     python -m bench.multi_gpu submit --config configs/smollm2-135m-4gpu.yaml --set ...   # returns at once
     python -m bench.multi_gpu wait [--timeout-s 540]                  # follows the job; exit 0 done, 3 running
     python -m bench.multi_gpu record --name multi_gpu_pipeline        # summary + stage records -> bench/results
+    python -m bench.multi_gpu new-champion --run-dir DIR             # the champion's files as a new champion
+    python -m bench.multi_gpu submit --module ray_jobs.serve ...     # the serve stage alone: rolls to it
     python -m bench.multi_gpu down
 
 The same commands run on a CPU box with ``--gpus-per-node 0`` (the rehearsal of ``bench/device/run_multi_gpu.sh``).
@@ -31,6 +33,7 @@ from pipelines import local_ray, settings
 STATE = "multi_gpu.json"
 NODE_NAMES = "abcdefgh"
 DEFAULT_TEMP = "/tmp/peagle-ray"
+PIPELINE_MODULE = "ray_jobs.pipeline"
 
 
 def _state_path(temp: str) -> Path:
@@ -91,15 +94,22 @@ def submit(opts: argparse.Namespace) -> str:
     if opts.git_sha:  # a checkout copy without .git (the device's)
         runtime_env["env_vars"] |= {"PEAGLE_GIT_SHA": opts.git_sha}
     job_id = opts.id or f"peagle-{int(time.time())}"
-    entry = ["python", "-m", "ray_jobs.pipeline", "--config", opts.config, *[a for kv in opts.set for a in ("--set", kv)]]
+    config, sets = opts.config, opts.set
+    if config is None:  # the pipeline job's recipe and overrides (a stage alone sees the same run)
+        if "pipeline_job" not in state:
+            sys.exit("submit: no --config and no pipeline job recorded to take it from")
+        config, sets = state["pipeline_job"]["config"], state["pipeline_job"]["sets"] + opts.set
+    entry = ["python", "-m", opts.module, "--config", config, *[a for kv in sets for a in ("--set", kv)]]
     if opts.run_dir:
         entry += ["--run-dir", opts.run_dir]
     out = _ray(state, "job", "submit", "--address", state["dashboard_url"], "--no-wait", "--submission-id", job_id,
                "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--", *entry)
     if out.returncode != 0:
         sys.exit(f"ray job submit failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    state |= {"job_id": job_id, "submitted_at": time.time(), "config": opts.config, "sets": opts.set,
-              "entrypoint": entry}
+    state |= {"job_id": job_id, "submitted_at": time.time(), "config": config, "sets": sets,
+              "entrypoint": entry, "log_lines_seen": 0}
+    if opts.module == PIPELINE_MODULE:
+        state["pipeline_job"] = {k: state[k] for k in ("job_id", "config", "sets", "entrypoint")}
     save_state(opts.temp_dir, state)
     print(f"submitted {job_id}: {' '.join(entry)}")
     return job_id
@@ -155,7 +165,7 @@ def record(opts: argparse.Namespace) -> Path:
             rec["outputs"]["history"] = hist[:3] + hist[-3:]
     payload = {"benchmark": "multi_gpu_pipeline", "summary": summary, "stage_records": stages,
                "cluster": {k: state[k] for k in ("nodes", "gpus_per_node", "cpus_per_node", "mlflow_uri")},
-               "job": {k: state.get(k) for k in ("job_id", "config", "sets", "entrypoint")},
+               "job": state.get("pipeline_job") or {k: state.get(k) for k in ("job_id", "config", "sets", "entrypoint")},
                "gpus": _gpu_names() or opts.gpus, "note": opts.note}
     if opts.environment_json:  # records a device returned, recorded on another machine: the device's environment
         payload["environment"] = json.loads(Path(opts.environment_json).read_text())
@@ -183,6 +193,33 @@ def summary_of_failed_job(run: Path, stages: dict[str, dict], failure: str | Non
             out["stages"][name] = {"status": "failed", "seconds": 0.0, "reason": failure or "see the job log"}
             break
     return out
+
+
+def new_champion(opts: argparse.Namespace) -> str:
+    """Register the champion's files again as a new version of the run's registered model (its tags: AL, K, eval
+    set, K per concurrency) and promote it without the gate: a new champion as Serve sees it (the serve stage rolls
+    to a new backend app with new replicas), without training another head. Prints and returns the version."""
+    import tempfile
+
+    from pipelines.stages.base import STAGE_FILE
+
+    state = load_state(opts.temp_dir)
+    os.environ[settings.TRACKING_URI_ENV] = state["mlflow_uri"]
+    from pipelines.registry.promotion import CHAMPION, promote
+    from pipelines.registry.register import download, get_client, register_head
+
+    name = json.loads((Path(opts.run_dir) / "register" / STAGE_FILE).read_text())["outputs"]["model_name"]
+    old = get_client().get_model_version_by_alias(name, CHAMPION)
+    tags = old.tags or {}
+    with tempfile.TemporaryDirectory() as tmp:
+        head = download(f"models:/{name}/{old.version}", Path(tmp) / "head")
+        mv = register_head(head, model_name=name, eval_al=float(tags["acceptance_length"]), K=int(tags["K"]),
+                           eval_set=tags["eval_set"], target=tags.get("target") or None,
+                           tags={k: v for k, v in tags.items() if k.startswith(("al.K", "K_best.c"))}
+                           | {"copy_of_version": str(old.version)})
+    promote(name, mv.version, reason=f"bench.multi_gpu new-champion: v{old.version}'s files as v{mv.version}")
+    print(f"{name}: v{mv.version} (the files of v{old.version}) is the champion", flush=True)
+    return str(mv.version)
 
 
 def _gpu_names() -> list[str]:
@@ -213,11 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dashboard-port", type=int, default=8265)
     p.add_argument("--mlflow-port", type=int, default=5000)
     p = sub.add_parser("submit")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", default=None, help="the recipe (default: the pipeline job's, with its --set)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--id", default=None, help="submission id (default peagle-<time>)")
     p.add_argument("--git-sha", default=None, help="the commit, where the checkout has no .git")
+    p.add_argument("--module", default=PIPELINE_MODULE, help="the job's entry module (ray_jobs.serve: the serve "
+                   "stage alone, a roll to the registry's champion)")
+    p = sub.add_parser("new-champion")
+    p.add_argument("--run-dir", required=True, help="the run whose register stage names the registered model")
     p = sub.add_parser("wait")
     p.add_argument("--timeout-s", type=float, default=540.0)
     p.add_argument("--poll-s", type=float, default=10.0)
@@ -231,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", nargs="*", default=[], help="GPU names when nvidia-smi is not here")
     sub.add_parser("down")
     opts = ap.parse_args(argv)
-    out = {"up": up, "submit": submit, "wait": wait, "record": record, "down": down}[opts.cmd](opts)
+    out = {"up": up, "submit": submit, "new-champion": new_champion, "wait": wait, "record": record,
+           "down": down}[opts.cmd](opts)
     return out if isinstance(out, int) else 0
 
 

@@ -104,11 +104,22 @@ def serving(lines: list[str]) -> None:
         scaled = f"Replicas {start} -> {top}: {up}; {back}."
     else:
         scaled = f"No scale-up: {start} replica(s) throughout."
-    kills = ", ".join(f"pid {k['pid']} at {k['t_s']} s" for k in r.get("kills") or []) or "none"
-    lines += ["", f"{scaled} Replica SIGKILLs: {kills}; failed requests over the ramp: {r['failed_total']}."]
+    kills = ", ".join(f"pid {k['pid']} at {k['t_s']} s" + (
+        f" ({k['replicas_running']} running)" if k.get("replicas_running") is not None else "")
+        for k in r.get("kills") or []) or "none"
+    prompts = f" ({r['prompts']} prompts)" if r.get("prompts") else ""
+    lines += ["", f"{scaled} Replica SIGKILLs: {kills}; failed requests over the ramp{prompts}: {r['failed_total']}."]
     if r.get("note"):
         lines += ["", r["note"]]
     lines += [""]
+    if r.get("by_replicas"):
+        lines += ["Per replica count (requests grouped by the replicas running when each started):", ""]
+        lines += table(["concurrency", "replicas", "seconds", "completed", "failed", "requests/s", "TTFT p50 ms",
+                        "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"],
+                       [[x["concurrency"], x["replicas"], x["seconds"], x["completed"], x["failed"],
+                         f(x["requests_per_s"]), f(x["ttft_ms_p50"], 0), f(x["ttft_ms_p99"], 0), f(x["tpot_ms_p50"], 1),
+                         f(x["tpot_ms_p99"], 1)] for x in r["by_replicas"]]) + [""]
+    rollout(lines)
     started = load("serve_replicas")
     if started is not None:
         e = started["environment"]
@@ -119,6 +130,25 @@ def serving(lines: list[str]) -> None:
                    f"alone, replica environment {started['replica_env']}): {outcome}."), ""]
         if started.get("note"):
             lines += [started["note"], ""]
+
+
+def rollout(lines: list[str]) -> None:
+    """The blue/green roll to a new champion under load (``serve_rollout.json``, ``run_multi_gpu.sh roll``)."""
+    r = load("serve_rollout")
+    if r is None:
+        return
+    e = r["environment"]
+    for roll in r.get("rolls") or []:
+        level = [x for x in r["levels"] if x["t_start_s"] <= roll["t_start_s"]][-1]
+        served = ", ".join(f"{head}: {n}" for head, n in sorted((level.get("served") or {}).items())) or "not recorded"
+        lines += [(f"Blue/green roll to a new champion under load ({e['device']}, {e['date'][:10]}; "
+                   f"`bench/device/run_multi_gpu.sh roll`: {level['concurrency']} closed-loop clients for "
+                   f"{level['seconds']} s while the champion's files were registered as a new champion and the serve "
+                   f"stage was submitted alone): the roll ran from {roll['t_start_s']} s to {roll['t_end_s']} s "
+                   f"(exit status {roll['returncode']}); {level['completed']} requests completed, "
+                   f"{level['failed']} failed; answered by {served}."), ""]
+    if r.get("note"):
+        lines += [r["note"], ""]
 
 
 def training(lines: list[str]) -> None:

@@ -4,26 +4,37 @@ Serve's autoscaler runs meanwhile, how long scaling up and back down took, and w
 The endpoint is the serve stage's (``peagle run`` / ``ray job submit ... ray_jobs.pipeline``): this script only
 sends load and watches. Each level is a closed loop of ``c`` streaming clients (``/v1/completions``, a random
 prompt of ``--input-len`` token ids each, ``--output-len`` tokens with ``ignore_eos``) for ``seconds``; TTFT is the
-time to the first streamed token, TPOT (e2e - TTFT) / (tokens - 1). A poller reads ``serve.status()`` every
-second: the RUNNING / STARTING replicas of the LLMServer deployments of peagle's backend apps.
+time to the first streamed token, TPOT (e2e - TTFT) / (tokens - 1). Prompts are text (random common English
+words, about one token each; ``--token-ids`` sends token-id prompts, as rows before 2026-11-28 did): the gateway
+continues a text stream cut by a dead replica on another one (``pipelines.serve.resume``), not a token-id one. A
+poller reads ``serve.status()`` every second: the RUNNING / STARTING replicas of the LLMServer deployments of
+peagle's backend apps. Each answer's ``x-peagle-served`` header names the head version that served it.
 
     python -m bench.serve_autoscale --url http://127.0.0.1:8000 --model smollm2-135m-instruct \\
         --tokenizer $PEAGLE_HOME/targets/smollm2-135m-instruct-bfloat16 --levels 1:30,16:60,64:150 \\
         --idle-s 90 [--kill-replica-at 64] [--name serve_autoscale]
 
-``--kill-replica-at C``: halfway through level C, SIGKILL the process of one RUNNING LLMServer replica (a real
-fault: Serve restarts it; requests it held fail unless the ingress retries them). Needs this host's processes
-(the device's two raylets are one host). Writes ``bench/results/<name>.json`` (``bench.common.write_result``).
+``--kill-replica-at C``: during level C, once ``--max-replicas`` replicas run (or three quarters through the
+level), SIGKILL the process of one RUNNING LLMServer replica (a real fault: Serve restarts it; the gateway sends
+what it held again or continues its streams). Needs this host's processes (the device's two raylets are one host).
+
+``--roll-at C --roll-cmd CMD``: ``--roll-after-s`` into level C, run the shell command CMD (a blue/green roll
+to a new champion: ``bench/device/run_multi_gpu.sh roll`` promotes a new version and submits the serve stage)
+while the clients go on; the row says when it started and ended, its exit status and which head versions
+answered. Writes ``bench/results/<name>.json`` (``bench.common.write_result``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import itertools
 import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -39,6 +50,7 @@ class RequestResult:
     e2e_s: float | None = None
     num_tokens: int = 0
     error: str | None = None
+    served: str | None = None  # the head version that answered (the x-peagle-served header's "head")
 
 
 @dataclass
@@ -55,6 +67,38 @@ class ReplicaTimeline:
 
     def first_at_most(self, count: int, after_s: float) -> float | None:
         return next((t for t, r, _ in self.samples if t >= after_s and r <= count), None)
+
+    def running_at(self, t: float) -> int | None:
+        """RUNNING replicas at the last poll at or before ``t`` (the first poll's before any)."""
+        before = [r for s, r, _ in self.samples if s <= t]
+        return before[-1] if before else (self.samples[0][1] if self.samples else None)
+
+    def seconds_at(self, t0: float, t1: float) -> dict[int, float]:
+        """Seconds of ``[t0, t1]`` spent at each RUNNING count (each poll's count holds until the next poll)."""
+        out: dict[int, float] = {}
+        marks = [(t, r) for t, r, _ in self.samples if t0 < t < t1]
+        first = self.running_at(t0)
+        if first is None:
+            return out
+        for (a, r), (b, _) in itertools.pairwise([(t0, first), *marks, (t1, None)]):
+            out[r] = out.get(r, 0.0) + (b - a)
+        return out
+
+
+# Prompt words: common English words, about one SmolLM2/Llama token each.
+_WORD_TEXT = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
+         "they you were her all she there would their we him been has when who will more no if out so said what up "
+         "its about into than them can only other new some could time these two may then do first any my now such "
+         "like our over man me even most made after also did many before must through back years where much your "
+         "way well down should because each just those people how too little state good very make world still own "
+         "see men work long get here between both life being under never day same another know while last might "
+         "us great old year off come since against go came right used take three")
+WORDS = tuple(_WORD_TEXT.split())
+
+
+def text_prompt(rng: random.Random, num_words: int) -> str:
+    """``num_words`` random :data:`WORDS` (about as many tokens)."""
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
 def llm_replicas(app_prefix: str) -> tuple[int, int]:
@@ -96,7 +140,7 @@ def kill_one_replica() -> int | None:
     return None
 
 
-async def one_request(client, url: str, model: str, prompt: list[int], output_len: int,
+async def one_request(client, url: str, model: str, prompt: str | list[int], output_len: int,
                       headers: dict[str, str]) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True,
             "temperature": 0.0}
@@ -107,6 +151,7 @@ async def one_request(client, url: str, model: str, prompt: list[int], output_le
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
+            res.served = _served_head(r.headers)
             async for line in r.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
@@ -127,9 +172,19 @@ async def one_request(client, url: str, model: str, prompt: list[int], output_le
     return res
 
 
+def _served_head(headers) -> str | None:
+    from pipelines.serve.ingress import SERVED_HEADER
+
+    try:
+        return json.loads(headers.get(SERVED_HEADER) or "{}").get("head")
+    except ValueError:
+        return None
+
+
 async def run_level(url: str, model: str, *, concurrency: int, seconds: float, input_len: int, output_len: int,
-                    vocab: int, headers: dict[str, str], seed: int) -> list[RequestResult]:
-    """``concurrency`` closed-loop clients for ``seconds`` (requests started before the deadline finish)."""
+                    vocab: int | None, headers: dict[str, str], seed: int) -> list[RequestResult]:
+    """``concurrency`` closed-loop clients for ``seconds`` (requests started before the deadline finish);
+    text prompts of ``input_len`` words, or token-id prompts below ``vocab`` when it is given."""
     import httpx
 
     rng = random.Random(seed)
@@ -138,7 +193,8 @@ async def run_level(url: str, model: str, *, concurrency: int, seconds: float, i
 
     async def client_loop(client) -> None:
         while time.monotonic() < deadline:
-            prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
+            prompt = ([rng.randrange(100, vocab) for _ in range(input_len)] if vocab
+                      else text_prompt(rng, input_len))
             results.append(await one_request(client, url, model, prompt, output_len, headers))
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -165,7 +221,32 @@ def level_row(concurrency: int, results: list[RequestResult], wall_s: float, rep
             "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
             "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99),
             "replicas_min": min(replicas) if replicas else None, "replicas_max": max(replicas) if replicas else None,
-            "replicas_end": replicas[-1] if replicas else None}
+            "replicas_end": replicas[-1] if replicas else None,
+            "served": dict(collections.Counter(r.served for r in ok if r.served))}
+
+
+def by_replicas(concurrency: int, results: list[RequestResult], timeline: ReplicaTimeline, t0: float,
+                start_s: float, end_s: float) -> list[dict[str, Any]]:
+    """A level's requests grouped by the RUNNING replicas when each started: per count, the seconds the level
+    spent there, requests completed, requests/s and TTFT / TPOT p50 and p99 (ms)."""
+    spent = timeline.seconds_at(start_s, end_s)
+    groups: dict[int, list[RequestResult]] = collections.defaultdict(list)
+    for r in results:
+        n = timeline.running_at(r.start_s - t0)
+        if n is not None:
+            groups[n].append(r)
+    rows = []
+    for n in sorted(groups):
+        ok = [r for r in groups[n] if r.ok]
+        ttft = [r.ttft_s * 1e3 for r in ok]
+        tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
+        secs = spent.get(n, 0.0)
+        rows.append({"concurrency": concurrency, "replicas": n, "seconds": round(secs, 1), "completed": len(ok),
+                     "failed": len(groups[n]) - len(ok),
+                     "requests_per_s": round(len(ok) / secs, 3) if secs >= 1 else None,
+                     "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
+                     "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99)})
+    return rows
 
 
 def wait_ready(url: str, model: str, timeout_s: float) -> float:
@@ -191,22 +272,71 @@ def wait_ready(url: str, model: str, timeout_s: float) -> float:
     raise SystemExit(f"{url} does not serve {model!r} after {timeout_s:.0f} s ({last}): no load sent")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", required=True)
     ap.add_argument("--model", required=True, help="served model id")
     ap.add_argument("--levels", default="1:30,16:60,64:150", help="C:SECONDS,... concurrency levels in order")
     ap.add_argument("--idle-s", type=float, default=90.0, help="watch this long after the load for the scale-down")
-    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=128, help="prompt words (tokens with --token-ids)")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
-    ap.add_argument("--kill-replica-at", type=int, default=None, help="SIGKILL one replica halfway through level C")
+    ap.add_argument("--token-ids", action="store_true", help="token-id prompts (not resumable by the gateway)")
+    ap.add_argument("--vocab", type=int, default=49152, help="with --token-ids: prompt token ids are drawn below this")
+    ap.add_argument("--kill-replica-at", type=int, default=None,
+                    help="SIGKILL one replica during level C, once --max-replicas run (or 3/4 through it)")
+    ap.add_argument("--roll-at", type=int, default=None, help="run --roll-cmd during level C")
+    ap.add_argument("--roll-cmd", default=None, help="shell command of the roll (a new champion, the serve stage)")
+    ap.add_argument("--roll-after-s", type=float, default=20.0, help="seconds into level --roll-at")
     ap.add_argument("--api-key-env", default=None, help="env var holding the endpoint's API key")
     ap.add_argument("--max-replicas", type=int, default=None, help="for the scale-up time (default: the most seen)")
     ap.add_argument("--name", default="serve_autoscale", help="result file bench/results/<name>.json")
     ap.add_argument("--note", default="")
     ap.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for the endpoint first")
     opts = ap.parse_args(argv)
+    if (opts.roll_at is None) != (opts.roll_cmd is None):
+        ap.error("--roll-at and --roll-cmd go together")
+    return opts
+
+
+def kill_when_scaled(timeline: ReplicaTimeline, t0: float, seconds: float, want: int | None,
+                     kills: list[dict[str, Any]]) -> None:
+    """Wait until ``want`` replicas run (or three quarters of ``seconds`` passed), then SIGKILL one."""
+    start = time.monotonic()
+    while time.monotonic() - start < 0.75 * seconds:
+        if want and (timeline.running_at(time.monotonic() - t0) or 0) >= want:
+            break
+        time.sleep(1.0)
+    running = timeline.running_at(time.monotonic() - t0)
+    kills.append({"t_s": round(time.monotonic() - t0, 1), "pid": kill_one_replica(), "replicas_running": running})
+
+
+def run_roll(cmd: str, t0: float, delay_s: float, rolls: list[dict[str, Any]]) -> None:
+    """After ``delay_s``, run the shell command ``cmd``; its start and end (s since ``t0``), exit status and tail."""
+    time.sleep(delay_s)
+    start = time.monotonic() - t0
+    out = subprocess.run(cmd, shell=True, capture_output=True, text=True, check=False)
+    tail = (out.stdout + out.stderr)[-2000:]
+    print(tail, flush=True)
+    rolls.append({"cmd": cmd, "t_start_s": round(start, 1), "t_end_s": round(time.monotonic() - t0, 1),
+                  "returncode": out.returncode, "tail": tail})
+
+
+def summarize(opts, rows: list[dict[str, Any]], timeline: ReplicaTimeline, load_end: float) -> dict[str, Any]:
+    """Replicas at the start and at most, seconds to reach the top after the first level above concurrency 1,
+    seconds back down after the load."""
+    seen = max((r for _, r, _ in timeline.samples), default=0)
+    top = opts.max_replicas or seen
+    first = timeline.samples[0][1] if timeline.samples else None
+    up_from = next((r["t_start_s"] for r in rows if r["concurrency"] > 1), 0.0)
+    reach = timeline.first_reach(top, after_s=up_from) if top else None
+    down = timeline.first_at_most(first, after_s=load_end) if first is not None else None
+    return {"replicas_at_start": first, "replicas_max_seen": seen,
+            "scale_up_to_max_s": round(reach - up_from, 1) if reach is not None else None,
+            "scale_down_s": round(down - load_end, 1) if down is not None else None}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    opts = parse_args(argv)
     wait_ready(opts.url, opts.model, opts.ready_timeout_s)
 
     import ray
@@ -221,46 +351,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     poller = threading.Thread(target=poll_replicas, args=(timeline, t0, stop, SERVE_BACKEND_PREFIX), daemon=True)
     poller.start()
-    rows, kills = [], []
+    rows, per_replicas, kills, rolls = [], [], [], []
     for i, (c, seconds) in enumerate(levels):
         start = time.monotonic() - t0
-        killer = None
+        side = []
         if opts.kill_replica_at == c:
-            def kill_later(delay: float = seconds / 2) -> None:
-                time.sleep(delay)
-                kills.append({"t_s": round(time.monotonic() - t0, 1), "pid": kill_one_replica()})
-            killer = threading.Thread(target=kill_later, daemon=True)
-            killer.start()
+            side.append(threading.Thread(target=kill_when_scaled, args=(timeline, t0, seconds, opts.max_replicas,
+                                                                        kills), daemon=True))
+        if opts.roll_at == c:
+            side.append(threading.Thread(target=run_roll, args=(opts.roll_cmd, t0, opts.roll_after_s, rolls),
+                                         daemon=True))
+        for t in side:
+            t.start()
         results = asyncio.run(run_level(opts.url, opts.model, concurrency=c, seconds=seconds,
-                                        input_len=opts.input_len, output_len=opts.output_len, vocab=opts.vocab,
-                                        headers=headers, seed=i))
+                                        input_len=opts.input_len, output_len=opts.output_len,
+                                        vocab=opts.vocab if opts.token_ids else None, headers=headers, seed=i))
         end = time.monotonic() - t0
-        if killer is not None:
-            killer.join()
+        for t in side:
+            t.join()
         row = level_row(c, results, end - start, timeline.running_between(start, end)) | {"t_start_s": round(start, 1)}
         rows.append(row)
+        per_replicas += by_replicas(c, results, timeline, t0, start, end)
         print(json.dumps(row), flush=True)
     load_end = time.monotonic() - t0
     stop.wait(opts.idle_s)
     stop.set()
     poller.join()
-    seen = max((r for _, r, _ in timeline.samples), default=0)
-    top = opts.max_replicas or seen
-    first = timeline.samples[0][1] if timeline.samples else None
-    up_from = next((r["t_start_s"] for r in rows if r["concurrency"] > 1), 0.0)
-    reach = timeline.first_reach(top, after_s=up_from) if top else None
-    down = timeline.first_at_most(first, after_s=load_end) if first is not None else None
-    result = {"benchmark": "serve_autoscale", "url": opts.url, "model": opts.model, "levels": rows, "kills": kills,
-              "input_len": opts.input_len, "output_len": opts.output_len,
-              "replicas_at_start": first, "replicas_max_seen": seen,
-              "scale_up_to_max_s": round(reach - up_from, 1) if reach is not None else None,
-              "scale_down_s": round(down - load_end, 1) if down is not None else None,
-              "timeline": timeline.samples, "note": opts.note,
+    result = {"benchmark": "serve_autoscale", "url": opts.url, "model": opts.model, "levels": rows,
+              "by_replicas": per_replicas, "kills": kills, "rolls": rolls, "input_len": opts.input_len,
+              "prompts": "token ids" if opts.token_ids else "text", "output_len": opts.output_len,
+              **summarize(opts, rows, timeline, load_end), "timeline": timeline.samples, "note": opts.note,
               "failed_total": sum(r["failed"] for r in rows),
               "command": "python -m bench.serve_autoscale " + " ".join(argv if argv is not None else sys.argv[1:])}
     path = write_result(opts.name, result)
-    print(f"wrote {path}: {len(rows)} levels, replicas {first} -> {seen}, up {result['scale_up_to_max_s']} s, "
-          f"down {result['scale_down_s']} s, failed {result['failed_total']}", flush=True)
+    print(f"wrote {path}: {len(rows)} levels, replicas {result['replicas_at_start']} -> "
+          f"{result['replicas_max_seen']}, up {result['scale_up_to_max_s']} s, down {result['scale_down_s']} s, "
+          f"failed {result['failed_total']}", flush=True)
     return result
 
 

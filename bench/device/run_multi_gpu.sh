@@ -6,7 +6,11 @@
 #                          the job (configs/smollm2-135m-4gpu.yaml with the carried prompt files) and follow it
 #   wait [SECONDS]         follow the job (<= 540 s a call); prints "job ... SUCCEEDED" when done
 #   record                 the job's summary and stage records -> $OUT/r/multi_gpu_pipeline.json
-#   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json
+#   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json;
+#                          default 1 -> 32 -> 64 clients, one replica SIGKILLed at 64 once 4 run, 60 s idle watch
+#   roll [LEVEL]           a blue/green roll under load: C clients (default 8:300) while the champion's files are
+#                          registered as a new champion and the serve stage is submitted alone (it rolls to it)
+#                          -> $OUT/r/serve_rollout.json
 #   down                   stop Ray and the MLflow server
 #
 # Before it, on the same warm machine, one call each (a call carries <= 64 MiB with the ~10 MB tree): (1)
@@ -15,7 +19,7 @@
 # `VLLM_CHECK=0 . bench/device/install_vllm.sh` (carry .carry/v3), (6) `keep_carry.sh .carry/w1;
 # . bench/device/env.sh; . bench/device/install_mlflow.sh` (carry .carry/w1/sharegpt.jsonl.xz and .carry/mlflow);
 # then (7) `GIT_SHA=... bash bench/device/run_multi_gpu.sh up` (carry .carry/ray), `wait` until it says SUCCEEDED,
-# `record`, `load`. GIT_SHA names the commit (the device's checkout copy has no .git).
+# `record`, `load`, `roll`. GIT_SHA names the commit (the device's checkout copy has no .git).
 set -u
 T0=$SECONDS
 STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|down}
@@ -49,11 +53,20 @@ case "$STEP" in
     python3 -m bench.multi_gpu --temp-dir $TEMP record --run-dir $RUN --note "${1:-}" && save
     ls -la "$OUT/r"
     ;;
-  load)
+  load|roll)
     eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
     GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
+    M="python3 -m bench.multi_gpu --temp-dir $TEMP"
+    if [ "$STEP" = load ]; then
+      ARGS=(--levels "${1:-1:20,32:180,64:120}" --idle-s 60 --kill-replica-at 64 "${@:2}")
+    else
+      L=${1:-8:300}
+      ARGS=(--levels "$L" --idle-s 5 --name serve_rollout --roll-at "${L%%:*}" --roll-cmd "$M new-champion --run-dir \
+$RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT_SHA:-unknown} && $M wait \
+--timeout-s 400" "${@:2}")
+    fi
     RAY_ADDRESS=$GCS timeout $((570 - (SECONDS - T0))) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
-      --model smollm2-135m-instruct --levels "${1:-1:20,32:150,64:60}" --idle-s 60 --max-replicas 4 "${@:2}"
+      --model smollm2-135m-instruct --max-replicas 4 "${ARGS[@]}"
     save
     ;;
   down)

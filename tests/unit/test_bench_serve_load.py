@@ -1,0 +1,64 @@
+"""The several-GPU serving benchmark's own parts: a new champion from the champion's files (``bench.multi_gpu
+new-champion``, a real sqlite MLflow store and a tiny exported head), the load ramp's per-replica-count rows and
+text prompts (``bench.serve_autoscale``)."""
+
+import json
+import random
+
+import pytest
+
+from bench import multi_gpu
+from bench import serve_autoscale as sa
+from tests.unit.conftest import make_drafter, tiny_target_config
+
+pytestmark = pytest.mark.unit
+
+
+def test_new_champion_registers_the_champions_files_as_a_new_version(uri, tmp_path):
+    from peagle_core.contract import export_head
+    from pipelines.registry import register as reg
+    from pipelines.registry.promotion import CHAMPION, promote
+    from pipelines.stages.base import STAGE_FILE
+
+    head = export_head(make_drafter(), tmp_path / "head", dtype="float32")
+    v1 = reg.register_head(head, model_name="peagle-tiny", eval_al=1.7, K=5, eval_set="humaneval",
+                           al_by_K={3: 1.6}, K_best={1: 5, 16: 3}, target_config=tiny_target_config(),
+                           tracking_uri=uri)
+    promote("peagle-tiny", v1.version, tracking_uri=uri)
+    temp, run = tmp_path / "ray", tmp_path / "run"
+    temp.mkdir()
+    multi_gpu.save_state(str(temp), {"mlflow_uri": uri})
+    (run / "register").mkdir(parents=True)
+    (run / "register" / STAGE_FILE).write_text(json.dumps({"outputs": {"model_name": "peagle-tiny"}}))
+
+    assert multi_gpu.main(["--temp-dir", str(temp), "new-champion", "--run-dir", str(run)]) == 0
+
+    client = reg.get_client(uri)
+    new = client.get_model_version_by_alias("peagle-tiny", CHAMPION)
+    old = client.get_model_version("peagle-tiny", v1.version)
+    assert int(new.version) == int(v1.version) + 1
+    for tag in ("acceptance_length", "K", "eval_set", "al.K3", "al.K5", "K_best.c1", "K_best.c16",
+                reg.HEAD_SHA256_TAG):
+        assert new.tags[tag] == old.tags[tag], tag
+    assert new.tags["copy_of_version"] == str(v1.version)
+
+
+def test_requests_are_grouped_by_the_replicas_running_when_they_started():
+    """Polls at 0.5..4.5 s: 1 replica until 2.5 s, 2 until 4.5 s, then 1 again; a level from 0 to 5 s."""
+    tl = sa.ReplicaTimeline([(0.5, 1, 0), (1.5, 1, 1), (2.5, 2, 0), (3.5, 2, 0), (4.5, 1, 0)])
+    assert tl.seconds_at(0.0, 5.0) == {1: 3.0, 2: 2.0}
+    assert tl.running_at(0.1) == 1 and tl.running_at(3.0) == 2 and tl.running_at(4.6) == 1
+    t0 = 100.0
+    done = [sa.RequestResult(True, t0 + s, ttft_s=0.05, e2e_s=0.5, num_tokens=10, served="models:/x/1")
+            for s in (0.2, 1.0, 2.6, 3.0, 4.8)]
+    lost = sa.RequestResult(False, t0 + 2.7, error="stream interrupted")
+    rows = sa.by_replicas(8, [*done, lost], tl, t0, 0.0, 5.0)
+    assert [(r["replicas"], r["completed"], r["failed"], r["seconds"]) for r in rows] == [(1, 3, 0, 3.0), (2, 2, 1, 2.0)]
+    assert rows[0]["requests_per_s"] == 1.0 and rows[1]["tpot_ms_p50"] == pytest.approx(50.0)
+    assert sa.level_row(8, [*done, lost], 5.0, [1, 2])["served"] == {"models:/x/1": 5}
+
+
+def test_text_prompts_are_words_of_the_word_list():
+    words = sa.text_prompt(random.Random(0), 128).split()
+    assert len(words) == 128 and set(words) <= set(sa.WORDS)
+    assert sa.text_prompt(random.Random(0), 128) == sa.text_prompt(random.Random(0), 128)
