@@ -80,13 +80,24 @@ def pipeline(lines: list[str]) -> None:
     lines += [""]
 
 
+RAMP_RUNS = ("serve_autoscale", "serve_autoscale_kill")  # the load ramp, then the replica-kill run
+
+
 def serving(lines: list[str]) -> None:
-    r = section(lines, "serve_autoscale", SERVING_HEADING)
-    if r is None:
-        return
+    first = section(lines, RAMP_RUNS[0], SERVING_HEADING)
+    for name in RAMP_RUNS:
+        r = first if name == RAMP_RUNS[0] else load(name)
+        if r is not None:
+            ramp_run(lines, r)
+    replicas_started(lines)
+    rollout(lines)
+
+
+def ramp_run(lines: list[str], r: dict) -> None:
+    """One run of ``bench.serve_autoscale``: its levels, the scale-up and -down, kills, per replica count."""
     e = r["environment"]
     lines += [(f"{e['device']}, {e['date'][:10]}; `{r['command']}` against the serve stage's endpoint: closed-loop "
-               f"streaming clients, {r['input_len']}-token prompts, {r['output_len']} output tokens each; the "
+               f"streaming clients, {_prompts(r)}, {r['output_len']} output tokens each; the "
                "LLMServer replicas Serve ran meanwhile read from `serve.status()` every second."), ""]
     rows = [[x["concurrency"], x["seconds"], f"{x['replicas_min']}-{x['replicas_max']} ({x['replicas_end']})",
              x["completed"], x["failed"], f(x["requests_per_s"]), f(x["output_tokens_per_s"], 0),
@@ -107,8 +118,7 @@ def serving(lines: list[str]) -> None:
     kills = ", ".join(f"pid {k['pid']} at {k['t_s']} s" + (
         f" ({k['replicas_running']} running)" if k.get("replicas_running") is not None else "")
         for k in r.get("kills") or []) or "none"
-    prompts = f" ({r['prompts']} prompts)" if r.get("prompts") else ""
-    lines += ["", f"{scaled} Replica SIGKILLs: {kills}; failed requests over the ramp{prompts}: {r['failed_total']}."]
+    lines += ["", f"{scaled} Replica SIGKILLs: {kills}; failed requests over the ramp: {r['failed_total']}."]
     if r.get("note"):
         lines += ["", r["note"]]
     lines += [""]
@@ -119,7 +129,16 @@ def serving(lines: list[str]) -> None:
                        [[x["concurrency"], x["replicas"], x["seconds"], x["completed"], x["failed"],
                          f(x["requests_per_s"]), f(x["ttft_ms_p50"], 0), f(x["ttft_ms_p99"], 0), f(x["tpot_ms_p50"], 1),
                          f(x["tpot_ms_p99"], 1)] for x in r["by_replicas"]]) + [""]
-    rollout(lines)
+
+
+def _prompts(r: dict) -> str:
+    """The ramp's prompts: token ids (runs before 2026-11-27's fourth session, no ``prompts`` key) or text."""
+    if r.get("prompts", "token ids") == "token ids":
+        return f"{r['input_len']}-token prompts of token ids"
+    return f"{r['input_len']}-word text prompts"
+
+
+def replicas_started(lines: list[str]) -> None:
     started = load("serve_replicas")
     if started is not None:
         e = started["environment"]
@@ -136,6 +155,8 @@ def rollout(lines: list[str]) -> None:
     """The blue/green roll to a new champion under load (``serve_rollout.json``, ``run_multi_gpu.sh roll``)."""
     r = load("serve_rollout")
     if r is None:
+        lines += ["Blue/green roll to a new champion under load on GPUs (`bench/device/run_multi_gpu.sh roll`): not run.",
+                  ""]
         return
     e = r["environment"]
     for roll in r.get("rolls") or []:

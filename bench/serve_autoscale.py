@@ -58,6 +58,7 @@ class ReplicaTimeline:
     """``(seconds since start, running, starting)`` samples of the LLM replicas, one per poll."""
 
     samples: list[tuple[float, int, int]] = field(default_factory=list)
+    messages: list[tuple[float, str, str]] = field(default_factory=list)  # (seconds, deployment, status: message)
 
     def running_between(self, t0: float, t1: float) -> list[int]:
         return [r for t, r, _ in self.samples if t0 <= t <= t1]
@@ -101,11 +102,14 @@ def text_prompt(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def llm_replicas(app_prefix: str) -> tuple[int, int]:
-    """``(RUNNING, STARTING)`` replicas of every ``LLMServer`` deployment of the Serve apps named ``app_prefix*``."""
+def llm_replicas(app_prefix: str) -> tuple[int, int, dict[str, str]]:
+    """``(RUNNING, STARTING, messages)`` of every ``LLMServer`` deployment of the Serve apps named ``app_prefix*``:
+    replica counts summed, and each deployment's status and Serve's message on it (``app/deployment`` ->
+    ``"STATUS: message"``; e.g. replicas that wait for resources or whose constructor failed)."""
     from ray import serve
 
     running = starting = 0
+    messages: dict[str, str] = {}
     for name, app in serve.status().applications.items():
         if not name.startswith(app_prefix):
             continue
@@ -114,15 +118,25 @@ def llm_replicas(app_prefix: str) -> tuple[int, int]:
                 states = {str(k).split(".")[-1]: v for k, v in (dep.replica_states or {}).items()}
                 running += states.get("RUNNING", 0)
                 starting += states.get("STARTING", 0)
-    return running, starting
+                messages[f"{name}/{dname}"] = f"{str(dep.status).split('.')[-1]}: {dep.message or ''}"
+    return running, starting, messages
 
 
 def poll_replicas(timeline: ReplicaTimeline, t0: float, stop: threading.Event, app_prefix: str,
                   period_s: float = 1.0) -> None:
+    """Sample the replicas every ``period_s`` into ``timeline``; a deployment's status message is kept each time it
+    changes (``timeline.messages``: seconds, deployment, message)."""
+    last: dict[str, str] = {}
     while not stop.is_set():
         try:
-            r, s = llm_replicas(app_prefix)
-            timeline.samples.append((time.monotonic() - t0, r, s))
+            r, s, messages = llm_replicas(app_prefix)
+            t = time.monotonic() - t0
+            timeline.samples.append((t, r, s))
+            for dep, msg in messages.items():
+                if last.get(dep) != msg:
+                    timeline.messages.append((round(t, 1), dep, msg[:2000]))
+                    print(f"[{t:.0f}s] {dep}: {msg[:500]}", flush=True)
+                    last[dep] = msg
         except Exception as e:  # noqa: BLE001 - a failed poll is a gap, not a failed benchmark
             print(f"replica poll failed: {e}", flush=True)
         stop.wait(period_s)
@@ -380,7 +394,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"benchmark": "serve_autoscale", "url": opts.url, "model": opts.model, "levels": rows,
               "by_replicas": per_replicas, "kills": kills, "rolls": rolls, "input_len": opts.input_len,
               "prompts": "token ids" if opts.token_ids else "text", "output_len": opts.output_len,
-              **summarize(opts, rows, timeline, load_end), "timeline": timeline.samples, "note": opts.note,
+              **summarize(opts, rows, timeline, load_end), "timeline": timeline.samples,
+              "deployment_messages": timeline.messages, "note": opts.note,
               "failed_total": sum(r["failed"] for r in rows),
               "command": "python -m bench.serve_autoscale " + " ".join(argv if argv is not None else sys.argv[1:])}
     path = write_result(opts.name, result)

@@ -11,6 +11,9 @@
 #   roll [LEVEL]           a blue/green roll under load: C clients (default 8:300) while the champion's files are
 #                          registered as a new champion and the serve stage is submitted alone (it rolls to it)
 #                          -> $OUT/r/serve_rollout.json
+#   logs                   what a stuck or failed replica left: `ray status`, `serve status`, nvidia-smi's processes
+#                          -> $OUT/state.txt; Serve's controller and replica logs, the workers' logs that name vLLM
+#                          -> $OUT/logs.tar.xz
 #   down                   stop Ray and the MLflow server
 #
 # Before it, on the same warm machine, one call each (a call carries <= 64 MiB with the ~10 MB tree): (1)
@@ -22,7 +25,7 @@
 # `record`, `load`, `roll`. GIT_SHA names the commit (the device's checkout copy has no .git).
 set -u
 T0=$SECONDS
-STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|down}
+STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|roll|logs|down}
 shift
 . bench/device/env.sh
 . bench/device/install_ray.sh
@@ -68,6 +71,15 @@ $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT
     RAY_ADDRESS=$GCS timeout $((570 - (SECONDS - T0))) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
       --model smollm2-135m-instruct --max-replicas 4 "${ARGS[@]}"
     save
+    ;;
+  logs)
+    eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
+    GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
+    { ray status --address "$GCS"; serve status; nvidia-smi; } > "$OUT/state.txt" 2>&1
+    L=$TEMP/session_latest/logs
+    ERRS=$(cd "$L" && grep -l -i "vllm\|LLMServer\|EngineCore" worker-*.err worker-*.out 2>/dev/null | head -60)
+    tar -C "$L" -cJf "$OUT/logs.tar.xz" serve $ERRS
+    tail -60 "$OUT/state.txt"; ls -la "$OUT"
     ;;
   down)
     python3 -m bench.multi_gpu --temp-dir $TEMP down
