@@ -95,10 +95,12 @@ def submit(opts: argparse.Namespace) -> str:
         runtime_env["env_vars"] |= {"PEAGLE_GIT_SHA": opts.git_sha}
     job_id = opts.id or f"peagle-{int(time.time())}"
     config, sets = opts.config, opts.set
-    if config is None:  # the pipeline job's recipe and overrides (a stage alone sees the same run)
-        if "pipeline_job" not in state:
-            sys.exit("submit: no --config and no pipeline job recorded to take it from")
-        config, sets = state["pipeline_job"]["config"], state["pipeline_job"]["sets"] + opts.set
+    if config is None:  # the recipe and overrides of the last job that named one (a stage alone sees the same run)
+        if "recipe" not in state:
+            sys.exit("submit: no --config, and no earlier job's recipe recorded to take it from")
+        config, sets = state["recipe"]["config"], state["recipe"]["sets"] + opts.set
+    else:
+        state["recipe"] = {"config": config, "sets": sets}
     entry = ["python", "-m", opts.module, "--config", config, *[a for kv in sets for a in ("--set", kv)]]
     if opts.run_dir:
         entry += ["--run-dir", opts.run_dir]
@@ -108,8 +110,6 @@ def submit(opts: argparse.Namespace) -> str:
         sys.exit(f"ray job submit failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     state |= {"job_id": job_id, "submitted_at": time.time(), "config": config, "sets": sets,
               "entrypoint": entry, "log_lines_seen": 0}
-    if opts.module == PIPELINE_MODULE:
-        state["pipeline_job"] = {k: state[k] for k in ("job_id", "config", "sets", "entrypoint")}
     save_state(opts.temp_dir, state)
     print(f"submitted {job_id}: {' '.join(entry)}")
     return job_id
@@ -165,7 +165,7 @@ def record(opts: argparse.Namespace) -> Path:
             rec["outputs"]["history"] = hist[:3] + hist[-3:]
     payload = {"benchmark": "multi_gpu_pipeline", "summary": summary, "stage_records": stages,
                "cluster": {k: state[k] for k in ("nodes", "gpus_per_node", "cpus_per_node", "mlflow_uri")},
-               "job": state.get("pipeline_job") or {k: state.get(k) for k in ("job_id", "config", "sets", "entrypoint")},
+               "job": {k: state.get(k) for k in ("job_id", "config", "sets", "entrypoint")},
                "gpus": _gpu_names() or opts.gpus, "note": opts.note}
     if opts.environment_json:  # records a device returned, recorded on another machine: the device's environment
         payload["environment"] = json.loads(Path(opts.environment_json).read_text())
@@ -250,13 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dashboard-port", type=int, default=8265)
     p.add_argument("--mlflow-port", type=int, default=5000)
     p = sub.add_parser("submit")
-    p.add_argument("--config", default=None, help="the recipe (default: the pipeline job's, with its --set)")
+    p.add_argument("--config", default=None, help="the recipe (default: that of the last job that named one, with "
+                   "its --set overrides before these)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--id", default=None, help="submission id (default peagle-<time>)")
     p.add_argument("--git-sha", default=None, help="the commit, where the checkout has no .git")
-    p.add_argument("--module", default=PIPELINE_MODULE, help="the job's entry module (ray_jobs.serve: the serve "
-                   "stage alone, a roll to the registry's champion)")
+    p.add_argument("--module", default=PIPELINE_MODULE, help="the job's entry module (ray_jobs.<stage>: that stage "
+                   "alone on the same run directory; ray_jobs.serve rolls to the registry's champion)")
     p = sub.add_parser("new-champion")
     p.add_argument("--run-dir", required=True, help="the run whose register stage names the registered model")
     p = sub.add_parser("wait")

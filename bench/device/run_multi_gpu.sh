@@ -11,6 +11,9 @@
 #   roll [LEVEL]           a blue/green roll under load: C clients (default 8:300) while the champion's files are
 #                          registered as a new champion and the serve stage is submitted alone (it rolls to it)
 #                          -> $OUT/r/serve_rollout.json
+#   stage STAGE NAME [--set ...]  one stage alone on the job's run directory (ray_jobs.STAGE, the job's recipe and
+#                          overrides, then these; e.g. `stage train multi_gpu_train_1 --set training.num_workers=1`),
+#                          followed to its end and recorded -> $OUT/r/NAME.json
 #   logs                   what a stuck or failed replica left: `ray status`, `serve status`, nvidia-smi's processes
 #                          -> $OUT/state.txt; Serve's controller and replica logs, the workers' logs that name vLLM
 #                          -> $OUT/logs.tar.xz
@@ -71,6 +74,14 @@ $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT
     RAY_ADDRESS=$GCS timeout $((570 - (SECONDS - T0))) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
       --model smollm2-135m-instruct --max-replicas 4 "${ARGS[@]}"
     save
+    ;;
+  stage)
+    S=${1:?stage}; NAME=${2:?result name}; shift 2
+    M="python3 -m bench.multi_gpu --temp-dir $TEMP"
+    $M submit --module "ray_jobs.$S" --id "$S-$(date +%s)" --git-sha "${GIT_SHA:-unknown}" "$@" || exit 1
+    $M wait --timeout-s $((540 - (SECONDS - T0))) > "$OUT/$NAME.log" 2>&1; RC=$?
+    tail -25 "$OUT/$NAME.log"
+    [ $RC = 0 ] && $M record --run-dir $RUN --name "$NAME" --note "ray_jobs.$S $*" && save
     ;;
   logs)
     eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
