@@ -86,6 +86,22 @@ def _ray(state: dict[str, Any], *args: str, **kw) -> subprocess.CompletedProcess
     return subprocess.run([*local_ray.RAY_CLI, *args], env=env, capture_output=True, text=True, check=False, **kw)
 
 
+def job_recipe(state: dict[str, Any], config: str | None, sets: list[str]) -> tuple[str, list[str]]:
+    """The recipe and ``--set`` overrides of a job: ``config`` and ``sets`` when a recipe is named (recorded in
+    ``state`` for the jobs after it), else the last recorded recipe with its overrides, then ``sets`` (a stage
+    alone on the same run directory sees the same recipe).
+
+    Raises:
+        SystemExit: no recipe named and none recorded.
+    """
+    if config is None:
+        if "recipe" not in state:
+            sys.exit("submit: no --config, and no earlier job's recipe recorded to take it from")
+        return state["recipe"]["config"], state["recipe"]["sets"] + sets
+    state["recipe"] = {"config": config, "sets": sets}
+    return config, sets
+
+
 def submit(opts: argparse.Namespace) -> str:
     """``ray job submit --no-wait`` of the pipeline with the recipe and ``--set`` overrides; the job id."""
     state = load_state(opts.temp_dir)
@@ -94,13 +110,7 @@ def submit(opts: argparse.Namespace) -> str:
     if opts.git_sha:  # a checkout copy without .git (the device's)
         runtime_env["env_vars"] |= {"PEAGLE_GIT_SHA": opts.git_sha}
     job_id = opts.id or f"peagle-{int(time.time())}"
-    config, sets = opts.config, opts.set
-    if config is None:  # the recipe and overrides of the last job that named one (a stage alone sees the same run)
-        if "recipe" not in state:
-            sys.exit("submit: no --config, and no earlier job's recipe recorded to take it from")
-        config, sets = state["recipe"]["config"], state["recipe"]["sets"] + opts.set
-    else:
-        state["recipe"] = {"config": config, "sets": sets}
+    config, sets = job_recipe(state, opts.config, opts.set)
     entry = ["python", "-m", opts.module, "--config", config, *[a for kv in sets for a in ("--set", kv)]]
     if opts.run_dir:
         entry += ["--run-dir", opts.run_dir]

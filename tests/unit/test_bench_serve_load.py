@@ -62,3 +62,13 @@ def test_text_prompts_are_words_of_the_word_list():
     words = sa.text_prompt(random.Random(0), 128).split()
     assert len(words) == 128 and set(words) <= set(sa.WORDS)
     assert sa.text_prompt(random.Random(0), 128) == sa.text_prompt(random.Random(0), 128)
+
+
+def test_a_stage_alone_takes_the_recipe_of_the_last_job_that_named_one():
+    state: dict = {}
+    with pytest.raises(SystemExit, match="no --config"):
+        multi_gpu.job_recipe(state, None, [])
+    assert multi_gpu.job_recipe(state, "configs/x.yaml", ["a.b=1"]) == ("configs/x.yaml", ["a.b=1"])
+    assert multi_gpu.job_recipe(state, None, ["training.num_workers=1"]) == (
+        "configs/x.yaml", ["a.b=1", "training.num_workers=1"])
+    assert state["recipe"] == {"config": "configs/x.yaml", "sets": ["a.b=1"]}  # a stage's own overrides not kept
