@@ -106,6 +106,7 @@ QUESTIONS = [
         report_data.pipeline_device,
         _gpu(report_gpu_vllm.main_job, "pipeline_device_vllm"),
         report_multi_gpu.pipeline,
+        report_multi_gpu.data_path,
     ]),
     Question("How does training scale?", (
         "Step time and memory per method, compilation, data-parallel GPUs, heads trained on more conversations "

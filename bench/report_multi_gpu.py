@@ -6,12 +6,15 @@ training at 1, 2 and 4 GPUs (``multi_gpu_train_<N>.json``, where run)."""
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 from bench.report_fmt import f, load, section, stage_table, table
 
 PIPELINE_HEADING = "### The main job on one 4-GPU node: every stage through Ray, a real MLflow server"
 SERVING_HEADING = "### Autoscaled GPU vLLM replicas under a load ramp"
 TRAIN_HEADING = "### Training on 1, 2 and 4 GPUs through the train stage"
+REGEN_HEADING = "### Regeneration on 1, 2 and 4 GPUs through the regenerate stage (one vLLM engine per GPU)"
+CAPTURE_HEADING = "### Capture on 1, 2 and 4 GPUs through the capture stage (one actor per GPU)"
 SCALE_GOAL = 0.90  # issue goal: tokens/s scaling efficiency at 4 GPUs
 REGEN_GOAL_TOK_S = 45_000  # output tokens/s per H100 for SmolLM2 (datatrove's tuned public figure)
 
@@ -172,14 +175,53 @@ def rollout(lines: list[str]) -> None:
         lines += [r["note"], ""]
 
 
-def training(lines: list[str]) -> None:
-    runs = {n: load(f"multi_gpu_train_{n}") for n in (1, 2, 4)}
-    lines += [TRAIN_HEADING, ""]
-    got = {n: _train_tok_s(((r["stage_records"].get("train") or {}).get("outputs") or {}).get("history") or [])
-           for n, r in runs.items() if r is not None}
-    if not got:
+SCALE_GPUS = (1, 2, 4)
+
+
+def _stage_run(stage: str, n: int) -> tuple[dict, str] | None:
+    """``(outputs, source)`` of ``stage`` run on ``n`` GPUs through ``bench/device/run_multi_gpu.sh``: the stage
+    alone (``stage STAGE multi_gpu_<stage>_<n>``), or at 4 GPUs the main job's own stage; None where not run."""
+    r, src = load(f"multi_gpu_{stage}_{n}"), f"`multi_gpu_{stage}_{n}.json`"
+    if r is None and n == 4:
+        r, src = load("multi_gpu_pipeline"), "the main job"
+    rec = (r or {}).get("stage_records", {}).get(stage)
+    if not rec or rec.get("status") != "ran":
+        return None
+    return rec.get("outputs") or {}, f"{src}, {(r.get('environment') or {}).get('date', '')[:10]}"
+
+
+def _per_gpus(lines: list[str], stage: str, heading: str, metrics: list[tuple[str, Any]], scaled: str) -> None:
+    """One stage at 1, 2 and 4 GPUs: ``metrics`` (column, fn(outputs, n) -> tok/s), the efficiency of the column
+    ``scaled`` against ``n`` times its 1-GPU value (the issue's goal: >= 0.9, i.e. 3.6x at 4 GPUs)."""
+    lines += [heading, ""]
+    runs = {n: _stage_run(stage, n) for n in SCALE_GPUS}
+    if not any(runs.values()):
         lines += ["not run", ""]
         return
-    base = got.get(1)
-    rows = [[n, f(v, 0), f(v / (n * base), 2) if base and v else "-"] for n, v in sorted(got.items())]
-    lines += table(["GPUs", "training tok/s", f"efficiency vs 1 GPU (goal >= {SCALE_GOAL})"], rows) + [""]
+    col = dict(metrics)[scaled]
+    base = runs[1] and col(runs[1][0], 1)
+    rows = []
+    for n, run in runs.items():
+        if run is None:
+            rows.append([n, "not run"] + ["-"] * (len(metrics) + 1))
+            continue
+        out, src = run
+        eff = f(col(out, n) / (n * base), 2) if base and col(out, n) else "-"
+        rows.append([n, src, *[f"{v:,.0f}" if (v := fn(out, n)) else "-" for _, fn in metrics], eff])
+    lines += table(["GPUs", "run", *[c for c, _ in metrics], f"efficiency vs 1 GPU (goal >= {SCALE_GOAL})"], rows)
+    lines += [""]
+
+
+def data_path(lines: list[str]) -> None:
+    """Regeneration and capture at 1, 2 and 4 GPUs."""
+    _per_gpus(lines, "regenerate", REGEN_HEADING, [
+        # RegenerateResult.tokens_per_s is per engine (tokens / engine seconds summed): n engines decode n times it
+        ("tok/s in the engines (all)", lambda o, n: (o.get("tokens_per_s") or 0) * n),
+        ("tok/s over the stage", lambda o, n: o.get("wall_tokens_per_s"))], "tok/s in the engines (all)")
+    _per_gpus(lines, "capture", CAPTURE_HEADING, [
+        ("tok/s over the stage", lambda o, n: o.get("tokens_per_s"))], "tok/s over the stage")
+
+
+def training(lines: list[str]) -> None:
+    _per_gpus(lines, "train", TRAIN_HEADING, [
+        ("training tok/s", lambda o, n: _train_tok_s(o.get("history") or []))], "training tok/s")

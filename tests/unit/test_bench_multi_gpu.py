@@ -1,6 +1,6 @@
-"""The several-GPU serving benchmark's own parts: a new champion from the champion's files (``bench.multi_gpu
-new-champion``, a real sqlite MLflow store and a tiny exported head), the load ramp's per-replica-count rows and
-text prompts (``bench.serve_autoscale``)."""
+"""The several-GPU benchmarks' own parts: a new champion from the champion's files (``bench.multi_gpu
+new-champion``, a real sqlite MLflow store and a tiny exported head), a stage's recipe, the load ramp's
+per-replica-count rows and text prompts (``bench.serve_autoscale``), the 1/2/4-GPU tables (``bench.report_multi_gpu``)."""
 
 import json
 import random
@@ -72,3 +72,20 @@ def test_a_stage_alone_takes_the_recipe_of_the_last_job_that_named_one():
     assert multi_gpu.job_recipe(state, None, ["training.num_workers=1"]) == (
         "configs/x.yaml", ["a.b=1", "training.num_workers=1"])
     assert state["recipe"] == {"config": "configs/x.yaml", "sets": ["a.b=1"]}  # a stage's own overrides not kept
+
+
+def test_the_per_gpu_table_scales_against_one_gpu_and_falls_back_to_the_main_job_at_four(monkeypatch):
+    from bench import report_multi_gpu as rmg
+
+    def run(tok_s: float, date: str) -> dict:
+        history = [{"tokens_per_s": 1.0}, {"tokens_per_s": tok_s}, {"tokens_per_s": tok_s}]
+        return {"environment": {"date": date}, "stage_records": {"train": {"status": "ran", "outputs": {
+            "history": history}}}}
+
+    files = {"multi_gpu_train_1": run(100_000, "2026-12-01"), "multi_gpu_pipeline": run(342_000, "2026-11-27")}
+    monkeypatch.setattr(rmg, "load", files.get)
+    lines: list[str] = []
+    rmg.training(lines)
+    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| GPUs")]
+    assert rows == ["| 1 | `multi_gpu_train_1.json`, 2026-12-01 | 100,000 | 1.00 |", "| 2 | not run | - | - |",
+                    "| 4 | the main job, 2026-11-27 | 342,000 | 0.85 |"]
