@@ -49,8 +49,11 @@ def row(label: str, run_dir: Path) -> dict[str, Any]:
             raise FileNotFoundError(f"{run_dir / s / STAGE_FILE}: run the {s} stage first")
     train, ev = records["train"]["outputs"], records["evaluate"]["outputs"]
     last = train["history"][-1] if train.get("history") else {}
-    by_method = {r["method"]: r for r in ev["rows"] if int(r.get("concurrency", 1)) == 1}
-    pe, none = by_method.get("peagle", {}), by_method.get("none", {})
+    at_c1 = [r for r in ev["rows"] if int(r.get("concurrency", 1)) == 1]
+    none = next((r for r in at_c1 if r["method"] == "none"), {})
+    by_K = sorted((r for r in at_c1 if r["method"] == "peagle"), key=lambda r: int(r["K"]))
+    gate_K = recipe.get("registry", {}).get("gate_num_speculative_tokens", 5)
+    pe = next((r for r in by_K if int(r["K"]) == gate_K), by_K[-1] if by_K else {})
     cap = records.get("capture", {}).get("outputs", {})
     return {
         "label": label,
@@ -70,6 +73,8 @@ def row(label: str, run_dir: Path) -> dict[str, Any]:
         "tokens_per_s_none": none.get("tokens_per_s"),
         "tokens_per_s_peagle": pe.get("tokens_per_s"),
         "speedup_c1": pe.get("speedup"),
+        "by_K": [{"K": r["K"], "acceptance_length": r.get("acceptance_length"), "tokens_per_s": r.get("tokens_per_s"),
+                  "speedup_c1": r.get("speedup")} for r in by_K],
         "k_schedule": ev.get("k_schedule"),
     }
 

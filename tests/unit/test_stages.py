@@ -36,9 +36,9 @@ KEYS = {
         "regenerate": "e1b4e92a9c07429b1acaae8fafab7abfa645110ef72d4cc0963b078e7d54f721",
         "capture": "2d4750e2ac4c9e4499b8aceab0af8f93cc656c2de7a371105a84856c72dbc73c",
         "train": "e3e6068d5606fb133e0e95471a3b643555c589b365517a1f8c021fcf30687d69",
-        "evaluate": "f18d6b404a4d90e90f24989cd46a860760ad0a8b1b7b621c37b22df5a05cfc58",
-        "register": "561bb4b529d1d87bc1ea0cb438c740cc229e02d83fbee5ae2151216e65ffb02f",
-        "serve": "0d051efeedefe278a819f1fe6921ac104c974aea9ab0d8ea8714e33a8f0129dd",
+        "evaluate": "f56d600c5f062120a0168644d91875b4bb1909c6e130024c1c6e65794fee8679",
+        "register": "462cba7a7487610ca4943d81eb1938360df644e6f11170ceba33f8242807f429",
+        "serve": "142af56201ba6dda8bc1355d3de67a76c109e096af95a1b61782fdc4660b4eb5",
     },
     "smollm2-135m-gpu.yaml": {
         "regenerate": "92bf454e78435fc66b56d2e625c03efd3d0d1629b778519babf792fe338340a3",
