@@ -35,7 +35,8 @@ FLEX_ATTENTION = "torch.nn.attention.flex_attention"  # peagle_core.masks: the b
 @dataclass
 class TrainOutput(StageOutput):
     """``head_dir``: the exported head; ``history``: rank-0 metric rows; ``stream``: the streaming
-    epoch length (``{"steps_per_epoch": n}``, empty when materialized)."""
+    epoch length (``{"steps_per_epoch": n}``, empty when materialized); ``bytes_written_run_dir``: how much the run
+    directory grew while the stage ran (bytes; 0 when it did not grow, e.g. a resumed run that rewrote its head)."""
 
     head_dir: str
     step: int
@@ -152,7 +153,7 @@ class TrainStage(Stage):
         return TrainOutput(
             head_dir=str(res.head_dir), step=res.step, resumed_from_step=res.resumed_from_step,
             checkpoint=res.checkpoint_path, mlflow_run_id=res.mlflow_run_id, history=history,
-            bytes_written_run_dir=tree_bytes(self.ctx.run_dir) - before, streaming=cap.streaming,
+            bytes_written_run_dir=max(0, tree_bytes(self.ctx.run_dir) - before), streaming=cap.streaming,
             hidden_state_bytes_on_disk=0 if cap.streaming else cap.bytes_on_disk,
             stream={"steps_per_epoch": plan.steps_per_epoch} if cap.streaming else {},
             init_from={"ref": init.ref, **init.key()} if init is not None else None)
