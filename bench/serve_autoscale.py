@@ -3,16 +3,15 @@ Serve's autoscaler runs meanwhile, how long scaling up and back down took, and w
 
 The endpoint is the serve stage's (``peagle run`` / ``ray job submit ... ray_jobs.pipeline``): this script only
 sends load and watches. Each level is a closed loop of ``c`` streaming clients (``/v1/completions``, a random
-prompt of ``--input-len`` token ids each, ``--output-len`` tokens with ``ignore_eos``) for ``seconds``; TTFT is the
+prompt of ``--input-len`` words each, ``--output-len`` tokens with ``ignore_eos``) for ``seconds``; TTFT is the
 time to the first streamed token, TPOT (e2e - TTFT) / (tokens - 1). Prompts are text (random common English
-words, about one token each; ``--token-ids`` sends token-id prompts, as rows before 2026-11-28 did): the gateway
-continues a text stream cut by a dead replica on another one (``pipelines.serve.resume``), not a token-id one. A
-poller reads ``serve.status()`` every second: the RUNNING / STARTING replicas of the LLMServer deployments of
+words, about one token each; ``--token-ids`` sends token-id prompts, as the first GPU ramp of 2026-11-27 did):
+the gateway continues a text stream cut by a dead replica on another one (``pipelines.serve.resume``), not a
+token-id one. A poller reads ``serve.status()`` every second: the RUNNING / STARTING replicas of the LLMServer deployments of
 peagle's backend apps. Each answer's ``x-peagle-served`` header names the head version that served it.
 
     python -m bench.serve_autoscale --url http://127.0.0.1:8000 --model smollm2-135m-instruct \\
-        --tokenizer $PEAGLE_HOME/targets/smollm2-135m-instruct-bfloat16 --levels 1:30,16:60,64:150 \\
-        --idle-s 90 [--kill-replica-at 64] [--name serve_autoscale]
+        --levels 1:30,16:60,64:150 --idle-s 90 --max-replicas 4 [--kill-replica-at 64] [--name serve_autoscale]
 
 ``--kill-replica-at C``: during level C, once ``--max-replicas`` replicas run (or three quarters through the
 level), SIGKILL the process of one RUNNING LLMServer replica (a real fault: Serve restarts it; the gateway sends
