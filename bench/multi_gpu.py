@@ -207,7 +207,7 @@ def summary_of_failed_job(run: Path, stages: dict[str, dict], failure: str | Non
 
 def new_champion(opts: argparse.Namespace) -> str:
     """Register the champion's files again as a new version of the run's registered model (its tags: AL, K, eval
-    set, K per concurrency) and promote it without the gate: a new champion as Serve sees it (the serve stage rolls
+    set, K per concurrency, K schedule) and promote it without the gate: a new champion as Serve sees it (the serve stage rolls
     to a new backend app with new replicas), without training another head. Prints and returns the version."""
     import tempfile
 
@@ -215,6 +215,7 @@ def new_champion(opts: argparse.Namespace) -> str:
 
     state = load_state(opts.temp_dir)
     os.environ[settings.TRACKING_URI_ENV] = state["mlflow_uri"]
+    from pipelines.evaluate.k_schedule import K_SCHEDULE_TAG
     from pipelines.registry.promotion import CHAMPION, promote
     from pipelines.registry.register import download, get_client, register_head
 
@@ -225,7 +226,7 @@ def new_champion(opts: argparse.Namespace) -> str:
         head = download(f"models:/{name}/{old.version}", Path(tmp) / "head")
         mv = register_head(head, model_name=name, eval_al=float(tags["acceptance_length"]), K=int(tags["K"]),
                            eval_set=tags["eval_set"], target=tags.get("target") or None,
-                           tags={k: v for k, v in tags.items() if k.startswith(("al.K", "K_best.c"))}
+                           tags={k: v for k, v in tags.items() if k.startswith(("al.K", "K_best.c")) or k == K_SCHEDULE_TAG}
                            | {"copy_of_version": str(old.version)})
     promote(name, mv.version, reason=f"bench.multi_gpu new-champion: v{old.version}'s files as v{mv.version}")
     print(f"{name}: v{mv.version} (the files of v{old.version}) is the champion", flush=True)

@@ -8,7 +8,7 @@
 #   record                 the job's summary and stage records -> $OUT/r/multi_gpu_pipeline.json
 #   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json;
 #                          default 1 -> 32 -> 64 clients, one replica SIGKILLed at 64 once 4 run, 60 s idle watch
-#   roll [LEVEL]           a blue/green roll under load: C clients (default 8:300) while the champion's files are
+#   roll [LEVEL]           a blue/green roll under load: C clients (default 8:360) while the champion's files are
 #                          registered as a new champion and the serve stage is submitted alone (it rolls to it)
 #                          -> $OUT/r/serve_rollout.json
 #   stage STAGE NAME [--set ...]  one stage alone on the job's run directory (ray_jobs.STAGE, the job's recipe and
@@ -66,7 +66,7 @@ case "$STEP" in
     if [ "$STEP" = load ]; then
       ARGS=(--levels "${1:-1:20,32:180,64:120}" --idle-s 60 --kill-replica-at 64 "${@:2}")
     else
-      L=${1:-8:300}
+      L=${1:-8:360}
       ARGS=(--levels "$L" --idle-s 5 --name serve_rollout --roll-at "${L%%:*}" --roll-cmd "$M new-champion --run-dir \
 $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT_SHA:-unknown} && $M wait \
 --timeout-s 400" "${@:2}")

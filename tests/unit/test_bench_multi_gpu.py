@@ -16,6 +16,7 @@ pytestmark = pytest.mark.unit
 
 def test_new_champion_registers_the_champions_files_as_a_new_version(uri, tmp_path):
     from peagle_core.contract import export_head
+    from pipelines.evaluate.k_schedule import K_SCHEDULE_TAG
     from pipelines.registry import register as reg
     from pipelines.registry.promotion import CHAMPION, promote
     from pipelines.stages.base import STAGE_FILE
@@ -23,7 +24,7 @@ def test_new_champion_registers_the_champions_files_as_a_new_version(uri, tmp_pa
     head = export_head(make_drafter(), tmp_path / "head", dtype="float32")
     v1 = reg.register_head(head, model_name="peagle-tiny", eval_al=1.7, K=5, eval_set="humaneval",
                            al_by_K={3: 1.6}, K_best={1: 5, 16: 3}, target_config=tiny_target_config(),
-                           tracking_uri=uri)
+                           tags={K_SCHEDULE_TAG: "[[1, 1024, 5]]"}, tracking_uri=uri)
     promote("peagle-tiny", v1.version, tracking_uri=uri)
     temp, run = tmp_path / "ray", tmp_path / "run"
     temp.mkdir()
@@ -37,7 +38,7 @@ def test_new_champion_registers_the_champions_files_as_a_new_version(uri, tmp_pa
     new = client.get_model_version_by_alias("peagle-tiny", CHAMPION)
     old = client.get_model_version("peagle-tiny", v1.version)
     assert int(new.version) == int(v1.version) + 1
-    for tag in ("acceptance_length", "K", "eval_set", "al.K3", "al.K5", "K_best.c1", "K_best.c16",
+    for tag in ("acceptance_length", "K", "eval_set", "al.K3", "al.K5", "K_best.c1", "K_best.c16", K_SCHEDULE_TAG,
                 reg.HEAD_SHA256_TAG):
         assert new.tags[tag] == old.tags[tag], tag
     assert new.tags["copy_of_version"] == str(v1.version)
