@@ -87,13 +87,20 @@ RAMP_RUNS = ("serve_autoscale", "serve_autoscale_kill")  # the load ramp, then t
 
 
 def serving(lines: list[str]) -> None:
-    first = section(lines, RAMP_RUNS[0], SERVING_HEADING)
-    for name in RAMP_RUNS:
-        r = first if name == RAMP_RUNS[0] else load(name)
+    runs = [section(lines, RAMP_RUNS[0], SERVING_HEADING), *(load(name) for name in RAMP_RUNS[1:])]
+    for r in runs:
         if r is not None:
             ramp_run(lines, r)
     replicas_started(lines)
     rollout(lines)
+
+
+LATENCY_COLUMNS = ("TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms")
+
+
+def _latency_cells(x: dict) -> list[str]:
+    """The :data:`LATENCY_COLUMNS` cells of a ``bench.serve_autoscale`` row (``serve_autoscale.latencies``)."""
+    return [f(x["ttft_ms_p50"], 0), f(x["ttft_ms_p99"], 0), f(x["tpot_ms_p50"], 1), f(x["tpot_ms_p99"], 1)]
 
 
 def ramp_run(lines: list[str], r: dict) -> None:
@@ -103,11 +110,10 @@ def ramp_run(lines: list[str], r: dict) -> None:
                f"streaming clients, {_prompts(r)}, {r['output_len']} output tokens each; the "
                "LLMServer replicas Serve ran meanwhile read from `serve.status()` every second."), ""]
     rows = [[x["concurrency"], x["seconds"], f"{x['replicas_min']}-{x['replicas_max']} ({x['replicas_end']})",
-             x["completed"], x["failed"], f(x["requests_per_s"]), f(x["output_tokens_per_s"], 0),
-             f(x["ttft_ms_p50"], 0), f(x["ttft_ms_p99"], 0), f(x["tpot_ms_p50"], 1), f(x["tpot_ms_p99"], 1)]
+             x["completed"], x["failed"], f(x["requests_per_s"]), f(x["output_tokens_per_s"], 0), *_latency_cells(x)]
             for x in r["levels"]]
     lines += table(["concurrency", "seconds", "replicas min-max (end)", "completed", "failed", "requests/s",
-                    "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"], rows)
+                    "output tok/s", *LATENCY_COLUMNS], rows)
     start, top = r["replicas_at_start"], r["replicas_max_seen"]
     if top is not None and start is not None and top > start:
         reach, down = r["scale_up_to_max_s"], r["scale_down_s"]
@@ -127,11 +133,9 @@ def ramp_run(lines: list[str], r: dict) -> None:
     lines += [""]
     if r.get("by_replicas"):
         lines += ["Per replica count (requests grouped by the replicas running when each started):", ""]
-        lines += table(["concurrency", "replicas", "seconds", "completed", "failed", "requests/s", "TTFT p50 ms",
-                        "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"],
+        lines += table(["concurrency", "replicas", "seconds", "completed", "failed", "requests/s", *LATENCY_COLUMNS],
                        [[x["concurrency"], x["replicas"], x["seconds"], x["completed"], x["failed"],
-                         f(x["requests_per_s"]), f(x["ttft_ms_p50"], 0), f(x["ttft_ms_p99"], 0), f(x["tpot_ms_p50"], 1),
-                         f(x["tpot_ms_p99"], 1)] for x in r["by_replicas"]]) + [""]
+                         f(x["requests_per_s"]), *_latency_cells(x)] for x in r["by_replicas"]]) + [""]
 
 
 def _prompts(r: dict) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import collections
 import itertools
 import json
@@ -69,9 +70,12 @@ class ReplicaTimeline:
         return next((t for t, r, _ in self.samples if t >= after_s and r <= count), None)
 
     def running_at(self, t: float) -> int | None:
-        """RUNNING replicas at the last poll at or before ``t`` (the first poll's before any)."""
-        before = [r for s, r, _ in self.samples if s <= t]
-        return before[-1] if before else (self.samples[0][1] if self.samples else None)
+        """RUNNING replicas at the last poll at or before ``t`` (the first poll's before any; polls are in time
+        order)."""
+        if not self.samples:
+            return None
+        i = bisect.bisect_right(self.samples, t, key=lambda s: s[0])
+        return self.samples[max(i - 1, 0)][1]
 
     def seconds_at(self, t0: float, t1: float) -> dict[int, float]:
         """Seconds of ``[t0, t1]`` spent at each RUNNING count (each poll's count holds until the next poll)."""
@@ -223,16 +227,21 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def level_row(concurrency: int, results: list[RequestResult], wall_s: float, replicas: list[int]) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
+def latencies(ok: list[RequestResult]) -> dict[str, float | None]:
+    """TTFT and TPOT p50 / p99 (ms) of completed requests."""
     ttft = [r.ttft_s * 1e3 for r in ok]
     tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
+    return {"ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
+            "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99)}
+
+
+def level_row(concurrency: int, results: list[RequestResult], wall_s: float, replicas: list[int]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
     tokens = sum(r.num_tokens for r in ok)
     return {"concurrency": concurrency, "seconds": round(wall_s, 1), "completed": len(ok),
             "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if r.error})[:5],
             "requests_per_s": round(len(ok) / wall_s, 3), "output_tokens_per_s": round(tokens / wall_s, 1),
-            "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
-            "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99),
+            **latencies(ok),
             "replicas_min": min(replicas) if replicas else None, "replicas_max": max(replicas) if replicas else None,
             "replicas_end": replicas[-1] if replicas else None,
             "served": dict(collections.Counter(r.served for r in ok if r.served))}
@@ -251,14 +260,10 @@ def by_replicas(concurrency: int, results: list[RequestResult], timeline: Replic
     rows = []
     for n in sorted(groups):
         ok = [r for r in groups[n] if r.ok]
-        ttft = [r.ttft_s * 1e3 for r in ok]
-        tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
         secs = spent.get(n, 0.0)
         rows.append({"concurrency": concurrency, "replicas": n, "seconds": round(secs, 1), "completed": len(ok),
                      "failed": len(groups[n]) - len(ok),
-                     "requests_per_s": round(len(ok) / secs, 3) if secs >= 1 else None,
-                     "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
-                     "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99)})
+                     "requests_per_s": round(len(ok) / secs, 3) if secs >= 1 else None, **latencies(ok)})
     return rows
 
 

@@ -28,7 +28,7 @@
 # `record`, `load`, `roll`. GIT_SHA names the commit (the device's checkout copy has no .git).
 set -u
 T0=$SECONDS
-STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|roll|logs|down}
+STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|roll|stage|logs|down}
 shift
 . bench/device/env.sh
 . bench/device/install_ray.sh
@@ -40,29 +40,32 @@ python3 -c "import datasets" 2>/dev/null || python3 -m pip install -q --no-index
 for f in sharegpt humaneval; do [ -f ~/keep/$f.jsonl ] || xz -dc ~/keep/$f.jsonl.xz > ~/keep/$f.jsonl; done
 RUN=~/keep/peagle/runs/smollm2-135m-4gpu
 TEMP=/tmp/peagle-ray
+M="python3 -m bench.multi_gpu --temp-dir $TEMP"
+cluster_env() {  # the ray CLI's address and token, and GCS: the cluster's GCS address (clients of its Serve)
+  eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
+  GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
+}
 case "$STEP" in
   up)
     G=${1:-2}
     nvidia-smi -L
-    setsid -w python3 -m bench.multi_gpu --temp-dir $TEMP up --nodes 2 --gpus-per-node "$G" --cpus-per-node 24 \
+    setsid -w $M up --nodes 2 --gpus-per-node "$G" --cpus-per-node 24 \
       || exit 1
-    python3 -m bench.multi_gpu --temp-dir $TEMP submit --config configs/smollm2-135m-4gpu.yaml --id peagle-4gpu \
+    $M submit --config configs/smollm2-135m-4gpu.yaml --id peagle-4gpu \
       --git-sha "${GIT_SHA:-unknown}" \
       --set "data.sources=[{kind: openai_jsonl, path: $HOME/keep/sharegpt.jsonl}]" \
       --set "evaluation.sources=[{kind: openai_jsonl, path: $HOME/keep/humaneval.jsonl}]" "${@:2}" || exit 1
-    python3 -m bench.multi_gpu --temp-dir $TEMP wait --timeout-s $((560 - (SECONDS - T0)))
+    $M wait --timeout-s $((560 - (SECONDS - T0)))
     ;;
   wait)
-    python3 -m bench.multi_gpu --temp-dir $TEMP wait --timeout-s "${1:-540}"
+    $M wait --timeout-s "${1:-540}"
     ;;
   record)
-    python3 -m bench.multi_gpu --temp-dir $TEMP record --run-dir $RUN --note "${1:-}" && save
+    $M record --run-dir $RUN --note "${1:-}" && save
     ls -la "$OUT/r"
     ;;
   load|roll)
-    eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
-    GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
-    M="python3 -m bench.multi_gpu --temp-dir $TEMP"
+    cluster_env
     if [ "$STEP" = load ]; then
       ARGS=(--levels "${1:-1:20,32:180,64:120}" --idle-s 60 --kill-replica-at 64 "${@:2}")
     else
@@ -77,15 +80,13 @@ $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT
     ;;
   stage)
     S=${1:?stage}; NAME=${2:?result name}; shift 2
-    M="python3 -m bench.multi_gpu --temp-dir $TEMP"
     $M submit --module "ray_jobs.$S" --id "$S-$(date +%s)" --git-sha "${GIT_SHA:-unknown}" "$@" || exit 1
     $M wait --timeout-s $((540 - (SECONDS - T0))) > "$OUT/$NAME.log" 2>&1; RC=$?
     tail -25 "$OUT/$NAME.log"
     [ $RC = 0 ] && $M record --run-dir $RUN --name "$NAME" --note "ray_jobs.$S $*" && save
     ;;
   logs)
-    eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
-    GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
+    cluster_env
     { ray status --address "$GCS"; serve status; nvidia-smi; } > "$OUT/state.txt" 2>&1
     L=$TEMP/session_latest/logs
     ERRS=$(cd "$L" && grep -l -i "vllm\|LLMServer\|EngineCore" worker-*.err worker-*.out 2>/dev/null | head -60)
@@ -93,7 +94,7 @@ $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT
     tail -60 "$OUT/state.txt"; ls -la "$OUT"
     ;;
   down)
-    python3 -m bench.multi_gpu --temp-dir $TEMP down
+    $M down
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac
