@@ -11,6 +11,7 @@ name), ``ray job submit -- python -m ray_jobs.pipeline --config RECIPE`` (the jo
     python -m bench.multi_gpu record --name multi_gpu_pipeline        # summary + stage records -> bench/results
     python -m bench.multi_gpu new-champion --run-dir DIR             # the champion's files as a new champion
     python -m bench.multi_gpu submit --module ray_jobs.serve ...     # the serve stage alone: rolls to it
+    python -m bench.multi_gpu gpu-run -- bash bench/device/run_synthetic_serving.sh ...  # beside it, on a GPU of its own
     python -m bench.multi_gpu down
 
 The same commands run on a CPU box with ``--gpus-per-node 0`` (the rehearsal of ``bench/device/run_multi_gpu.sh``).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -141,7 +143,16 @@ def wait(opts: argparse.Namespace) -> int:
     client = _jobs(state)  # before Ray is imported: it reads the token variables once
     from ray.job_submission import JobStatus
 
-    job_id, seen = state["job_id"], int(state.get("log_lines_seen", 0))
+    job_id = state["job_id"]
+    status, state["log_lines_seen"] = _follow(client, job_id, int(state.get("log_lines_seen", 0)), opts)
+    save_state(opts.temp_dir, state)
+    print(f"job {job_id}: {status.value} ({time.time() - state['submitted_at']:.0f} s since submission)", flush=True)
+    return 0 if status == JobStatus.SUCCEEDED else 1 if status.is_terminal() else 3
+
+
+def _follow(client, job_id: str, seen: int, opts: argparse.Namespace):
+    """Print the job's new log lines every ``opts.poll_s`` until it ends or ``opts.timeout_s`` passes; its last
+    status and the number of log lines seen."""
     deadline = time.monotonic() + opts.timeout_s
     while True:
         logs = client.get_job_logs(job_id).splitlines()
@@ -150,11 +161,26 @@ def wait(opts: argparse.Namespace) -> int:
         seen = max(seen, len(logs))
         status = client.get_job_status(job_id)
         if status.is_terminal() or time.monotonic() > deadline:
-            break
+            return status, seen
         time.sleep(opts.poll_s)
-    state["log_lines_seen"] = seen
-    save_state(opts.temp_dir, state)
-    print(f"job {job_id}: {status.value} ({time.time() - state['submitted_at']:.0f} s since submission)", flush=True)
+
+
+def gpu_run(opts: argparse.Namespace) -> int:
+    """Run a command on the cluster as a Ray job holding ``--num-gpus`` GPUs (``entrypoint_num_gpus``: Ray sets
+    its ``CUDA_VISIBLE_DEVICES`` and gives that GPU to nothing else), e.g. a one-GPU benchmark beside Serve
+    replicas that use the other GPUs; the job state of ``submit``/``wait`` is left alone. Follows the job to its
+    end (or ``--timeout-s``): 0 succeeded, 1 failed or stopped, 3 still running."""
+    state = load_state(opts.temp_dir)
+    client = _jobs(state)
+    from ray.job_submission import JobStatus
+
+    runtime_env = local_ray.job_runtime_env() | {"working_dir": "."}
+    runtime_env["env_vars"] |= {k: os.environ[k] for k in opts.pass_env if k in os.environ}
+    job_id = client.submit_job(entrypoint=shlex.join(opts.command), runtime_env=runtime_env,
+                               entrypoint_num_gpus=opts.num_gpus, submission_id=f"gpu-run-{int(time.time())}")
+    print(f"submitted {job_id} ({opts.num_gpus} GPU): {shlex.join(opts.command)}", flush=True)
+    status, _ = _follow(client, job_id, 0, opts)
+    print(f"job {job_id}: {status.value}", flush=True)
     return 0 if status == JobStatus.SUCCEEDED else 1 if status.is_terminal() else 3
 
 
@@ -274,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("wait")
     p.add_argument("--timeout-s", type=float, default=540.0)
     p.add_argument("--poll-s", type=float, default=10.0)
+    p = sub.add_parser("gpu-run")
+    p.add_argument("--num-gpus", type=float, default=1.0)
+    p.add_argument("--timeout-s", type=float, default=540.0)
+    p.add_argument("--poll-s", type=float, default=10.0)
+    p.add_argument("--pass-env", nargs="*", default=["OUT", "PEAGLE_CALL_T0"], help="variables of this shell the "
+                   "job gets")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p = sub.add_parser("record")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--name", default="multi_gpu_pipeline")
@@ -284,8 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", nargs="*", default=[], help="GPU names when nvidia-smi is not here")
     sub.add_parser("down")
     opts = ap.parse_args(argv)
-    out = {"up": up, "submit": submit, "new-champion": new_champion, "wait": wait, "record": record,
-           "down": down}[opts.cmd](opts)
+    if opts.cmd == "gpu-run":
+        opts.command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
+        if not opts.command:
+            ap.error("gpu-run: no command (gpu-run [OPTIONS] -- CMD ARGS...)")
+    out = {"up": up, "submit": submit, "new-champion": new_champion, "wait": wait, "gpu-run": gpu_run,
+           "record": record, "down": down}[opts.cmd](opts)
     return out if isinstance(out, int) else 0
 
 

@@ -6,11 +6,13 @@
 #                          the job (configs/smollm2-135m-4gpu.yaml with the carried prompt files) and follow it
 #   wait [SECONDS]         follow the job (<= 540 s a call); prints "job ... SUCCEEDED" when done
 #   record                 the job's summary and stage records -> $OUT/r/multi_gpu_pipeline.json
-#   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json;
-#                          default 1 -> 32 -> 64 clients, one replica SIGKILLed at 64 once 4 run, 60 s idle watch
+#   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json,
+#                          its output -> $OUT/load.log, then what `logs` collects; default 1 -> 32 -> 64 clients,
+#                          one replica SIGKILLed at 64 once 4 run, 45 s idle watch
 #   roll [LEVEL]           a blue/green roll under load: C clients (default 8:360) while the champion's files are
 #                          registered as a new champion and the serve stage is submitted alone (it rolls to it)
-#                          -> $OUT/r/serve_rollout.json
+#                          -> $OUT/r/serve_rollout.json (output: $OUT/roll.log); with ALSO="CMD ARGS" that command
+#                          runs beside it as a Ray job holding one GPU (`bench.multi_gpu gpu-run`; $OUT/also.log)
 #   stage STAGE NAME [--set ...]  one stage alone on the job's run directory (ray_jobs.STAGE, the job's recipe and
 #                          overrides, then these; e.g. `stage train multi_gpu_train_1 --set training.num_workers=1`),
 #                          followed to its end and recorded -> $OUT/r/NAME.json
@@ -45,6 +47,14 @@ cluster_env() {  # the ray CLI's address and token, and GCS: the cluster's GCS a
   eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
   GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
 }
+logs() {  # what a stuck or failed replica left -> $OUT/state.txt, $OUT/logs.tar.xz
+  cluster_env
+  { ray status --address "$GCS"; serve status; nvidia-smi; } > "$OUT/state.txt" 2>&1
+  local L=$TEMP/session_latest/logs ERRS
+  ERRS=$(cd "$L" && ls -t worker-*.err worker-*.out 2>/dev/null | head -300 |
+    xargs -r grep -l -i "vllm\|LLMServer\|EngineCore" | head -60)  # the newest first
+  tar -C "$L" -cJf "$OUT/logs.tar.xz" serve $ERRS
+}
 case "$STEP" in
   up)
     G=${1:-2}
@@ -67,15 +77,21 @@ case "$STEP" in
   load|roll)
     cluster_env
     if [ "$STEP" = load ]; then
-      ARGS=(--levels "${1:-1:20,32:180,64:120}" --idle-s 60 --kill-replica-at 64 "${@:2}")
+      ARGS=(--levels "${1:-1:20,32:150,64:120}" --idle-s 45 --kill-replica-at 64 "${@:2}")
     else
       L=${1:-8:360}
       ARGS=(--levels "$L" --idle-s 5 --name serve_rollout --roll-at "${L%%:*}" --roll-cmd "$M new-champion --run-dir \
 $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT_SHA:-unknown} && $M wait \
 --timeout-s 400" "${@:2}")
+      # ALSO="CMD ARGS": a one-GPU command beside the roll, as a Ray job holding a GPU Serve cannot take
+      [ -n "${ALSO:-}" ] && { $M gpu-run --timeout-s $((560 - (SECONDS - T0))) -- $ALSO > "$OUT/also.log" 2>&1 & }
     fi
     RAY_ADDRESS=$GCS timeout $((570 - (SECONDS - T0))) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
-      --model smollm2-135m-instruct --max-replicas 4 "${ARGS[@]}"
+      --model smollm2-135m-instruct --max-replicas 4 "${ARGS[@]}" > "$OUT/$STEP.log" 2>&1
+    tail -40 "$OUT/$STEP.log"
+    [ "$STEP" = load ] && logs
+    wait
+    [ -f "$OUT/also.log" ] && tail -30 "$OUT/also.log"
     save
     ;;
   stage)
@@ -86,11 +102,7 @@ $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT
     [ $RC = 0 ] && $M record --run-dir $RUN --name "$NAME" --note "ray_jobs.$S $*" && save
     ;;
   logs)
-    cluster_env
-    { ray status --address "$GCS"; serve status; nvidia-smi; } > "$OUT/state.txt" 2>&1
-    L=$TEMP/session_latest/logs
-    ERRS=$(cd "$L" && grep -l -i "vllm\|LLMServer\|EngineCore" worker-*.err worker-*.out 2>/dev/null | head -60)
-    tar -C "$L" -cJf "$OUT/logs.tar.xz" serve $ERRS
+    logs
     tail -60 "$OUT/state.txt"; ls -la "$OUT"
     ;;
   down)

@@ -90,3 +90,13 @@ def test_the_per_gpu_table_scales_against_one_gpu_and_falls_back_to_the_main_job
     rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| GPUs")]
     assert rows == ["| 1 | `multi_gpu_train_1.json`, 2026-12-01 | 100,000 | 1.00 |", "| 2 | not run | - | - |",
                     "| 4 | the main job, 2026-11-27 | 342,000 | 0.85 |"]
+
+
+def test_gpu_run_takes_the_command_after_the_double_dash_and_refuses_none(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(multi_gpu, "gpu_run", lambda opts: seen.setdefault("command", opts.command) and 0)
+    assert multi_gpu.main(["gpu-run", "--num-gpus", "1", "--", "bash", "run.sh", "--k", "5"]) == 0
+    assert seen["command"] == ["bash", "run.sh", "--k", "5"]
+    with pytest.raises(SystemExit) as e:
+        multi_gpu.main(["gpu-run", "--"])
+    assert e.value.code == 2
