@@ -83,7 +83,7 @@ def pipeline(lines: list[str]) -> None:
     lines += [""]
 
 
-RAMP_RUNS = ("serve_autoscale", "serve_autoscale_kill")  # the load ramp, then the replica-kill run
+RAMP_RUNS = ("serve_autoscale", "serve_autoscale_kill", "serve_autoscale_run3")  # the load ramps in the order run
 
 
 def serving(lines: list[str]) -> None:

@@ -113,15 +113,16 @@ class PlacementProbe:
     def _node_names() -> dict[str, str]:
         import ray
 
-        from pipelines.settings import NODE_RESOURCE_PREFIX
+        return {n.get("NodeID", ""): node_name(n) for n in ray.nodes()}
 
-        out = {}
-        for n in ray.nodes():
-            nid, ip = n.get("NodeID", ""), n.get("NodeManagerAddress", "?")
-            named = [r.removeprefix(NODE_RESOURCE_PREFIX) for r in (n.get("Resources") or {})
-                     if r.startswith(NODE_RESOURCE_PREFIX)]
-            out[nid] = named[0] if named else f"{ip}/{nid[:8]}"
-        return out
+
+def node_name(node: dict[str, Any]) -> str:
+    """A node of ``ray.nodes()`` by its ``settings.NODE_RESOURCE_PREFIX`` resource's name, else ``IP/<node id[:8]>``."""
+    from pipelines.settings import NODE_RESOURCE_PREFIX
+
+    named = [r.removeprefix(NODE_RESOURCE_PREFIX) for r in (node.get("Resources") or {})
+             if r.startswith(NODE_RESOURCE_PREFIX)]
+    return named[0] if named else f"{node.get('NodeManagerAddress', '?')}/{node.get('NodeID', '')[:8]}"
 
 
 def placement_of(actors: list, tasks: list, pgs: list, node_names: dict[str, str]) -> Placement:

@@ -3,7 +3,9 @@
 # autoscaled GPU Serve replicas (bench/multi_gpu.py, bench/serve_autoscale.py; the product's own commands).
 #
 #   up [GPUS_PER_NODE]     MLflow server + Ray head "a" (GPUs 0..g-1) + raylet "b" (GPUs g..2g-1), then submit
-#                          the job (configs/smollm2-135m-4gpu.yaml with the carried prompt files) and follow it
+#                          the job (configs/smollm2-135m-4gpu.yaml with the carried prompt files) and follow it;
+#                          NODES=1 up 4: one Ray node of 4 GPUs (GPU Serve replicas on a second raylet of the same
+#                          host fail in vLLM's Ray executor: pipelines.serve.shared_host_raylets)
 #   wait [SECONDS]         follow the job (<= 540 s a call); prints "job ... SUCCEEDED" when done
 #   record                 the job's summary and stage records -> $OUT/r/multi_gpu_pipeline.json
 #   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json,
@@ -50,16 +52,17 @@ cluster_env() {  # the ray CLI's address and token, and GCS: the cluster's GCS a
 logs() {  # what a stuck or failed replica left -> $OUT/state.txt, $OUT/logs.tar.xz
   cluster_env
   { ray status --address "$GCS"; serve status; nvidia-smi; } > "$OUT/state.txt" 2>&1
-  local L=$TEMP/session_latest/logs ERRS
-  ERRS=$(cd "$L" && ls -t worker-*.err worker-*.out 2>/dev/null | head -300 |
-    xargs -r grep -l -i "vllm\|LLMServer\|EngineCore" | head -60)  # the newest first
-  tar -C "$L" -cJf "$OUT/logs.tar.xz" serve $ERRS
+  # every node's logs: the head's under $TEMP/session_latest, a joined raylet's under $TEMP/node-NAME/session_*
+  local ERRS
+  ERRS=$(cd "$TEMP" && ls -t session_latest/logs/worker-*.[eo]?? node-*/session_*/logs/worker-*.[eo]?? 2>/dev/null |
+    head -400 | xargs -r grep -l -i "vllm\|LLMServer\|EngineCore" | head -60)  # the newest first
+  tar -C "$TEMP" -cJf "$OUT/logs.tar.xz" session_latest/logs/serve $ERRS
 }
 case "$STEP" in
   up)
     G=${1:-2}
     nvidia-smi -L
-    setsid -w $M up --nodes 2 --gpus-per-node "$G" --cpus-per-node 24 \
+    setsid -w $M up --nodes "${NODES:-2}" --gpus-per-node "$G" --cpus-per-node 24 \
       || exit 1
     $M submit --config configs/smollm2-135m-4gpu.yaml --id peagle-4gpu \
       --git-sha "${GIT_SHA:-unknown}" \

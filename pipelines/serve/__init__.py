@@ -272,14 +272,45 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
     return LLMConfig(**kw)
 
 
-GPU_REPLICA_ENV = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"}
-"""Environment of every GPU ``LLMServer`` replica: vLLM's classic Ray executor, in which Ray sets each worker's
-``CUDA_VISIBLE_DEVICES`` from its placement bundle and the engine takes a random free TCPStore port. vLLM 0.26's
-default ``RayExecutorV2`` failed replicas that started while others ran on the same host (4 H200s as two Ray
-nodes, 2026-11-27, ``bench/results/serve_autoscale.json``): the engine core died with ``CUDA driver error: invalid
-argument`` while profiling memory, or on ``EADDRINUSE`` because every engine with data-parallel rank 0 searches
-the same TCPStore port window (``master_port + 100``, ``ray_executor_v2._select_tcpstore_port``). The first
-replica of a deployment starts either way; autoscaling beyond it did not."""
+GPU_REPLICA_ENV = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+"""Environment of every GPU ``LLMServer`` replica (4 H200s as two Ray nodes a: GPUs 0,1 / b: GPUs 2,3, vLLM 0.26,
+torch 2.11; ``bench/results/serve_autoscale*.json``, the replica logs of 2026-11-27):
+
+* ``VLLM_DISABLE_COMPILE_CACHE=1``: every replica compiles its graphs afresh, as the first replica of a
+  deployment does. Replicas started later on the same host loaded the first one's AOT-compiled graphs from
+  ``~/.cache/vllm/torch_compile_cache/torch_aot_compile`` and died on their first Triton launch (inductor's static
+  CUDA launcher: ``CUDA driver error: invalid argument`` in ``profile_run``), so autoscaling never got past one
+  replica; a replacement for a SIGKILLed replica (likely on the freed GPU) did start from the cache. Cost: each new
+  replica compiles (~1-2 min for SmolLM2 with its head). Not yet measured on a GPU with this setting.
+* ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: vLLM's classic Ray executor: each engine takes a random free TCPStore
+  port. Under the default ``RayExecutorV2`` a replica also died on ``EADDRINUSE``: every engine with data-parallel
+  rank 0 searches the same port window (``master_port + 100``, ``ray_executor_v2._select_tcpstore_port``).
+
+On a host with several raylets (nodes emulated on one machine) the classic executor's engine core, a process of its
+own that calls ``ray.init``, attaches to the host's head raylet, and a replica placed on another raylet of that host
+fails (``driver node id ... is not included in a placement group``): see :func:`shared_host_raylets`."""
+
+
+def shared_host_raylets(nodes: list[dict]) -> dict[str, list[str]]:
+    """Hosts that run several alive Ray nodes with GPUs: ``{ip: [node names or ids, the head's first]}``.
+
+    ``nodes`` is ``ray.nodes()``. A driver process started on such a host (vLLM's engine core under its Ray
+    executor) joins the head node's raylet whatever raylet its parent runs under (Ray prefers the head node among
+    the raylets of one host: ``ray._private.services.get_node_to_connect_for_driver``), so a GPU Serve replica placed
+    on another raylet of the host fails in vLLM (``driver node id ... is not included in a placement group``, 4 H200s
+    as two Ray nodes, 2026-11-27). Real clusters run one raylet per host; emulated nodes should serve from one."""
+    from pipelines.placement import node_name
+
+    by_ip: dict[str, list[dict]] = {}
+    for n in nodes:
+        if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0:
+            by_ip.setdefault(n.get("NodeManagerAddress", ""), []).append(n)
+    out = {}
+    for ip, group in by_ip.items():
+        if len(group) > 1:
+            group.sort(key=lambda n: not n.get("Resources", {}).get("node:__internal_head__"))
+            out[ip] = [node_name(n) for n in group]
+    return out
 
 
 def _cluster_address() -> dict[str, str]:
@@ -443,4 +474,4 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
 
 
 __all__ = ["GPU_REPLICA_ENV", "Backend", "ServeAppArgs", "build_app", "build_ingress", "build_llm_config",
-           "gateway_version", "resolve_backend", "resolve_k_schedule", "speculative_config"]
+           "gateway_version", "resolve_backend", "resolve_k_schedule", "shared_host_raylets", "speculative_config"]

@@ -173,6 +173,7 @@ def _deploy_backend(backend, *, ready_timeout_s: float, poll_s: float) -> str:
 
     serve, name = ray_serve(), backend.app_name
     if name not in app_statuses():
+        _warn_shared_host_raylets(backend)
         log.info("peagle serve: deploying the backend app %s (head %s)", name, backend.head_ref)
         serve.run_many([serve.RunTarget(build_llm_deployment(backend.llm_config), name=name, route_prefix=None)],
                        wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
@@ -180,7 +181,9 @@ def _deploy_backend(backend, *, ready_timeout_s: float, poll_s: float) -> str:
     while time.monotonic() < deadline:
         status = app_statuses().get(name)
         if status in FAILED:
-            why = f"status {status}: {serve.status().applications[name].message[:2000]}"
+            app = serve.status().applications[name]
+            why = f"status {status}: " + "; ".join(
+                [app.message] + [f"{d}: {st.message}" for d, st in app.deployments.items() if st.message])[-3000:]
             break
         if status == RUNNING:
             handle = serve.get_app_handle(name)
@@ -199,6 +202,21 @@ def _deploy_backend(backend, *, ready_timeout_s: float, poll_s: float) -> str:
         log.warning("peagle serve: could not delete %s: %s", name, e)
     raise RolloutError(f"backend {name} (head {backend.head_ref}) did not become healthy: {why}; "
                        f"{settings.SERVE_APP_NAME} still serves its previous backend")
+
+
+def _warn_shared_host_raylets(backend) -> None:
+    """Warn, before a GPU backend deploys, about hosts with several Ray nodes (``shared_host_raylets``): the
+    replicas Serve places on a node of such a host other than its first will fail in vLLM's Ray executor."""
+    if backend.args.accelerator != "gpu":
+        return
+    import ray
+
+    from pipelines.serve import shared_host_raylets
+
+    for ip, names in shared_host_raylets(ray.nodes()).items():
+        log.warning("peagle serve: host %s runs %d Ray nodes with GPUs (%s): a GPU replica placed on a node other "
+                    "than %s will fail to start (vLLM's engine core joins the raylet of %s); run one Ray node per "
+                    "host to serve from all of its GPUs", ip, len(names), ", ".join(names), names[0], names[0])
 
 
 def _probe(handle, model_id: str) -> None:

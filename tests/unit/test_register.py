@@ -172,9 +172,9 @@ def test_replicas_get_the_address_of_the_cluster_that_deploys_them():
         ray.shutdown()
 
 
-def test_gpu_replicas_run_vllms_classic_ray_executor():
-    """GPU replicas get GPU_REPLICA_ENV (vLLM 0.26's RayExecutorV2 failed replicas that started beside others on one
-    host); CPU replicas (vLLM's mp executor) get none of it."""
+def test_gpu_replicas_run_vllms_classic_ray_executor_without_the_compile_cache():
+    """GPU replicas get GPU_REPLICA_ENV (replicas started beside others on one host died loading the first one's
+    compiled graphs, or on RayExecutorV2's TCPStore port); CPU replicas (vLLM's mp executor) get none of it."""
     from pipelines.serve import GPU_REPLICA_ENV, ServeAppArgs, build_llm_config
 
     def env(accelerator):
@@ -182,5 +182,21 @@ def test_gpu_replicas_run_vllms_classic_ray_executor():
                              head=None)
         return (c.runtime_env or {}).get("env_vars") or {}
 
-    assert env("gpu").items() >= GPU_REPLICA_ENV.items() == {("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")}
+    assert env("gpu").items() >= GPU_REPLICA_ENV.items() == {("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0"),
+                                                            ("VLLM_DISABLE_COMPILE_CACHE", "1")}
     assert not env("cpu").keys() & GPU_REPLICA_ENV.keys()
+
+
+def test_hosts_with_several_gpu_raylets_are_found_head_first():
+    """Two raylets with GPUs on one IP (emulated nodes) are reported, the head's name first; one raylet per host, a
+    dead node or a CPU-only raylet beside a GPU one is not."""
+    from pipelines.serve import shared_host_raylets
+
+    def node(name, ip, gpus=2, head=False, alive=True):
+        res = {"GPU": gpus, "CPU": 8, f"peagle_node_{name}": 1.0} | ({"node:__internal_head__": 1.0} if head else {})
+        return {"NodeID": f"{name}0ff1ce", "NodeManagerAddress": ip, "Alive": alive, "Resources": res}
+
+    assert shared_host_raylets([node("b", "10.0.0.1"), node("a", "10.0.0.1", head=True)]) == {"10.0.0.1": ["a", "b"]}
+    assert shared_host_raylets([node("a", "10.0.0.1", head=True), node("b", "10.0.0.2")]) == {}
+    assert shared_host_raylets([node("a", "10.0.0.1", head=True), node("b", "10.0.0.1", alive=False)]) == {}
+    assert shared_host_raylets([node("a", "10.0.0.1", head=True), node("b", "10.0.0.1", gpus=0)]) == {}
