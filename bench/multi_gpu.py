@@ -77,7 +77,8 @@ def up(opts: argparse.Namespace) -> dict[str, Any]:
         local_ray.join(opts.temp_dir, node_name=NODE_NAMES[i], num_cpus=opts.cpus_per_node, **gpus(i))
     state = {"mlflow_uri": mlflow.uri, "dashboard_url": head.dashboard_url, "gcs_address": head.gcs_address,
              "nodes": opts.nodes, "gpus_per_node": g, "cpus_per_node": opts.cpus_per_node,
-             "client_env": head.client_env()}
+             "client_env": head.client_env(),  # what each node was started with (bench.node_fault restarts one)
+             "node_args": {NODE_NAMES[i]: {"num_cpus": opts.cpus_per_node, **gpus(i)} for i in range(opts.nodes)}}
     save_state(opts.temp_dir, state)
     print(json.dumps(state, indent=2))
     return state

@@ -18,6 +18,9 @@
 #   stage STAGE NAME [--set ...]  one stage alone on the job's run directory (ray_jobs.STAGE, the job's recipe and
 #                          overrides, then these; e.g. `stage train multi_gpu_train_1 --set training.num_workers=1`),
 #                          followed to its end and recorded -> $OUT/r/NAME.json
+#   nodekill [FLAGS]       a stage alone (default train) while node b's raylet is SIGKILLed and joins again
+#                          (bench.node_fault; e.g. --kill-at 40 --down-s 60 --set training.max_steps=150)
+#                          -> $OUT/r/multi_gpu_node_fault.json, its output in $OUT/nodekill.log
 #   logs                   what a stuck or failed replica left: `ray status`, `serve status`, nvidia-smi's processes
 #                          -> $OUT/state.txt; Serve's controller and replica logs, the workers' logs that name vLLM
 #                          -> $OUT/logs.tar.xz
@@ -32,7 +35,7 @@
 # `record`, `load`, `roll`. GIT_SHA names the commit (the device's checkout copy has no .git).
 set -u
 T0=$SECONDS
-STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|roll|stage|logs|down}
+STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|roll|stage|nodekill|logs|down}
 shift
 . bench/device/env.sh
 . bench/device/install_ray.sh
@@ -103,6 +106,12 @@ $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT
     $M wait --timeout-s $((540 - (SECONDS - T0))) > "$OUT/$NAME.log" 2>&1; RC=$?
     tail -25 "$OUT/$NAME.log"
     [ $RC = 0 ] && $M record --run-dir $RUN --name "$NAME" --note "ray_jobs.$S $*" && save
+    ;;
+  nodekill)
+    python3 -m bench.node_fault --temp-dir $TEMP --git-sha "${GIT_SHA:-unknown}" --timeout-s $((560 - (SECONDS - T0))) \
+      --name multi_gpu_node_fault "$@" > "$OUT/nodekill.log" 2>&1
+    grep -v "^\s" "$OUT/nodekill.log" | tail -30
+    save
     ;;
   logs)
     logs

@@ -100,3 +100,15 @@ def test_gpu_run_takes_the_command_after_the_double_dash_and_refuses_none(monkey
     with pytest.raises(SystemExit) as e:
         multi_gpu.main(["gpu-run", "--"])
     assert e.value.code == 2
+
+
+def test_node_fault_reads_the_stages_progress_lines_and_refuses_the_head():
+    from bench import node_fault
+
+    assert node_fault.progress("[train] 1,234/5,000 steps, 2.1 steps/s, ETA 0m30s, 1m00s", "train") == 1234
+    assert node_fault.progress("[train] 0/40 steps, - steps/s, 0m00s", "train") == 0
+    assert node_fault.progress("[capture] 12/40 conversations, ...", "train") is None
+    assert node_fault.progress("[train] done in 101.5s", "train") is None
+    with pytest.raises(SystemExit) as e:
+        node_fault.main(["--node", multi_gpu.NODE_NAMES[0]])
+    assert e.value.code == 2

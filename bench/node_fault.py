@@ -1,0 +1,177 @@
+"""A Ray node lost in the middle of a stage, on the cluster of ``bench.multi_gpu`` (the raylet-kill check of the
+4-GPU issue, item 5: Ray Train restarts on what is left, or waits with a clear message and resumes once the node is
+back).
+
+The stage runs alone as a Ray job (``ray_jobs.<stage>`` on the last job's run directory and recipe, as
+``bench.multi_gpu submit --module`` does). Once the stage's progress line (``[train] 12/40 steps``) reaches
+``--kill-at``, the raylet of node ``--node`` is SIGKILLed (its workers die with it; nothing in the product is
+told), the node joins again ``--down-s`` seconds later with the resources it had, and the job is followed to its
+end. The result names the kill, what the job printed after it, how the job ended and the stage's own record.
+
+    python -m bench.multi_gpu up --nodes 2 --gpus-per-node 2 ...          # or --gpus-per-node 0 on a CPU box
+    python -m bench.multi_gpu submit --config RECIPE ...; python -m bench.multi_gpu wait   # the run directory
+    python -m bench.node_fault --stage train --node b --kill-at 10 --down-s 60 --name node_fault_train \\
+        --set training.num_workers=4 --set training.max_steps=40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import multi_gpu
+from pipelines import local_ray, settings
+from pipelines.stages.base import STAGE_FILE
+
+AFTER_KILL_LINES = 200  # job log lines kept from the kill on
+
+
+def progress(line: str, stage: str) -> int | None:
+    """The count of a stage's progress line (``[train] 1,234/5,000 steps, ...`` -> 1234); None for other lines."""
+    m = re.match(rf"\[{re.escape(stage)}\] ([\d,]+)/[\d,]+ ", line)
+    return int(m.group(1).replace(",", "")) if m else None
+
+
+def raylet_of(temp_dir: str, node: str) -> list:
+    """The raylet process(es) of node ``node`` of the cluster in ``temp_dir`` (``pipelines.local_ray.join`` starts
+    it with ``<temp>/node-<node>`` on its command line)."""
+    import psutil
+
+    key = str(Path(temp_dir).resolve() / f"node-{node}")
+    out = []
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if p.info["name"] == "raylet" and any(key in part for part in cmd):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def kill_node(temp_dir: str, node: str) -> list[int]:
+    """SIGKILL the raylet of ``node``; its pids.
+
+    Raises:
+        SystemExit: no raylet of that node runs.
+    """
+    procs = raylet_of(temp_dir, node)
+    if not procs:
+        sys.exit(f"no raylet of node {node!r} runs under {temp_dir}")
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+    return [p.pid for p in procs]
+
+
+def rejoin(temp_dir: str, node: str, node_args: dict[str, Any], timeout_s: float = 120.0) -> None:
+    """Start the node again with the resources it had, once the cluster has marked the killed one dead.
+
+    Raises:
+        RuntimeError: the node could not join within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            local_ray.join(temp_dir, node_name=node, **node_args)
+            return
+        except ValueError:  # the killed node is still ALIVE to the GCS (its health check has not failed yet)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {node!r} still alive to the cluster {timeout_s:.0f}s after its raylet died")
+            time.sleep(2)
+
+
+def job_run_dir(state: dict[str, Any]) -> Path:
+    """The run directory of the last job's recipe: ``$PEAGLE_HOME/runs/<recipe name>`` (``settings.run_dir``)."""
+    from pipelines.cli.common import recipe_from_cli
+
+    return settings.run_dir(recipe_from_cli(Path(state["recipe"]["config"]), state["recipe"]["sets"]).name)
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    state = multi_gpu.load_state(opts.temp_dir)
+    node_args = (state.get("node_args") or {}).get(opts.node)
+    if node_args is None:
+        sys.exit(f"node {opts.node!r} is not among the nodes `bench.multi_gpu up` started: "
+                 f"{sorted(state.get('node_args') or {})}")
+    if not raylet_of(opts.temp_dir, opts.node):
+        sys.exit(f"node {opts.node!r} has no raylet running under {opts.temp_dir}")
+    submit = argparse.Namespace(temp_dir=opts.temp_dir, config=opts.config, set=opts.set, run_dir=None,
+                                id=f"{opts.stage}-fault-{int(time.time())}", git_sha=opts.git_sha,
+                                module=f"ray_jobs.{opts.stage}")
+    job_id = multi_gpu.submit(submit)
+    client = multi_gpu._jobs(multi_gpu.load_state(opts.temp_dir))
+    t0, seen, lines, last = time.monotonic(), 0, [], None
+    kill: dict[str, Any] | None = None
+    rejoined_s = None
+    status = None
+    while time.monotonic() - t0 < opts.timeout_s:
+        logs = client.get_job_logs(job_id).splitlines()
+        for line in logs[seen:]:
+            print(line, flush=True)
+            n = progress(line, opts.stage)
+            last = n if n is not None else last
+            if kill is not None and "[state-dump]" not in line:  # not the dead raylet's event-loop statistics
+                lines.append(f"[{time.monotonic() - t0:.0f}s] {line}")
+        seen = len(logs)
+        status = client.get_job_status(job_id)
+        if status.is_terminal():
+            break
+        now = time.monotonic() - t0
+        if kill is None and last is not None and last >= opts.kill_at:
+            kill = {"t_s": round(now, 1), "progress": last, "pids": kill_node(opts.temp_dir, opts.node)}
+            print(f"--- SIGKILL of node {opts.node}'s raylet {kill['pids']} at {last} ({now:.0f} s)", flush=True)
+        if kill is not None and rejoined_s is None and now - kill["t_s"] >= opts.down_s:
+            rejoin(opts.temp_dir, opts.node, node_args)
+            rejoined_s = round(time.monotonic() - t0, 1)
+            print(f"--- node {opts.node} joined again at {rejoined_s:.0f} s", flush=True)
+            lines.append(f"[{rejoined_s:.0f}s] --- node {opts.node} joined again")
+        time.sleep(opts.poll_s)
+    record_path = Path(opts.run_dir or job_run_dir(multi_gpu.load_state(opts.temp_dir))) / opts.stage / STAGE_FILE
+    record = json.loads(record_path.read_text()) if record_path.is_file() else None
+    if record is not None:
+        hist = (record.get("outputs") or {}).get("history")
+        if isinstance(hist, list) and len(hist) > 6:
+            record["outputs"]["history"] = hist[:3] + hist[-3:]
+    out = {"benchmark": "node_fault", "stage": opts.stage, "node": opts.node, "node_args": node_args,
+           "job": {"id": job_id, "status": status.value if status else None, "sets": opts.set,
+                   "seconds": round(time.monotonic() - t0, 1)},
+           "kill": kill, "down_s": opts.down_s, "rejoined_s": rejoined_s, "last_progress": last,
+           "log_after_kill": lines[-AFTER_KILL_LINES:], "stage_record": record, "note": opts.note,
+           "command": "python -m bench.node_fault " + " ".join(sys.argv[1:])}
+    from bench.common import write_result
+
+    print(f"wrote {write_result(opts.name, out)}: job {out['job']['status']}, kill {kill}, rejoined {rejoined_s}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--temp-dir", default=multi_gpu.DEFAULT_TEMP)
+    ap.add_argument("--stage", default="train", help="ray_jobs.<stage>, alone on the last job's run directory")
+    ap.add_argument("--node", default="b", help="the node whose raylet is SIGKILLed (not the head)")
+    ap.add_argument("--kill-at", type=int, default=10, help="SIGKILL once the stage's progress count reaches this")
+    ap.add_argument("--down-s", type=float, default=60.0, help="seconds until the node joins again")
+    ap.add_argument("--timeout-s", type=float, default=540.0)
+    ap.add_argument("--poll-s", type=float, default=2.0)
+    ap.add_argument("--config", default=None, help="the recipe (default: the last job's, with its --set overrides)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument("--run-dir", default=None, help="the run directory, where the cluster state does not name it")
+    ap.add_argument("--git-sha", default=None)
+    ap.add_argument("--name", default="node_fault_train")
+    ap.add_argument("--note", default="")
+    opts = ap.parse_args(argv)
+    if opts.node == multi_gpu.NODE_NAMES[0]:
+        ap.error(f"--node {opts.node}: the head's raylet takes the cluster with it; kill another node")
+    out = run(opts)
+    return 0 if out["job"]["status"] == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
