@@ -96,6 +96,14 @@ class DrafterSpec(Section):
         "them (no [V, H] gradient/optimizer state: much cheaper on CPU) and the head omits embed_tokens, so "
         "vLLM shares the target's; the mask token then keeps the target's embedding of mask_token_id.",
     )
+    init_layers_from_target: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None,
+        description="True: every drafter layer starts as the target layer that reads the deepest aux hidden state "
+        "(its attention, MLP and norms; layer 0's q/k/v on the hidden half of its [embedding, hidden] input, the "
+        "embedding half at 0), fc starts by passing that state through and the final norm is the target's "
+        "(pipelines.train.target_weights.init_drafter_layers_from_target). None or False: random layers (None "
+        "leaves the stage keys of earlier recipes unchanged). A warm-start head (training.init_from) overrides it.",
+    )
     norm_before_residual: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None,
         description="True: the first layer's residual is its normed hidden state (vLLM llama_eagle3.py's "

@@ -57,6 +57,7 @@ from pipelines.train.plan import (
 )
 from pipelines.train.target_weights import (
     init_drafter_from_target,
+    init_drafter_layers_from_target,
     load_target_embed,
     load_target_lm_head,
     load_target_tensor,
@@ -76,7 +77,7 @@ __all__ = [
     "Checkpointer", "DataPosition", "EpochRecord", "InitHead", "MlflowTracker", "OrderedCapture", "ShardedCheckpointer", "TrackingConfig", "TrainCallback", "TrainPlan",
     "TrainResult", "TrainRunResult", "TrainState", "Trainer", "WorkerConfig", "build_drafter", "build_optimizer", "build_scheduler",
     "chain_digest", "check_init_head", "epoch_file", "epoch_order", "estimate_steps_per_epoch", "fetch_init_head",
-    "init_drafter_from_target", "iter_packed_batches", "latest_checkpoint",
+    "init_drafter_from_target", "init_drafter_layers_from_target", "iter_packed_batches", "latest_checkpoint",
     "load_init_weights", "load_target_embed", "load_target_lm_head", "load_target_tensor", "lr_multiplier",
     "optimizer_digest", "plan_from_capture", "plan_from_conversations", "plan_from_tokenized", "resolve_init_from",
     "run_train", "total_steps",

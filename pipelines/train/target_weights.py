@@ -90,3 +90,62 @@ def init_drafter_from_target(drafter: Eagle3Drafter, embed: torch.Tensor, lm_hea
     drafter.embed_tokens.weight.copy_(embed.to(drafter.embed_tokens.weight.dtype))
     target_ids = torch.arange(cfg.draft_vocab_size, device=drafter.d2t.device) + drafter.d2t  # [Vd]
     drafter.lm_head.weight.copy_(lm_head[target_ids.cpu()].to(drafter.lm_head.weight.dtype))
+
+
+LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+"""The linear layers of a Llama decoder layer: the same names in the target (``model.layers.N.``) and the drafter."""
+
+
+@torch.no_grad()
+def init_drafter_layers_from_target(drafter: Eagle3Drafter, target_dir: str | os.PathLike) -> int:
+    """Start the drafter's layers from the target's (``drafter.init_layers_from_target``); the target layer's index.
+
+    The deepest aux hidden state is the input of target layer ``L = max(aux_layer_ids)`` (vLLM's convention), so
+    every drafter layer starts as layer ``L``: its q/k/v/o and MLP ``[out, in]`` weights and its two RMSNorms.
+    Layer 0 reads ``[input_layernorm(embedding), hidden_norm(hidden)]`` (``[.., 2H]``): the target's q/k/v go to
+    the hidden half (columns ``H:2H``), the embedding half starts at 0, and ``hidden_norm`` is the target's
+    ``input_layernorm``. ``fc`` (``[H, 3*Ht]``) starts as the identity on the deepest aux block (so at step 0 layer
+    0 sees what target layer ``L`` sees) and the final ``norm`` as the target's ``model.norm``. Call after
+    :func:`init_drafter_from_target` (embeddings, lm_head) and before a warm start.
+
+    Why: a drafter trained on little data overfits (the CPU demo's head: 0.81 top-1 on its training batches, 0.31
+    acceptance at position 1); starting from the target's own layer puts the features in place at step 0.
+
+    Raises:
+        ValueError: the target's layer shapes do not fit the drafter (hidden size, heads, intermediate size), or
+            a tensor is missing from the target's safetensors.
+    """
+    cfg = drafter.config
+    H = cfg.hidden_size
+    if cfg.target_hidden_size != H:
+        raise ValueError(f"target hidden size {cfg.target_hidden_size} != drafter hidden size {H}: the target's "
+                         "layers cannot seed this drafter")
+    layer = max(cfg.aux_layer_ids)
+
+    def target(name: str) -> torch.Tensor:
+        return load_target_tensor(target_dir, [f"model.layers.{layer}.{name}.weight"])[1]
+
+    for i, dl in enumerate(drafter.layers):
+        for name in LAYER_LINEARS:
+            w, mine = target(name), dl.get_submodule(name).weight
+            if i == 0 and name.endswith(("q_proj", "k_proj", "v_proj")):
+                want = (w.shape[0], 2 * w.shape[1])
+                if tuple(mine.shape) != want:
+                    raise ValueError(f"drafter layer 0 {name} is {tuple(mine.shape)}, target layer {layer}'s gives {want}")
+                mine.zero_()
+                mine[:, H:].copy_(w.to(mine.dtype))
+            else:
+                if mine.shape != w.shape:
+                    raise ValueError(f"drafter layer {i} {name} is {tuple(mine.shape)}, target layer {layer}'s "
+                                     f"{tuple(w.shape)}")
+                mine.copy_(w.to(mine.dtype))
+        dl.input_layernorm.weight.copy_(target("input_layernorm"))
+        dl.post_attention_layernorm.weight.copy_(target("post_attention_layernorm"))
+        if i == 0:
+            dl.hidden_norm.weight.copy_(target("input_layernorm"))
+    drafter.norm.weight.copy_(load_target_tensor(target_dir, ["model.norm.weight"])[1])
+    block = cfg.aux_layer_ids.index(layer)  # fc's input is the aux states in aux_layer_ids order
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, block * H:(block + 1) * H].copy_(torch.eye(H, dtype=drafter.fc.weight.dtype))
+    return layer

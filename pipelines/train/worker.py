@@ -58,7 +58,12 @@ from pipelines.train.order import (
     write_epoch_summary,
 )
 from pipelines.train.plan import TrainPlan
-from pipelines.train.target_weights import init_drafter_from_target, load_target_embed, load_target_lm_head
+from pipelines.train.target_weights import (
+    init_drafter_from_target,
+    init_drafter_layers_from_target,
+    load_target_embed,
+    load_target_lm_head,
+)
 from pipelines.train.tracking import MlflowTracker, TrackingConfig, progress_logger
 from pipelines.train.warm_start import load_init_weights
 
@@ -86,14 +91,16 @@ class WorkerConfig:
 
 
 def build_drafter(plan: TrainPlan) -> tuple[Eagle3Drafter, torch.Tensor]:
-    """The drafter of ``plan`` on CPU (vocabulary mapping installed, initialized from the target, then from
-    the warm-start head ``plan.init_head`` if any, ``embed_tokens`` frozen unless
+    """The drafter of ``plan`` on CPU (vocabulary mapping installed, initialized from the target (its layers too
+    with ``drafter.init_layers_from_target``), then from the warm-start head ``plan.init_head`` if any, ``embed_tokens`` frozen unless
     ``drafter.train_embed_tokens``) and the target's ``lm_head [V, Ht]``."""
     drafter = Eagle3Drafter(plan.drafter)
     if plan.d2t is not None:
         drafter.set_vocab_mapping(plan.d2t, plan.t2d)
     lm_head = load_target_lm_head(plan.target_dir)
     init_drafter_from_target(drafter, load_target_embed(plan.target_dir), lm_head)
+    if plan.drafter_spec.init_layers_from_target:
+        init_drafter_layers_from_target(drafter, plan.target_dir)
     if plan.init_head is not None:  # every weight the head has; the optimizer and schedule start fresh
         load_init_weights(drafter, plan.init_head, train_embed_tokens=plan.drafter_spec.train_embed_tokens)
     if not plan.drafter_spec.train_embed_tokens:

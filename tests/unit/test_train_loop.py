@@ -16,6 +16,7 @@ from peagle_core.vocab import count_token_ids, vocab_mapping_from_counts
 from pipelines import train as T
 from pipelines.capture import count_assistant_tokens
 from pipelines.recipe import DrafterSpec, TargetConfig, TrainingConfig
+from pipelines.train.target_weights import LAYER_LINEARS
 from tests.unit.conftest import plan_without_data
 
 from .conftest import HIDDEN, MASK_ID, VOCAB, tiny_target_config
@@ -476,3 +477,31 @@ def test_ordered_capture_resume_trains_the_same_sample_ids(capture_dir, tmp_path
     # resumed mid-epoch: the first sample read is the first one not trained, nothing before it is read
     planned = T.epoch_order(recording.reader.sample_ids, seed=0, epoch=pos["epoch"])
     assert recording.read_ids[0] == planned[pos["samples_consumed"]]
+
+
+def test_drafter_layers_start_as_the_target_layer_that_reads_the_deepest_aux_state(tmp_path, tiny_target):
+    """drafter.init_layers_from_target: every layer gets target layer max(aux_layer_ids)'s weights (layer 0's
+    q/k/v on the hidden half, 0 on the embedding half), fc passes the deepest aux state through, the final norm is
+    the target's; a drafter of another width is refused."""
+    tiny_target.save_pretrained(tmp_path, safe_serialization=True)
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(tiny_target_config(), num_hidden_layers=2, mask_token_id=MASK_ID))
+    cfg, sd = drafter.config, tiny_target.state_dict()
+    L = max(cfg.aux_layer_ids)
+    assert T.init_drafter_layers_from_target(drafter, tmp_path) == L
+    for i, dl in enumerate(drafter.layers):
+        for name in LAYER_LINEARS:
+            w, mine = sd[f"model.layers.{L}.{name}.weight"], dl.get_submodule(name).weight
+            if i == 0 and name.endswith(("q_proj", "k_proj", "v_proj")):
+                assert torch.equal(mine[:, HIDDEN:], w) and not mine[:, :HIDDEN].any()
+            else:
+                assert torch.equal(mine, w)
+        assert torch.equal(dl.post_attention_layernorm.weight, sd[f"model.layers.{L}.post_attention_layernorm.weight"])
+    assert torch.equal(drafter.layers[0].hidden_norm.weight, sd[f"model.layers.{L}.input_layernorm.weight"])
+    assert torch.equal(drafter.norm.weight, sd["model.norm.weight"])
+    aux = [torch.randn(3, HIDDEN) for _ in cfg.aux_layer_ids]
+    assert torch.allclose(drafter.fc(torch.cat(aux, dim=-1)), aux[cfg.aux_layer_ids.index(L)])
+    wide = Eagle3Drafter(DrafterConfig.from_target(tiny_target_config(hidden_size=2 * HIDDEN), num_hidden_layers=1,
+                                                    mask_token_id=MASK_ID))
+    with pytest.raises(ValueError, match="cannot seed|is \\("):
+        T.init_drafter_layers_from_target(wide, tmp_path)
