@@ -71,6 +71,7 @@ QUESTIONS = [
         report_scale.deep_positions,
         report_decode.gpu_recipe,
         report_decode.demo_sweep,
+        report_decode.demo_cpu_sweep,
         report_data.shifted_traffic,
     ]),
     Question("How do they compare with speculators?", (

@@ -35,10 +35,10 @@ KEYS = {
     "smollm2-135m-cpu.yaml": {
         "regenerate": "e1b4e92a9c07429b1acaae8fafab7abfa645110ef72d4cc0963b078e7d54f721",
         "capture": "2d4750e2ac4c9e4499b8aceab0af8f93cc656c2de7a371105a84856c72dbc73c",
-        "train": "e3e6068d5606fb133e0e95471a3b643555c589b365517a1f8c021fcf30687d69",
-        "evaluate": "f56d600c5f062120a0168644d91875b4bb1909c6e130024c1c6e65794fee8679",
-        "register": "462cba7a7487610ca4943d81eb1938360df644e6f11170ceba33f8242807f429",
-        "serve": "142af56201ba6dda8bc1355d3de67a76c109e096af95a1b61782fdc4660b4eb5",
+        "train": "86f89a2325281dd52efe1c050fa56128631fd6a3010d8aac27cf4dafd567ab5e",
+        "evaluate": "5c2258fef19b291e2c96401d9a41ec5f7e8321be6eb3538e78b6be99aa1cf8b7",
+        "register": "d3fdfafa006da3412c7fc038dd78c1a64bb9745c51b2dbe0e884647841dea4d4",
+        "serve": "2663f9560d199eb963613903ae1c4d9d38237ea7df55e545645f0a174ec1e55b",
     },
     "smollm2-135m-gpu.yaml": {
         "regenerate": "92bf454e78435fc66b56d2e625c03efd3d0d1629b778519babf792fe338340a3",
