@@ -281,7 +281,8 @@ torch 2.11; ``bench/results/serve_autoscale*.json``, the replica logs of 2026-11
   ``~/.cache/vllm/torch_compile_cache/torch_aot_compile`` and died on their first Triton launch (inductor's static
   CUDA launcher: ``CUDA driver error: invalid argument`` in ``profile_run``), so autoscaling never got past one
   replica; a replacement for a SIGKILLed replica (likely on the freed GPU) did start from the cache. Cost: each new
-  replica compiles (~1-2 min for SmolLM2 with its head). Not yet measured on a GPU with this setting.
+  replica compiles, as the first did (156 s from its start to a ready engine for SmolLM2 with its head, run 3). Not
+  yet run on a GPU with this setting.
 * ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: vLLM's classic Ray executor: each engine takes a random free TCPStore
   port. Under the default ``RayExecutorV2`` a replica also died on ``EADDRINUSE``: every engine with data-parallel
   rank 0 searches the same port window (``master_port + 100``, ``ray_executor_v2._select_tcpstore_port``).
