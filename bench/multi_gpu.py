@@ -27,6 +27,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def submit(opts: argparse.Namespace) -> str:
     return job_id
 
 
-def _jobs(state: dict[str, Any]):
+def job_client(state: dict[str, Any]):
     """Ray's job SDK against the recorded head (its token from the recorded client environment; call before
     anything imports Ray)."""
     os.environ.update(state["client_env"])
@@ -141,28 +142,39 @@ def wait(opts: argparse.Namespace) -> int:
     """Follow the job's log (new lines only) until it ends or ``--timeout-s`` passes: 0 succeeded, 1 failed or
     stopped, 3 still running."""
     state = load_state(opts.temp_dir)
-    client = _jobs(state)  # before Ray is imported: it reads the token variables once
-    from ray.job_submission import JobStatus
-
+    client = job_client(state)  # before Ray is imported: it reads the token variables once
     job_id = state["job_id"]
-    status, state["log_lines_seen"] = _follow(client, job_id, int(state.get("log_lines_seen", 0)), opts)
+    status, state["log_lines_seen"] = follow_job(client, job_id, int(state.get("log_lines_seen", 0)), opts)
     save_state(opts.temp_dir, state)
     print(f"job {job_id}: {status.value} ({time.time() - state['submitted_at']:.0f} s since submission)", flush=True)
+    return exit_code(status)
+
+
+def exit_code(status) -> int:
+    """A followed job's exit status for the shell: 0 succeeded, 1 failed or stopped, 3 still running."""
+    from ray.job_submission import JobStatus
+
     return 0 if status == JobStatus.SUCCEEDED else 1 if status.is_terminal() else 3
 
 
-def _follow(client, job_id: str, seen: int, opts: argparse.Namespace):
+def follow_job(client, job_id: str, seen: int, opts: argparse.Namespace, *,
+               on_line: Callable[[str], None] | None = None, on_poll: Callable[[], None] | None = None):
     """Print the job's new log lines every ``opts.poll_s`` until it ends or ``opts.timeout_s`` passes; its last
-    status and the number of log lines seen."""
+    status and the number of log lines seen. ``on_line`` sees each new line; ``on_poll`` runs after every poll
+    that found the job still running (e.g. ``bench.node_fault``'s kill and rejoin)."""
     deadline = time.monotonic() + opts.timeout_s
     while True:
         logs = client.get_job_logs(job_id).splitlines()
         for line in logs[seen:]:
             print(line, flush=True)
+            if on_line is not None:
+                on_line(line)
         seen = max(seen, len(logs))
         status = client.get_job_status(job_id)
         if status.is_terminal() or time.monotonic() > deadline:
             return status, seen
+        if on_poll is not None:
+            on_poll()
         time.sleep(opts.poll_s)
 
 
@@ -171,18 +183,15 @@ def gpu_run(opts: argparse.Namespace) -> int:
     its ``CUDA_VISIBLE_DEVICES`` and gives that GPU to nothing else), e.g. a one-GPU benchmark beside Serve
     replicas that use the other GPUs; the job state of ``submit``/``wait`` is left alone. Follows the job to its
     end (or ``--timeout-s``): 0 succeeded, 1 failed or stopped, 3 still running."""
-    state = load_state(opts.temp_dir)
-    client = _jobs(state)
-    from ray.job_submission import JobStatus
-
+    client = job_client(load_state(opts.temp_dir))
     runtime_env = local_ray.job_runtime_env() | {"working_dir": "."}
     runtime_env["env_vars"] |= {k: os.environ[k] for k in opts.pass_env if k in os.environ}
     job_id = client.submit_job(entrypoint=shlex.join(opts.command), runtime_env=runtime_env,
                                entrypoint_num_gpus=opts.num_gpus, submission_id=f"gpu-run-{int(time.time())}")
     print(f"submitted {job_id} ({opts.num_gpus} GPU): {shlex.join(opts.command)}", flush=True)
-    status, _ = _follow(client, job_id, 0, opts)
+    status, _ = follow_job(client, job_id, 0, opts)
     print(f"job {job_id}: {status.value}", flush=True)
-    return 0 if status == JobStatus.SUCCEEDED else 1 if status.is_terminal() else 3
+    return exit_code(status)
 
 
 def record(opts: argparse.Namespace) -> Path:
@@ -196,10 +205,8 @@ def record(opts: argparse.Namespace) -> Path:
     stages = {p.parent.name: json.loads(p.read_text()) for p in sorted(run.glob(f"*/{STAGE_FILE}"))}
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else \
         summary_of_failed_job(run, stages, opts.failure)
-    for rec in stages.values():  # the training history is long: keep its first and last logged windows
-        hist = rec.get("outputs", {}).get("history")
-        if isinstance(hist, list) and len(hist) > 6:
-            rec["outputs"]["history"] = hist[:3] + hist[-3:]
+    for rec in stages.values():
+        trim_history(rec)
     payload = {"benchmark": "multi_gpu_pipeline", "summary": summary, "stage_records": stages,
                "cluster": {k: state[k] for k in ("nodes", "gpus_per_node", "cpus_per_node", "mlflow_uri")},
                "job": {k: state.get(k) for k in ("job_id", "config", "sets", "entrypoint")},
@@ -209,6 +216,14 @@ def record(opts: argparse.Namespace) -> Path:
     path = write_result(opts.name, payload)
     print(f"wrote {path}")
     return path
+
+
+def trim_history(record: dict[str, Any]) -> dict[str, Any]:
+    """A stage record with a long training ``history`` cut to its first and last three logged windows (in place)."""
+    hist = (record.get("outputs") or {}).get("history")
+    if isinstance(hist, list) and len(hist) > 6:
+        record["outputs"]["history"] = hist[:3] + hist[-3:]
+    return record
 
 
 def summary_of_failed_job(run: Path, stages: dict[str, dict], failure: str | None) -> dict[str, Any]:

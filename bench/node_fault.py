@@ -106,23 +106,21 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                                 id=f"{opts.stage}-fault-{int(time.time())}", git_sha=opts.git_sha,
                                 module=f"ray_jobs.{opts.stage}")
     job_id = multi_gpu.submit(submit)
-    client = multi_gpu._jobs(multi_gpu.load_state(opts.temp_dir))
-    t0, seen, lines, last = time.monotonic(), 0, [], None
+    client = multi_gpu.job_client(multi_gpu.load_state(opts.temp_dir))
+    t0, lines = time.monotonic(), []
+    last: int | None = None
     kill: dict[str, Any] | None = None
-    rejoined_s = None
-    status = None
-    while time.monotonic() - t0 < opts.timeout_s:
-        logs = client.get_job_logs(job_id).splitlines()
-        for line in logs[seen:]:
-            print(line, flush=True)
-            n = progress(line, opts.stage)
-            last = n if n is not None else last
-            if kill is not None and "[state-dump]" not in line:  # not the dead raylet's event-loop statistics
-                lines.append(f"[{time.monotonic() - t0:.0f}s] {line}")
-        seen = len(logs)
-        status = client.get_job_status(job_id)
-        if status.is_terminal():
-            break
+    rejoined_s: float | None = None
+
+    def on_line(line: str) -> None:
+        nonlocal last
+        n = progress(line, opts.stage)
+        last = n if n is not None else last
+        if kill is not None and "[state-dump]" not in line:  # not the dead raylet's event-loop statistics
+            lines.append(f"[{time.monotonic() - t0:.0f}s] {line}")
+
+    def on_poll() -> None:
+        nonlocal kill, rejoined_s
         now = time.monotonic() - t0
         if kill is None and last is not None and last >= opts.kill_at:
             kill = {"t_s": round(now, 1), "progress": last, "pids": kill_node(opts.temp_dir, opts.node)}
@@ -132,15 +130,12 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             rejoined_s = round(time.monotonic() - t0, 1)
             print(f"--- node {opts.node} joined again at {rejoined_s:.0f} s", flush=True)
             lines.append(f"[{rejoined_s:.0f}s] --- node {opts.node} joined again")
-        time.sleep(opts.poll_s)
+
+    status, _ = multi_gpu.follow_job(client, job_id, 0, opts, on_line=on_line, on_poll=on_poll)
     record_path = Path(opts.run_dir or job_run_dir(multi_gpu.load_state(opts.temp_dir))) / opts.stage / STAGE_FILE
-    record = json.loads(record_path.read_text()) if record_path.is_file() else None
-    if record is not None:
-        hist = (record.get("outputs") or {}).get("history")
-        if isinstance(hist, list) and len(hist) > 6:
-            record["outputs"]["history"] = hist[:3] + hist[-3:]
+    record = multi_gpu.trim_history(json.loads(record_path.read_text())) if record_path.is_file() else None
     out = {"benchmark": "node_fault", "stage": opts.stage, "node": opts.node, "node_args": node_args,
-           "job": {"id": job_id, "status": status.value if status else None, "sets": opts.set,
+           "job": {"id": job_id, "status": status.value, "sets": opts.set,
                    "seconds": round(time.monotonic() - t0, 1)},
            "kill": kill, "down_s": opts.down_s, "rejoined_s": rejoined_s, "last_progress": last,
            "log_after_kill": lines[-AFTER_KILL_LINES:], "stage_record": record, "note": opts.note,

@@ -122,13 +122,11 @@ def init_drafter_layers_from_target(drafter: Eagle3Drafter, target_dir: str | os
         raise ValueError(f"target hidden size {cfg.target_hidden_size} != drafter hidden size {H}: the target's "
                          "layers cannot seed this drafter")
     layer = max(cfg.aux_layer_ids)
-
-    def target(name: str) -> torch.Tensor:
-        return load_target_tensor(target_dir, [f"model.layers.{layer}.{name}.weight"])[1]
-
+    target = {name: load_target_tensor(target_dir, [f"model.layers.{layer}.{name}.weight"])[1]  # read once
+              for name in (*LAYER_LINEARS, "input_layernorm", "post_attention_layernorm")}
     for i, dl in enumerate(drafter.layers):
         for name in LAYER_LINEARS:
-            w, mine = target(name), dl.get_submodule(name).weight
+            w, mine = target[name], dl.get_submodule(name).weight
             if i == 0 and name.endswith(("q_proj", "k_proj", "v_proj")):
                 want = (w.shape[0], 2 * w.shape[1])
                 if tuple(mine.shape) != want:
@@ -140,10 +138,10 @@ def init_drafter_layers_from_target(drafter: Eagle3Drafter, target_dir: str | os
                     raise ValueError(f"drafter layer {i} {name} is {tuple(mine.shape)}, target layer {layer}'s "
                                      f"{tuple(w.shape)}")
                 mine.copy_(w.to(mine.dtype))
-        dl.input_layernorm.weight.copy_(target("input_layernorm"))
-        dl.post_attention_layernorm.weight.copy_(target("post_attention_layernorm"))
+        dl.input_layernorm.weight.copy_(target["input_layernorm"])
+        dl.post_attention_layernorm.weight.copy_(target["post_attention_layernorm"])
         if i == 0:
-            dl.hidden_norm.weight.copy_(target("input_layernorm"))
+            dl.hidden_norm.weight.copy_(target["input_layernorm"])
     drafter.norm.weight.copy_(load_target_tensor(target_dir, ["model.norm.weight"])[1])
     block = cfg.aux_layer_ids.index(layer)  # fc's input is the aux states in aux_layer_ids order
     drafter.fc.weight.zero_()
