@@ -5,12 +5,14 @@
 #   up [GPUS_PER_NODE]     MLflow server + Ray head "a" (GPUs 0..g-1) + raylet "b" (GPUs g..2g-1), then submit
 #                          the job (configs/smollm2-135m-4gpu.yaml with the carried prompt files) and follow it;
 #                          NODES=1 up 4: one Ray node of 4 GPUs (GPU Serve replicas on a second raylet of the same
-#                          host fail in vLLM's Ray executor: pipelines.serve.shared_host_raylets)
+#                          host fail in vLLM's Ray executor: pipelines.serve.shared_host_raylets); with ALSO="CMD
+#                          ARGS" that command first takes a GPU of its own (as in `roll`), the job the others
 #   wait [SECONDS]         follow the job (<= 540 s a call); prints "job ... SUCCEEDED" when done
 #   record                 the job's summary and stage records -> $OUT/r/multi_gpu_pipeline.json
 #   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json,
 #                          its output -> $OUT/load.log, then what `logs` collects; default 1 -> 32 -> 64 clients,
-#                          one replica SIGKILLed at 64 once 4 run, 45 s idle watch
+#                          one replica SIGKILLed at 64 once 4 run, 45 s idle watch; ROLL_AT=C adds `roll`'s roll
+#                          ROLL_AFTER_S (30) seconds into level C
 #   roll [LEVEL]           a blue/green roll under load: C clients (default 8:360) while the champion's files are
 #                          registered as a new champion and the serve stage is submitted alone (it rolls to it)
 #                          -> $OUT/r/serve_rollout.json (output: $OUT/roll.log); with ALSO="CMD ARGS" that command
@@ -52,6 +54,14 @@ cluster_env() {  # the ray CLI's address and token, and GCS: the cluster's GCS a
   eval "$(python3 -m pipelines.local_ray env --temp-dir $TEMP)"
   GCS=$(python3 -c "import json; print(json.load(open('$TEMP/multi_gpu.json'))['gcs_address'])")
 }
+# the roll: the champion's files registered as a new champion, then the serve stage alone (it rolls the gateway)
+ROLL_CMD="$M new-champion --run-dir $RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha \
+${GIT_SHA:-unknown} && $M wait --timeout-s 400"
+also() {  # ALSO="CMD ARGS": a one-GPU command as a Ray job holding a GPU nothing else may take, in the background
+  [ -n "${ALSO:-}" ] || return 0
+  $M gpu-run --timeout-s $((560 - (SECONDS - T0))) -- $ALSO > "$OUT/also.log" 2>&1 &
+  sleep 5
+}
 logs() {  # what a stuck or failed replica left -> $OUT/state.txt, $OUT/logs.tar.xz
   cluster_env
   { ray status --address "$GCS"; serve status; nvidia-smi; } > "$OUT/state.txt" 2>&1
@@ -67,11 +77,13 @@ case "$STEP" in
     nvidia-smi -L
     setsid -w $M up --nodes "${NODES:-2}" --gpus-per-node "$G" --cpus-per-node 24 \
       || exit 1
+    also  # before the job: the command's GPU is taken first (the job's recipe must then leave one GPU free)
     $M submit --config configs/smollm2-135m-4gpu.yaml --id peagle-4gpu \
       --git-sha "${GIT_SHA:-unknown}" \
       --set "data.sources=[{kind: openai_jsonl, path: $HOME/keep/sharegpt.jsonl}]" \
       --set "evaluation.sources=[{kind: openai_jsonl, path: $HOME/keep/humaneval.jsonl}]" "${@:2}" || exit 1
     $M wait --timeout-s $((560 - (SECONDS - T0)))
+    [ -f "$OUT/also.log" ] && tail -30 "$OUT/also.log"
     ;;
   wait)
     $M wait --timeout-s "${1:-540}"
@@ -84,13 +96,12 @@ case "$STEP" in
     cluster_env
     if [ "$STEP" = load ]; then
       ARGS=(--levels "${1:-1:20,32:150,64:120}" --idle-s 45 --kill-replica-at 64 "${@:2}")
+      # ROLL_AT=C: the blue/green roll of `roll` during level C of this ramp (one call for both)
+      [ -n "${ROLL_AT:-}" ] && ARGS+=(--roll-at "$ROLL_AT" --roll-cmd "$ROLL_CMD" --roll-after-s "${ROLL_AFTER_S:-30}")
     else
       L=${1:-8:360}
-      ARGS=(--levels "$L" --idle-s 5 --name serve_rollout --roll-at "${L%%:*}" --roll-cmd "$M new-champion --run-dir \
-$RUN && $M submit --module ray_jobs.serve --id roll-\$(date +%s) --git-sha ${GIT_SHA:-unknown} && $M wait \
---timeout-s 400" "${@:2}")
-      # ALSO="CMD ARGS": a one-GPU command beside the roll, as a Ray job holding a GPU Serve cannot take
-      [ -n "${ALSO:-}" ] && { $M gpu-run --timeout-s $((560 - (SECONDS - T0))) -- $ALSO > "$OUT/also.log" 2>&1 & }
+      ARGS=(--levels "$L" --idle-s 5 --name serve_rollout --roll-at "${L%%:*}" --roll-cmd "$ROLL_CMD" "${@:2}")
+      also
     fi
     RAY_ADDRESS=$GCS timeout $((570 - (SECONDS - T0))) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
       --model smollm2-135m-instruct --max-replicas 4 "${ARGS[@]}" > "$OUT/$STEP.log" 2>&1
