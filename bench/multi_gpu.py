@@ -186,6 +186,9 @@ def gpu_run(opts: argparse.Namespace) -> int:
     client = job_client(load_state(opts.temp_dir))
     runtime_env = local_ray.job_runtime_env() | {"working_dir": "."}
     runtime_env["env_vars"] |= {k: os.environ[k] for k in opts.pass_env if k in os.environ}
+    # its own $OUT: the raylet's is that of the device call that started Ray, shared by every later call (a
+    # device script's `save` in the job copied the job's whole fresh checkout of bench/results there)
+    runtime_env["env_vars"]["OUT"] = str(Path(opts.temp_dir) / f"gpu-run-out-{int(time.time())}")
     job_id = client.submit_job(entrypoint=shlex.join(opts.command), runtime_env=runtime_env,
                                entrypoint_num_gpus=opts.num_gpus, submission_id=f"gpu-run-{int(time.time())}")
     print(f"submitted {job_id} ({opts.num_gpus} GPU): {shlex.join(opts.command)}", flush=True)
