@@ -392,13 +392,15 @@ def resolve_backend(args: dict[str, Any] | ServeAppArgs) -> Backend:
                    digest=hashlib.sha256(content.encode()).hexdigest())
 
 
-def build_ingress(backend: Backend, *, server=None, route: dict[str, Any] | None = None):
+def build_ingress(backend: Backend, *, server=None, route: dict[str, Any] | None = None,
+                  runtime_env: dict[str, Any] | None = None):
     """The ingress deployment (:class:`pipelines.serve.gateway.PeagleIngress` behind
     :class:`~pipelines.serve.ingress.RequestGuard` and, when configured, the traffic log), bound.
 
     Exactly one of: ``server`` (the bound ``LLMServer`` app: one complete app) or ``route`` (a gateway:
     :class:`pipelines.serve.gateway.Route` as a dict, applied as ``user_config`` under the fixed deployment
-    ``version`` :func:`gateway_version`, so a later route is switched in place).
+    ``version`` :func:`gateway_version`, so a later route is switched in place). ``runtime_env``: the replicas'
+    (``ray_actor_options``); None = the deploying job's (Serve's default).
     """
     from ray import serve
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
@@ -425,7 +427,8 @@ def build_ingress(backend: Backend, *, server=None, route: dict[str, Any] | None
         "autoscaling_config": {"min_replicas": 1, "max_replicas": args.ingress_max_replicas,
                                "target_ongoing_requests": max(1, args.ingress_max_ongoing_requests // 2)},
         "max_ongoing_requests": args.ingress_max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": args.ingress_num_cpus},
+        "ray_actor_options": {"num_cpus": args.ingress_num_cpus,
+                              **({"runtime_env": runtime_env} if runtime_env is not None else {})},
     }
     if route is not None:
         # Ray 2.60 took ``version`` out of the public options (declarative apps get it from a hash of

@@ -12,9 +12,13 @@ Apps on the Serve cluster::
 1. deploy the new backend app beside the old one (two vLLM replicas for a while);
 2. wait until it is RUNNING and answers one chat request through its own handle (else: delete it, keep
    the old one, raise :class:`RolloutError`);
-3. switch the gateway to it in place: the same gateway deployment ``version`` with a new ``user_config``
-   (:class:`pipelines.serve.gateway.Route`), which Ray Serve applies by calling ``reconfigure`` on the
-   running gateway replica (no restart); wait until the gateway reports it;
+3. switch the gateway to it in place: the same gateway deployment ``version`` and ``runtime_env`` with a new
+   ``user_config`` (:class:`pipelines.serve.gateway.Route`), which Ray Serve applies by calling ``reconfigure``
+   on the running gateway replica (no restart); wait until the gateway reports it. The ``runtime_env`` is the
+   one the running gateway was deployed with (:func:`gateway_runtime_env`): Serve gives a deployment without
+   one the ``runtime_env`` of the job that deploys it, and that is part of a replica's identity, so a roll
+   from another Ray job (another working_dir package) would restart the gateway (a 4x H200 roll did: ~26 s
+   with no gateway replica, requests waiting; ``bench/results/serve_autoscale_run4.json``);
 4. wait until the gateway has no request in flight on the old backend (streams included), then delete the
    old backend app.
 
@@ -112,7 +116,9 @@ def roll(args, *, ready_timeout_s: float = 900.0, drain_timeout_s: float = 600.0
         return RollResult(backend=name, previous=None, changed=False, served=backend.served,
                           seconds=time.monotonic() - t0)
     deployment = _deploy_backend(backend, ready_timeout_s=ready_timeout_s, poll_s=poll_s)
-    _route_gateway(backend, deployment, timeout_s=ready_timeout_s, poll_s=poll_s)
+    same_code = state is not None and state["version"] == gateway_version(backend.args, backend.model_id)
+    runtime_env = (gateway_runtime_env() if same_code else None) or job_runtime_env()
+    _route_gateway(backend, deployment, runtime_env=runtime_env, timeout_s=ready_timeout_s, poll_s=poll_s)
     drained = True
     stale = [n for n in backend_apps() if n != name]  # the old backend, and any a failed run left behind
     if previous in stale:
@@ -236,9 +242,36 @@ def _probe(handle, model_id: str) -> None:
         raise RuntimeError(f"probe answer: {str(first)[:500]}")
 
 
-def _route_gateway(backend, deployment: str, *, timeout_s: float, poll_s: float) -> None:
-    """Deploy the gateway with the route to ``backend`` (in place when its version is unchanged) and wait
-    until it reports that backend.
+def job_runtime_env() -> dict[str, Any]:
+    """The ``runtime_env`` Serve would give a deployment of this job (the job's own), with a ``working_dir``
+    key even when it has none (None): Serve fills a missing ``working_dir`` of an explicit ``runtime_env``
+    from the deploying job's, so without the key a later roll from a job with a working_dir would change
+    the gateway's ``runtime_env`` (and restart it)."""
+    import ray
+
+    return {"working_dir": None} | dict(ray.get_runtime_context().runtime_env)
+
+
+def gateway_runtime_env() -> dict[str, Any] | None:
+    """The ``runtime_env`` of the running gateway deployment's replicas as Serve stored it (from
+    :func:`job_runtime_env` of the job that deployed it), or None when there is no gateway app or none was
+    stored. Read from Serve's controller (``get_serve_details``, the data of ``serve status``)."""
+    from ray.serve.context import _get_global_client
+
+    try:
+        app = _get_global_client().get_serve_details()["applications"].get(settings.SERVE_APP_NAME) or {}
+        (deployment,) = app.get("deployments", {}).values()  # a gateway app holds only its ingress
+        return deployment["deployment_config"]["ray_actor_options"].get("runtime_env") or None
+    except Exception as e:  # noqa: BLE001 - no gateway, or details Serve no longer gives: Serve's default then
+        log.debug("no gateway runtime_env: %s", e)
+        return None
+
+
+def _route_gateway(backend, deployment: str, *, runtime_env: dict[str, Any] | None, timeout_s: float,
+                   poll_s: float) -> None:
+    """Deploy the gateway with the route to ``backend`` (in place when its version and ``runtime_env`` are
+    those of the running gateway; None = the deploying job's, Serve's default) and wait until it reports that
+    backend.
 
     Raises:
         RolloutError: the gateway did not take the route within ``timeout_s``.
@@ -252,7 +285,7 @@ def _route_gateway(backend, deployment: str, *, timeout_s: float, poll_s: float)
     route = Route(app=backend.app_name, deployment=deployment,
                   model_card=to_model_metadata(backend.model_id, backend.llm_config).model_dump(mode="json"),
                   served=backend.served)
-    serve.run_many([serve.RunTarget(build_ingress(backend, route=route.model_dump()), name=settings.SERVE_APP_NAME,
+    serve.run_many([serve.RunTarget(build_ingress(backend, route=route.model_dump(), runtime_env=runtime_env), name=settings.SERVE_APP_NAME,
                                     route_prefix="/")],
                    wait_for_ingress_deployment_creation=True, wait_for_applications_running=True)
     deadline = time.monotonic() + timeout_s
@@ -281,4 +314,5 @@ def _drain(app: str, *, timeout_s: float, poll_s: float) -> bool:
     return False
 
 
-__all__ = ["RollResult", "RolloutError", "app_statuses", "backend_apps", "gateway_state", "roll"]
+__all__ = ["RollResult", "RolloutError", "app_statuses", "backend_apps", "gateway_runtime_env", "gateway_state",
+           "job_runtime_env", "roll"]

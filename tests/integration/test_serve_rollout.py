@@ -11,6 +11,8 @@ longest gap between answers (``MAX_GAP_S``).
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,15 +55,45 @@ def rollout_args(registry, log_dir):  # noqa: F811
                       engine_kwargs={"max_model_len": 1024, "gpu_memory_utilization": 0.1, "enforce_eager": True})
 
 
-def roll_under_load(url: str, args, *, expect_error: type[BaseException] | None = None):
-    """Clients send requests while ``roll(args)`` runs and for AFTER_ROLL_S after; returns (roll result or
-    the raised error, results, monotonic time the roll returned)."""
+# A roll from another Ray job (the serve stage of a later `ray job submit`): its own driver, with a runtime_env
+# unlike the one the gateway was deployed from (Serve gives a deployment without one its job's).
+ROLL_JOB = """
+import dataclasses, json, sys
+import ray
+ray.init(address=sys.argv[1], runtime_env={"env_vars": {"PEAGLE_TEST_ROLL_JOB": "1"}}, logging_level="ERROR")
+from pipelines.serve import ServeAppArgs
+from pipelines.serve.rollout import roll
+result = roll(ServeAppArgs.model_validate_json(open(sys.argv[2]).read()), ready_timeout_s=600)
+print("ROLL " + json.dumps(dataclasses.asdict(result)))
+"""
+
+
+def roll_in_another_job(args, tmp: Path):
+    """``roll(args)`` in a driver of its own (:data:`ROLL_JOB`); its :class:`RollResult`."""
+    import ray
+
+    from pipelines.serve.rollout import RollResult
+
+    (tmp / "args.json").write_text(args.model_dump_json())
+    out = subprocess.run([sys.executable, "-c", ROLL_JOB, ray.get_runtime_context().gcs_address,
+                          str(tmp / "args.json")], capture_output=True, text=True, timeout=900, check=False)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("ROLL ")), None)
+    assert out.returncode == 0 and line, f"the roll job failed ({out.returncode}):\n{out.stderr[-3000:]}"
+    return RollResult(**json.loads(line[5:]))
+
+
+def roll_under_load(url: str, args, *, expect_error: type[BaseException] | None = None, job_dir: Path | None = None):
+    """Clients send requests while ``roll(args)`` runs (in another Ray job with ``job_dir``:
+    :func:`roll_in_another_job`) and for AFTER_ROLL_S after; returns (roll result or the raised error, results,
+    monotonic time the roll returned)."""
     from pipelines.serve.rollout import roll
 
     load = ChatLoad(url, key=KEY).start()
     time.sleep(2.0)  # requests in flight before the roll starts
     t0 = time.monotonic()
-    if expect_error is None:
+    if job_dir is not None:
+        outcome = roll_in_another_job(args, job_dir)
+    elif expect_error is None:
         outcome = roll(args, ready_timeout_s=600)
     else:
         with pytest.raises(expect_error) as e:
@@ -77,7 +109,7 @@ def roll_under_load(url: str, args, *, expect_error: type[BaseException] | None 
     return outcome, results, t1
 
 
-def test_roll_a_to_b_without_failures(cluster, registry, target):  # noqa: F811
+def test_roll_a_to_b_without_failures(cluster, registry, target, tmp_path):  # noqa: F811
     from pipelines.serve.rollout import app_statuses, backend_apps, gateway_state, roll
     from pipelines.traffic import read_log
 
@@ -91,8 +123,9 @@ def test_roll_a_to_b_without_failures(cluster, registry, target):  # noqa: F811
 
     gateway_before = gateway_state()
     b_version = register_and_promote(registry, random_head(registry[1] / "head-b", target[1], seed=1), target[1])
-    result, results, t_rolled = roll_under_load(url, rollout_args(registry, log_dir))
-    assert gateway_state()["pid"] == gateway_before["pid"]  # switched in place: the gateway replica never restarted
+    result, results, t_rolled = roll_under_load(url, rollout_args(registry, log_dir), job_dir=tmp_path)
+    # switched in place, though rolled from another job: the gateway replica never restarted
+    assert gateway_state()["pid"] == gateway_before["pid"]
     failed = ChatLoad.failures(results)
     assert not failed, f"{len(failed)} of {len(results)} requests failed during the roll: {failed[:3]}"
     assert ChatLoad.max_gap_s(results) < MAX_GAP_S  # no stall either
