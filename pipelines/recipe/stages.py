@@ -257,6 +257,9 @@ class TrainingConfig(Section):
                             depth_decay=1.0 if self.depth_decay is None else self.depth_decay, **common)
 
 
+GPU_WARMUP_WAVES = 3  # evaluation.warmup_waves on GPU engines: what the warm-up compiled, measured (EvalConfig)
+
+
 class EvalConfig(Section):
     """Acceptance-length evaluation with real vLLM."""
 
@@ -286,10 +289,12 @@ class EvalConfig(Section):
     warmup_waves: Annotated[int | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, ge=0, description="Untimed waves of c requests before each concurrency c of the sweep is timed "
         "(pipelines.evaluate.measure.EngineSpec.warmup_waves). A GPU engine's first steps at a new concurrency "
-        "compile kernels for new batch shapes: on an H200 (vLLM 0.26, Llama-3.1-8B shape) the first waves of "
-        "P-EAGLE at c=16 ran 0.55x no speculation and warm ones 1.15x (bench/results/gpu_synthetic_load.json), and "
-        "the K schedule fitted from cold rows turns speculation off where a warm endpoint gains from it. None "
-        "(default) = 1 on GPU engines, 0 on CPU engines.",
+        "compile kernels for new batch shapes (P-EAGLE on vLLM 0.26's V1 runner: Dynamo graphs and Triton kernels "
+        "at c=4 and 16): on an H200 (Llama-3.1-8B shape) P-EAGLE at c=16 ran 0.55x no speculation in the first "
+        "waves, 1.15x after one warm-up wave and 1.65x after three, which compiled everything the timed waves "
+        "needed (bench/results/gpu_synthetic_load.json); the K schedule fitted from cold rows turns speculation "
+        f"off where a warm endpoint gains from it. None (default) = {GPU_WARMUP_WAVES} on GPU engines, 0 on CPU "
+        "engines.",
     )
     compare_champion: Annotated[bool | None, KEY_NEUTRAL_WHEN_NONE] = Field(
         None, description="Also measure the registry's current champion (models:/<registry model>@champion, pinned "
@@ -302,8 +307,9 @@ class EvalConfig(Section):
     )
 
     def warmup_waves_for(self, on_gpus: bool) -> int:
-        """Untimed waves before each concurrency (``warmup_waves``; None = 1 on GPU engines, 0 on CPU ones)."""
-        return self.warmup_waves if self.warmup_waves is not None else int(on_gpus)
+        """Untimed waves before each concurrency (``warmup_waves``; None = :data:`GPU_WARMUP_WAVES` on GPU
+        engines, 0 on CPU ones)."""
+        return self.warmup_waves if self.warmup_waves is not None else GPU_WARMUP_WAVES * on_gpus
 
     def compares_champion(self, training: TrainingConfig) -> bool:
         """Whether the evaluate stage measures the champion (``compare_champion``, None = warm start from a

@@ -4,6 +4,7 @@
 import pytest
 
 from pipelines.evaluate import measure
+from pipelines.recipe.stages import GPU_WARMUP_WAVES
 
 pytestmark = pytest.mark.unit
 
@@ -46,11 +47,11 @@ def test_cpu_engines_run_one_after_another(monkeypatch):
     assert a["t1"] <= b["t0"]
 
 
-@pytest.mark.parametrize(("on_gpus", "warmup_waves", "expected"), [(True, None, 1), (False, None, 0), (True, 0, 0),
+@pytest.mark.parametrize(("on_gpus", "warmup_waves", "expected"), [(True, None, GPU_WARMUP_WAVES), (False, None, 0), (True, 0, 0),
                                                                    (False, 2, 2)])
 def test_engines_warm_up_each_concurrency_on_gpus(monkeypatch, on_gpus, warmup_waves, expected):
-    """GPU engines run one untimed wave per concurrency before timing it (first waves compile kernels for new batch
-    shapes); CPU engines none, unless the recipe says otherwise."""
+    """GPU engines run GPU_WARMUP_WAVES untimed waves per concurrency before timing it (first waves compile kernels
+    for new batch shapes); CPU engines none, unless the recipe says otherwise."""
     from pipelines.recipe.stages import EvalConfig
 
     seen = []
