@@ -317,7 +317,7 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
                 and not r.get("engine_env")]
         cases += [(f"{target}, paper profile", rows, m) for m in ("peagle", "eagle3")]
     for target in sorted({r["target"] for r in (load_data or {}).get("rows", [])}):
-        for warm, label in ((0, "first waves"), (1, "after one warm-up wave")):
+        for warm, label in ((0, "first waves"), (1, "after one warm-up wave"), (3, "after three warm-up waves")):
             rows = [r for r in load_data["rows"] if r["target"] == target and not r.get("engine_kwargs")
                     and r.get("warmup_waves", 0) == warm]
             profiles = sorted({r["profile"] for r in rows if r["method"] != "none"})
@@ -367,8 +367,9 @@ def under_load(lines: list[str], data: dict | None) -> None:
     rows = data["rows"]
     commands = sorted({r["command"] for r in rows if r.get("command")})
     lines += [(f"{_env(data)}; `NAME=gpu_synthetic_load bash bench/device/run_synthetic_serving.sh FLAGS` ("
-               + "; ".join(f"`{c}`" for c in commands) + "). vLLM's V1 runner for every method "
-               "(`VLLM_USE_V2_MODEL_RUNNER=0`; P-EAGLE has no other), random-weight targets, synthetic acceptance "
+               + "; ".join(f"`{c}`" for c in commands) + "). *runner*: vLLM's model runner (v1 forced with `VLLM_USE_V2_MODEL_RUNNER=0` in the rows of up to one "
+               "warm-up wave; the rows of three warm-up waves run each method on its default: no speculation and "
+               "EAGLE-3 on V2, P-EAGLE on V1, the only one with parallel drafting), random-weight targets, synthetic acceptance "
                "at the profile of the head named in the table (its per-position acceptance in GPU vLLM, "
                f"{rows[-1].get('profile_source', '-')}). *warm-up*: untimed waves of c requests before c is timed "
                "(0: the first waves at a new concurrency, as the rows before this table were measured). *later "
@@ -385,7 +386,8 @@ def under_load(lines: list[str], data: dict | None) -> None:
         t, p = _later(r), (r.get("step_profile") or {}).get("profiler") or {}
         nt = _later(n) if n else {}
         host = t.get("host_ms", {})
-        table.append([r["target"], r["method"], r["K"] or "-", _load_settings(r), r.get("warmup_waves", 0),
+        table.append([r["target"], r["method"], r["K"] or "-", r.get("model_runner", "-"), _load_settings(r),
+                      r.get("warmup_waves", 0),
                       r["concurrency"], _f(r["acceptance_length"]), f"{r['tokens_per_s']:.0f}",
                       _f(r["tokens_per_s"] / n["tokens_per_s"]) if n and r is not n else "-",
                       f"{t['tokens_per_s']:.0f}" if t else "-",
@@ -394,11 +396,52 @@ def under_load(lines: list[str], data: dict | None) -> None:
                       f"{100 * p['device_busy_fraction']:.0f}%" if p.get("device_busy_fraction") is not None else "-",
                       " / ".join(_f(host.get(k), 1) for k in ("draft", "execute_model")) if host else "-",
                       f"{p['graph_launches']:.0f} / {p['kernel_launches']:.0f}" if p else "-"])
-    lines += _table(["target", "method", "K", "settings", "warm-up", "c", "AL", "tok/s", "x none", "later wave tok/s",
+    lines += _table(["target", "method", "K", "runner", "settings", "warm-up", "c", "AL", "tok/s", "x none", "later wave tok/s",
                      "x none", "later step ms", "device busy", "host ms draft / forward", "graphs / kernels"],
                     table) + [""]
     for target in sorted({r["target"] for r in rows}):
-        lines += _load_readings(target, rows)
+        lines += _load_readings(target, rows) + _warm_readings(target, rows)
+
+
+WARM = 3  # the warm-up waves of the rows taken each method on its default runner
+
+
+def _warm_readings(target: str, rows: list[dict]) -> list[str]:
+    """The sentences on the rows of :data:`WARM` warm-up waves of one target: each speculative cell against no
+    speculation per concurrency, P-EAGLE / EAGLE-3, the goals on the 8B shape with the best K per concurrency, and
+    what the warm-up waves compiled (``compiles``, ``pipelines.evaluate.step_profile.compile_counts``)."""
+    cell = {(r["method"], r["K"], r["concurrency"]): r for r in rows if r["target"] == target
+            and r.get("warmup_waves", 0) == WARM and not r.get("engine_kwargs")}
+    cs = sorted(c for m, _, c in cell if m == "none")
+    if not cs:
+        return []
+    x = {k: r["tokens_per_s"] / cell[("none", 0, k[2])]["tokens_per_s"] for k, r in cell.items() if k[0] != "none"}
+    spec = sorted({(m, k) for m, k, _ in x})
+    parts = [f"{m} K={k} ({cell[(m, k, cs[0])].get('model_runner', '-')}): "
+             + ", ".join(f"c={c} {_f(x[(m, k, c)])}x" for c in cs if (m, k, c) in x) for m, k in spec]
+    lines = [(f"**{target}**, after {WARM} warm-up waves, against no speculation on its default runner: "
+              + "; ".join(parts) + ".")]
+    vs = [f"c={c} {_f(x[('peagle', 5, c)] / x[('eagle3', 5, c)])}x" for c in cs
+          if ('peagle', 5, c) in x and ('eagle3', 5, c) in x]
+    if vs:
+        lines[-1] += f" P-EAGLE / EAGLE-3 at K=5: {', '.join(vs)}."
+    best = {c: max((v, k) for (m, k, cc), v in x.items() if m == "peagle" and cc == c) for c in cs
+            if any(m == "peagle" and cc == c for m, _, cc in x)}
+    if target == "llama-3.1-8b" and best:
+        lines[-1] += (" Goals (P-EAGLE at its best measured K / none): " + ", ".join(
+            f"c={c} >= {g}x: {_f(best[c][0])}x at K={best[c][1]} {met(best[c][0] >= g)}"
+            for c, g in LOAD_GOALS.items() if c in best) + ".")
+    def compiled(phase: str) -> str:
+        got = [f"{m} K={k} c={c}: {r['compiles'][phase]['dynamo_graphs']} graphs, "
+               f"{r['compiles'][phase]['triton_cache_entries']} kernels" for (m, k, c), r in sorted(cell.items())
+               if r.get("compiles") and any(r["compiles"][phase].values())]
+        return "; ".join(got) or "nothing"
+
+    notes = sorted({r["note"] for r in cell.values() if r.get("note")})
+    lines += ["", ("What the waves compiled after the engine's start (Dynamo graphs, new Triton kernel cache entries), "
+                   f"in the warm-up waves: {compiled('warmup')}; in the timed waves after them: {compiled('timed')}."
+                   + (" Measured " + "; ".join(notes) + "." if notes else "")), ""]
+    return lines
 
 
 def _later(row: dict) -> dict:

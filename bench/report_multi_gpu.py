@@ -83,7 +83,8 @@ def pipeline(lines: list[str]) -> None:
     lines += [""]
 
 
-RAMP_RUNS = ("serve_autoscale", "serve_autoscale_kill", "serve_autoscale_run3")  # the load ramps in the order run
+RAMP_RUNS = ("serve_autoscale", "serve_autoscale_kill", "serve_autoscale_run3",
+             "serve_autoscale_run4")  # the load ramps in the order run
 
 
 def serving(lines: list[str]) -> None:
@@ -159,23 +160,28 @@ def replicas_started(lines: list[str]) -> None:
 
 
 def rollout(lines: list[str]) -> None:
-    """The blue/green roll to a new champion under load (``serve_rollout.json``, ``run_multi_gpu.sh roll``)."""
-    r = load("serve_rollout")
-    if r is None:
+    """The blue/green rolls to a new champion under load: ``serve_rollout.json`` (``run_multi_gpu.sh roll``) and
+    the ramps of :data:`RAMP_RUNS` that rolled (``run_multi_gpu.sh load`` with ``ROLL_AT``)."""
+    runs = [r for r in (load(name) for name in ("serve_rollout", *RAMP_RUNS)) if r is not None and r.get("rolls")]
+    if not runs:
         lines += ["Blue/green roll to a new champion under load on GPUs (`bench/device/run_multi_gpu.sh roll`): not run.",
                   ""]
-        return
+    for r in runs:
+        _rolls(lines, r)
+
+
+def _rolls(lines: list[str], r: dict) -> None:
     e = r["environment"]
-    for roll in r.get("rolls") or []:
+    for roll in r["rolls"]:
         level = [x for x in r["levels"] if x["t_start_s"] <= roll["t_start_s"]][-1]
         served = ", ".join(f"{head}: {n}" for head, n in sorted((level.get("served") or {}).items())) or "not recorded"
         lines += [(f"Blue/green roll to a new champion under load ({e['device']}, {e['date'][:10]}; "
-                   f"`bench/device/run_multi_gpu.sh roll`: {level['concurrency']} closed-loop clients for "
+                   f"`bench/device/run_multi_gpu.sh roll`, or `load` with `ROLL_AT`: {level['concurrency']} closed-loop clients for "
                    f"{level['seconds']} s while the champion's files were registered as a new champion and the serve "
                    f"stage was submitted alone): the roll ran from {roll['t_start_s']} s to {roll['t_end_s']} s "
                    f"(exit status {roll['returncode']}); {level['completed']} requests completed, "
                    f"{level['failed']} failed; answered by {served}."), ""]
-    if r.get("note"):
+    if r.get("note") and r.get("benchmark") != "serve_autoscale":  # a ramp's note is under its own table
         lines += [r["note"], ""]
 
 
