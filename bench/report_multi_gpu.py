@@ -120,8 +120,8 @@ def ramp_run(lines: list[str], r: dict) -> None:
         reach, down = r["scale_up_to_max_s"], r["scale_down_s"]
         up = (f"{top} were running {f(reach, 0)} s after the first level above concurrency 1 began" if reach is not None
               else f"{top} at most, fewer than the ramp's --max-replicas")
-        back = (f"back to {start} {f(down, 0)} s after the load ended" if down is not None
-                else f"not back to {start} within the idle watch")
+        back = _scaled_down(r) or (f"back to {start} {f(down, 0)} s after the load ended" if down is not None
+                                   else f"not back to {start} within the idle watch")
         scaled = f"Replicas {start} -> {top}: {up}; {back}."
     else:
         scaled = f"No scale-up: {start} replica(s) throughout."
@@ -137,6 +137,22 @@ def ramp_run(lines: list[str], r: dict) -> None:
         lines += table(["concurrency", "replicas", "seconds", "completed", "failed", "requests/s", *LATENCY_COLUMNS],
                        [[x["concurrency"], x["replicas"], x["seconds"], x["completed"], x["failed"],
                          f(x["requests_per_s"]), *_latency_cells(x)] for x in r["by_replicas"]]) + [""]
+
+
+def _scaled_down(r: dict) -> str | None:
+    """When the replicas were back at the start count after the peak, counted from the first lower level after it
+    (a ramp that ends on a lower level scales down under load); None when that happened only after the load."""
+    timeline, start = r.get("timeline") or [], r["replicas_at_start"]
+    peak = next((t for t, n, *_ in timeline if n == r["replicas_max_seen"]), None)
+    if peak is None:
+        return None
+    at_peak = [x for x in r["levels"] if x["t_start_s"] <= peak][-1]
+    lower = next((x for x in r["levels"] if x["t_start_s"] > peak and x["concurrency"] < at_peak["concurrency"]), None)
+    back = next((t for t, n, *_ in timeline if t > peak and n <= start), None)
+    if lower is None or back is None or back > lower["t_start_s"] + lower["seconds"]:
+        return None
+    return (f"back to {start} at {f(back, 0)} s, {f(back - lower['t_start_s'], 0)} s after the load fell to "
+            f"concurrency {lower['concurrency']}")
 
 
 def _prompts(r: dict) -> str:

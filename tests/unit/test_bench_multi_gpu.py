@@ -92,6 +92,19 @@ def test_the_per_gpu_table_scales_against_one_gpu_and_falls_back_to_the_main_job
                     "| 4 | the main job, 2026-11-27 | 342,000 | 0.85 |"]
 
 
+def test_scale_down_is_counted_from_the_first_lower_level_after_the_peak():
+    from bench.report_multi_gpu import _scaled_down
+
+    levels = [{"concurrency": 1, "t_start_s": 0.0, "seconds": 15.0}, {"concurrency": 64, "t_start_s": 15.0,
+              "seconds": 100.0}, {"concurrency": 8, "t_start_s": 115.0, "seconds": 100.0}]
+    # up to 4 at 80 s, a kill leaves 3 at 90 s (not a scale-down), back to 1 at 160 s under the c=8 level
+    timeline = [[1.0, 1, 0], [80.0, 4, 0], [90.0, 3, 1], [160.0, 1, 0]]
+    r = {"levels": levels, "timeline": timeline, "replicas_at_start": 1, "replicas_max_seen": 4}
+    assert _scaled_down(r) == "back to 1 at 160 s, 45 s after the load fell to concurrency 8"
+    assert _scaled_down(r | {"timeline": timeline[:3]}) is None  # never back under load: the idle watch says it
+    assert _scaled_down(r | {"levels": levels[:2]}) is None  # no lower level: counted from the load's end
+
+
 def test_gpu_run_takes_the_command_after_the_double_dash_and_refuses_none(monkeypatch):
     seen = {}
     monkeypatch.setattr(multi_gpu, "gpu_run", lambda opts: seen.setdefault("command", opts.command) and 0)
