@@ -317,7 +317,7 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
                 and not r.get("engine_env")]
         cases += [(f"{target}, paper profile", rows, m) for m in ("peagle", "eagle3")]
     for target in sorted({r["target"] for r in (load_data or {}).get("rows", [])}):
-        for warm, label in ((0, "first waves"), (1, "after one warm-up wave"), (3, "after three warm-up waves")):
+        for warm, label in ((0, "first waves"), (1, "after one warm-up wave"), (WARM, f"after {WARM} warm-up waves")):
             rows = [r for r in load_data["rows"] if r["target"] == target and not r.get("engine_kwargs")
                     and r.get("warmup_waves", 0) == warm]
             profiles = sorted({r["profile"] for r in rows if r["method"] != "none"})
@@ -367,10 +367,10 @@ def under_load(lines: list[str], data: dict | None) -> None:
     rows = data["rows"]
     commands = sorted({r["command"] for r in rows if r.get("command")})
     lines += [(f"{_env(data)}; `NAME=gpu_synthetic_load bash bench/device/run_synthetic_serving.sh FLAGS` ("
-               + "; ".join(f"`{c}`" for c in commands) + "). *runner*: vLLM's model runner (v1 forced with `VLLM_USE_V2_MODEL_RUNNER=0` in the rows of up to one "
-               "warm-up wave; the rows of three warm-up waves run each method on its default: no speculation and "
-               "EAGLE-3 on V2, P-EAGLE on V1, the only one with parallel drafting), random-weight targets, synthetic acceptance "
-               "at the profile of the head named in the table (its per-position acceptance in GPU vLLM, "
+               + "; ".join(f"`{c}`" for c in commands) + "). *runner*: vLLM's model runner (v1 forced with "
+               "`VLLM_USE_V2_MODEL_RUNNER=0` in the rows of up to one warm-up wave; the rows of "
+               f"{WARM} warm-up waves run each method on its default: no speculation and EAGLE-3 on V2, P-EAGLE on "
+               "V1, the only one with parallel drafting), random-weight targets, synthetic acceptance at the profile of the head named in the table (its per-position acceptance in GPU vLLM, "
                f"{rows[-1].get('profile_source', '-')}). *warm-up*: untimed waves of c requests before c is timed "
                "(0: the first waves at a new concurrency, as the rows before this table were measured). *later "
                "wave*: one more wave of c requests after the whole sweep, host timers only "
@@ -396,8 +396,8 @@ def under_load(lines: list[str], data: dict | None) -> None:
                       f"{100 * p['device_busy_fraction']:.0f}%" if p.get("device_busy_fraction") is not None else "-",
                       " / ".join(_f(host.get(k), 1) for k in ("draft", "execute_model")) if host else "-",
                       f"{p['graph_launches']:.0f} / {p['kernel_launches']:.0f}" if p else "-"])
-    lines += _table(["target", "method", "K", "runner", "settings", "warm-up", "c", "AL", "tok/s", "x none", "later wave tok/s",
-                     "x none", "later step ms", "device busy", "host ms draft / forward", "graphs / kernels"],
+    lines += _table(["target", "method", "K", "runner", "settings", "warm-up", "c", "AL", "tok/s", "x none",
+                     "later wave tok/s", "x none", "later step ms", "device busy", "host ms draft / forward", "graphs / kernels"],
                     table) + [""]
     for target in sorted({r["target"] for r in rows}):
         lines += _load_readings(target, rows) + _warm_readings(target, rows)

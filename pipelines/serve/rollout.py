@@ -109,14 +109,13 @@ def roll(args, *, ready_timeout_s: float = 900.0, drain_timeout_s: float = 600.0
     name = backend.app_name
     state = gateway_state()
     previous = state["backend"] if state else None
+    same_code = state is not None and state["version"] == gateway_version(backend.args, backend.model_id)
     statuses = app_statuses()
-    if (previous == name and statuses.get(name) == RUNNING
-            and state["version"] == gateway_version(backend.args, backend.model_id)):
+    if previous == name and statuses.get(name) == RUNNING and same_code:
         log.info("peagle serve: %s already serves %s", settings.SERVE_APP_NAME, name)
         return RollResult(backend=name, previous=None, changed=False, served=backend.served,
                           seconds=time.monotonic() - t0)
     deployment = _deploy_backend(backend, ready_timeout_s=ready_timeout_s, poll_s=poll_s)
-    same_code = state is not None and state["version"] == gateway_version(backend.args, backend.model_id)
     runtime_env = (gateway_runtime_env() if same_code else None) or job_runtime_env()
     _route_gateway(backend, deployment, runtime_env=runtime_env, timeout_s=ready_timeout_s, poll_s=poll_s)
     drained = True
@@ -285,8 +284,8 @@ def _route_gateway(backend, deployment: str, *, runtime_env: dict[str, Any] | No
     route = Route(app=backend.app_name, deployment=deployment,
                   model_card=to_model_metadata(backend.model_id, backend.llm_config).model_dump(mode="json"),
                   served=backend.served)
-    serve.run_many([serve.RunTarget(build_ingress(backend, route=route.model_dump(), runtime_env=runtime_env), name=settings.SERVE_APP_NAME,
-                                    route_prefix="/")],
+    ingress = build_ingress(backend, route=route.model_dump(), runtime_env=runtime_env)
+    serve.run_many([serve.RunTarget(ingress, name=settings.SERVE_APP_NAME, route_prefix="/")],
                    wait_for_ingress_deployment_creation=True, wait_for_applications_running=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
