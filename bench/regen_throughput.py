@@ -20,6 +20,10 @@ on ``--batch-size`` prompts (CUDA graphs and compilation are in ``engine_start_s
 ``vllm_sweep``; ``vllm`` is the fastest):
 
     python -m bench.regen_throughput --data ... --engines vllm --name regen_sweep_vllm --vllm-sweep 256:8192,512:32768
+
+With ``--per-gpu`` the sweep's engines run at once, one per GPU (a child process each, ``CUDA_VISIBLE_DEVICES``
+naming its GPU; ``0:0`` is vLLM's default): a 4-GPU node sweeps four settings in one engine's time. The engines
+then share the host's cores, which a host-bound 135M target needs: the rows say how many ran at once.
 """
 
 from __future__ import annotations
@@ -96,6 +100,47 @@ def _vllm_row(target, prompts, cfg, args, *, dtype: str, max_num_seqs: int | Non
     return row, texts
 
 
+def _sweep_per_gpu(args: argparse.Namespace) -> None:
+    """``--vllm-sweep`` with ``--per-gpu``: one child run of this module per setting, each on GPU i, at once; their
+    rows merged into ``vllm_sweep`` of result ``args.name`` (the children's own files removed)."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.common import RESULTS
+
+    if not args.vllm_sweep:
+        raise SystemExit("--per-gpu needs --vllm-sweep")
+    pairs = [pair.split(":") for pair in args.vllm_sweep.split(",")]
+    common = ["--data", args.data, "--prompts", str(args.prompts), "--batch-size", str(args.batch_size),
+              "--max-new-tokens", str(args.max_new_tokens), "--max-model-len", str(args.max_model_len),
+              "--seed", str(args.seed), "--engines", "vllm", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    procs = []
+    for i, (seqs, tokens) in enumerate(pairs):
+        extra = [a for flag, v in (("--max-num-seqs", seqs), ("--max-num-batched-tokens", tokens)) if int(v)
+                 for a in (flag, v)]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i))
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.regen_throughput", *common, *extra, "--name",
+                                       f"{args.name}_gpu{i}"], env=env))
+    codes = [p.wait() for p in procs]
+    rows, res = [], {}
+    for i, code in enumerate(codes):
+        f = RESULTS / f"{args.name}_gpu{i}.json"
+        if code != 0 or not f.is_file():
+            rows.append({"setting": args.vllm_sweep.split(",")[i], "error": f"exit code {code}"})
+            continue
+        res = json.loads(f.read_text())
+        rows.append(res["vllm"] | {"gpu": i, "engines_at_once": len(pairs)})
+        f.unlink()
+    ok = [r for r in rows if "tokens_per_s" in r]
+    payload = {k: v for k, v in res.items() if k not in ("environment", "vllm")}
+    payload |= {"vllm_sweep": rows, "per_gpu": True}
+    if ok:
+        payload["vllm"] = max(ok, key=lambda r: r["tokens_per_s"])
+    print(json.dumps(payload))
+    write_result(args.name, payload)
+
+
 def main() -> None:
     from pipelines.assets import ensure_target
     from pipelines.data.engines import TransformersEngine
@@ -117,7 +162,10 @@ def main() -> None:
     ap.add_argument("--vllm-sweep", default=None, metavar="SEQS:TOKENS,...",
                     help="vLLM engine only: one engine per max_num_seqs:max_num_batched_tokens pair, in turn, each "
                          "a row of 'vllm_sweep' (issue 40 item 3; the public anchor's tuned setting is 512:32768)")
+    ap.add_argument("--per-gpu", action="store_true", help="with --vllm-sweep: each setting on its own GPU, at once")
     args = ap.parse_args()
+    if args.per_gpu:
+        return _sweep_per_gpu(args)
 
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     target = ensure_target("smollm2-135m-instruct", dtype=dtype).path

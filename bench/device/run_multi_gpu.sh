@@ -6,9 +6,10 @@
 #                          the job (configs/smollm2-135m-4gpu.yaml with the carried prompt files) and follow it;
 #                          NODES=1 up 4: one Ray node of 4 GPUs (GPU Serve replicas on a second raylet of the same
 #                          host fail in vLLM's Ray executor: pipelines.serve.shared_host_raylets); with ALSO="CMD
-#                          ARGS" that command first takes a GPU of its own (as in `roll`), the job the others
+#                          ARGS" that command first takes a GPU of its own (as in `roll`), the job the others;
+#                          MODULE=ray_jobs.STAGE submits that stage alone (e.g. regenerate) instead of the pipeline
+#   record [NOTE]          (NAME=multi_gpu_pipeline) the job's summary and stage records -> $OUT/r/NAME.json
 #   wait [SECONDS]         follow the job (<= 540 s a call); prints "job ... SUCCEEDED" when done
-#   record                 the job's summary and stage records -> $OUT/r/multi_gpu_pipeline.json
 #   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json,
 #                          its output -> $OUT/load.log, then what `logs` collects; default 1 -> 32 -> 64 clients,
 #                          one replica SIGKILLed at 64 once 4 run, 45 s idle watch; ROLL_AT=C adds `roll`'s roll
@@ -78,7 +79,7 @@ case "$STEP" in
     setsid -w $M up --nodes "${NODES:-2}" --gpus-per-node "$G" --cpus-per-node 24 \
       || exit 1
     also  # before the job: the command's GPU is taken first (the job's recipe must then leave one GPU free)
-    $M submit --config configs/smollm2-135m-4gpu.yaml --id peagle-4gpu \
+    $M submit --config configs/smollm2-135m-4gpu.yaml --id peagle-4gpu --module "${MODULE:-ray_jobs.pipeline}" \
       --git-sha "${GIT_SHA:-unknown}" \
       --set "data.sources=[{kind: openai_jsonl, path: $HOME/keep/sharegpt.jsonl}]" \
       --set "evaluation.sources=[{kind: openai_jsonl, path: $HOME/keep/humaneval.jsonl}]" "${@:2}" || exit 1
@@ -89,7 +90,7 @@ case "$STEP" in
     $M wait --timeout-s "${1:-540}"
     ;;
   record)
-    $M record --run-dir $RUN --note "${1:-}" && save
+    $M record --run-dir $RUN --name "${NAME:-multi_gpu_pipeline}" --note "${1:-}" && save
     ls -la "$OUT/r"
     ;;
   load|roll)

@@ -126,9 +126,12 @@ class CaptureShardActor(CaptureActor):
     """
 
     def __init__(self, *args, out_dir: str, shard_metadata: dict[str, Any], reports: Tally | None = None, **kwargs):
+        t0 = time.perf_counter()
         super().__init__(*args, **kwargs)
         self.out_dir, self.shard_metadata = Path(out_dir), shard_metadata
         self.reports = reports or Tally()
+        self._ready = time.perf_counter()  # when the actor last finished something: its start, then each shard
+        self._start_ms = round(1000 * (self._ready - t0))  # told once, with the actor's first shard
 
     def __call__(self, batch) -> dict[str, Any]:
         out: dict[str, list] = {"shard_index": [], "rows": [], "stats": []}
@@ -142,7 +145,10 @@ class CaptureShardActor(CaptureActor):
     def write_shard(self, batch, r: int) -> tuple[int, list[dict[str, Any]], Counter]:
         """Capture row ``r`` of ``batch`` (one shard task) and write its shard: ``(shard index, manifest
         rows, stats)``, stats being the tokenize counts plus ``num_samples``, ``num_tokens``,
-        ``num_loss_tokens`` and ``forward_ms`` (the model step's wall time)."""
+        ``num_loss_tokens`` and the shard's profile in milliseconds: ``forward_ms`` (the model step: batching,
+        forward, copy to host), ``write_ms`` (the shard file, fsync included), ``wait_ms`` (the actor idle since
+        its last shard or its start: waiting for tokenized input) and, on an actor's first shard,
+        ``actor_start_ms`` (model or engine load)."""
         k = int(batch.column("shard_index")[r].as_py())
         tokenized = [{SAMPLE_ID: s, INPUT_IDS: i, LOSS_MASK: m} for s, i, m in zip(
             batch.column(SAMPLE_ID)[r].as_py(), ragged_from_arrow(batch.column(INPUT_IDS)[r].values),
@@ -150,9 +156,16 @@ class CaptureShardActor(CaptureActor):
         stats: Counter = Counter(json.loads(batch.column("tokenize_stats")[r].as_py()))
         conversation_ids = json.loads(batch.column("conversation_ids")[r].as_py())
         t0 = time.perf_counter()
+        stats["wait_ms"] = round(1000 * (t0 - self._ready))
+        if self._start_ms is not None:
+            stats["actor_start_ms"], self._start_ms = self._start_ms, None
         samples = self.capture(tokenized, stats, progress=lambda n: self.reports.add(conversations=n))
-        stats["forward_ms"] = round(1000 * (time.perf_counter() - t0))
+        t1 = time.perf_counter()
+        stats["forward_ms"] = round(1000 * (t1 - t0))
         self.reports.add(conversations=len(conversation_ids) - len(samples))  # dropped by the tokenize stage
         meta = {**self.shard_metadata, "conversation_ids": conversation_ids, "stats": dict(stats)}
         path = self.out_dir / shards.shard_name(k)
-        return k, shards.write_shard(path, samples, metadata=meta, validate=False), stats  # validated above
+        rows = shards.write_shard(path, samples, metadata=meta, validate=False)  # validated above
+        self._ready = time.perf_counter()
+        stats["write_ms"] = round(1000 * (self._ready - t1))
+        return k, rows, stats

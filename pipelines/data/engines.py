@@ -127,6 +127,7 @@ class VLLMEngine:
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.name = name or str(model_path)
+        self._chained = 0  # requests of generate_chained so far: unique request ids across its calls
 
     def generate(self, prompts, cfg, seeds) -> list[Generation | None]:
         return self._run([_chat_ids(self.tokenizer, m) for m in prompts], chat_params(cfg), seeds)
@@ -135,8 +136,66 @@ class VLLMEngine:
         """Continue raw ``prompts`` (a text prompt as token ids, so no second BOS is added)."""
         return self._run([_text_ids(self.tokenizer, t) for t in prompts], params, seeds)
 
+    def generate_chained(self, first: Sequence[tuple[Any, Sequence[Mapping[str, str]], int]], cfg: RegenerateConfig,
+                         on_done: Callable[[Any, Generation | None], tuple[Sequence[Mapping[str, str]], int] | None],
+                         ) -> None:
+        """Chat prompts whose next prompt depends on the answer (multi-turn regeneration), fed to the engine as
+        answers finish instead of turn by turn: ``first`` = ``(key, messages, seed)`` per chain; when a request
+        finishes, ``on_done(key, generation)`` returns the chain's next ``(messages, seed)``, which is queued at
+        once, or None (the chain ends; a ``None`` generation, a prompt that leaves no room, is told the same way).
+
+        ``LLM.generate`` per turn makes every turn of a batch wait for the batch's longest answer, and the
+        engine runs ever fewer sequences while the last answers finish; here its scheduler keeps up to
+        ``max_num_seqs`` sequences running until the chains run out. Requests go through vLLM's
+        ``LLMEngine.add_request`` / ``step`` (the loop ``LLM.generate`` runs; vLLM 0.26 and 0.32), answers
+        arrive finished (``RequestOutputKind.FINAL_ONLY``)."""
+        from vllm import TokensPrompt
+
+        engine, p = self.llm.llm_engine, chat_params(cfg)
+        keys: dict[str, Any] = {}
+
+        def submit(key: Any, messages, seed: int) -> None:
+            while True:
+                ids = _chat_ids(self.tokenizer, messages)
+                room = self.max_model_len - len(ids)
+                if room >= 1:
+                    break
+                nxt = on_done(key, None)
+                if nxt is None:
+                    return
+                messages, seed = nxt
+            rid = f"peagle-chain-{self._chained}"
+            self._chained += 1
+            keys[rid] = key
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), self._sampling(p, room, seed, final_only=True))
+
+        for key, messages, seed in first:
+            submit(key, messages, seed)
+        with _counting_tokens(self.llm, self.on_tokens):
+            while engine.has_unfinished_requests():
+                for res in engine.step():
+                    if not res.finished:
+                        continue
+                    o = res.outputs[0]
+                    key = keys.pop(res.request_id)
+                    nxt = on_done(key, Generation(o.text, len(o.token_ids), str(o.finish_reason)))
+                    if nxt is not None:
+                        submit(key, *nxt)
+
+    @staticmethod
+    def _sampling(p: CompletionParams, room: int, seed: int, *, final_only: bool = False):
+        """vLLM ``SamplingParams`` of one request: ``max_tokens`` capped to the ``room`` left in the context, the
+        seed only when sampling; ``final_only``: the request's output only when it has finished."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}
+        return SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=min(p.max_tokens, room),
+                              seed=seed if p.temperature > 0 else None,
+                              stop_token_ids=list(p.stop_token_ids) or None, **extra)
+
     def _run(self, prompt_ids: list[list[int]], p: CompletionParams, seeds) -> list[Generation | None]:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         reqs, params, index = [], [], []
         for j, (ids, seed) in enumerate(zip(prompt_ids, seeds)):
@@ -144,9 +203,7 @@ class VLLMEngine:
             if room < 1:
                 continue
             reqs.append(TokensPrompt(prompt_token_ids=list(ids)))
-            params.append(SamplingParams(temperature=p.temperature, top_p=p.top_p, max_tokens=min(p.max_tokens, room),
-                                         seed=seed if p.temperature > 0 else None,
-                                         stop_token_ids=list(p.stop_token_ids) or None))
+            params.append(self._sampling(p, room, seed))
             index.append(j)
         out: list[Generation | None] = [None] * len(prompt_ids)
         if reqs:

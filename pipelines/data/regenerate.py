@@ -34,7 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.data.engines import ENGINES, Engine, RayDataLLMEngine, engine_setup, make_engine, request_seed
+from pipelines.data.engines import (
+    ENGINES,
+    Engine,
+    Generation,
+    RayDataLLMEngine,
+    engine_setup,
+    make_engine,
+    request_seed,
+)
 from pipelines.data.rows import KEEP_ANSWERS
 from pipelines.tally import Tally, VLLMTokenGauge, tally
 
@@ -66,8 +74,8 @@ def regenerate_conversations(
     rows: Iterable[Mapping[str, Any]], engine: Engine, cfg: RegenerateConfig, *, stats: Counter | None = None,
     report: Callable[..., None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Regenerate the assistant turns of conversation ``rows`` (``id, messages, source``) with ``engine``,
-    turn by turn, batched across conversations; no Ray.
+    """Regenerate the assistant turns of conversation ``rows`` (``id, messages, source``) with ``engine``;
+    no Ray.
 
     A conversation keeps its system turn and user turns; after user turn t comes the engine's answer
     given everything regenerated so far. It stops early when a prompt no longer fits the engine's
@@ -75,9 +83,14 @@ def regenerate_conversations(
     conversations left with no assistant turn are dropped (``dropped_no_response``; of them
     ``dropped_context_full`` and ``dropped_empty`` stopped at their first turn for that reason).
     ``stats`` receives ``num_generated_tokens``, ``num_turns``, ``finish_<reason>`` and ``generate_s``.
-    ``report(conversations=, tokens=, unused_tokens=)`` (a :class:`pipelines.tally.Tally`'s ``add``) gets,
-    after each turn, the conversations that finished, the tokens generated and the part of
-    :func:`token_budget` that will not be (answers ended before ``max_tokens_per_turn``, turns not asked).
+
+    An engine with ``generate_chained`` (:class:`~pipelines.data.engines.VLLMEngine`) gets each conversation's
+    next turn as soon as its answer finishes; the others (and the ``ray.data.llm`` runner) get one batch per turn,
+    across conversations. The rows are the same either way (a turn sees the same prompt and seed).
+    ``report(conversations=, tokens=, unused_tokens=)`` (a :class:`pipelines.tally.Tally`'s ``add``) gets the
+    conversations that finished, the tokens generated and the part of :func:`token_budget` that will not be
+    (answers ended before ``max_tokens_per_turn``, turns not asked): after each turn, or chained at most every
+    :data:`REPORT_EVERY_S` seconds and at the end.
 
     Returns:
         rows ``{id, messages, source, source_id, regen_model, sampling, num_generated_tokens}`` in input order.
@@ -89,39 +102,13 @@ def regenerate_conversations(
         msgs = [{"role": m["role"], "content": m["content"]} for m in r["messages"]]
         system = [m for m in msgs[:1] if m["role"] == "system"]
         convs.append({"row": r, "history": list(system), "users": user_turns(r, cfg), "tokens": 0, "active": True})
-    num_turns = max((len(c["users"]) for c in convs), default=0)
     report(conversations=sum(1 for c in convs if not c["users"]))
-    max_tokens = cfg.max_tokens_per_turn
-    for t in range(num_turns):
-        todo = [c for c in convs if c["active"] and t < len(c["users"])]
-        if not todo:
-            break
-        prompts = [c["history"] + [{"role": "user", "content": c["users"][t]}] for c in todo]
-        seeds = [request_seed(cfg.seed, str(c["row"]["id"]), t) for c in todo]
-        t0 = time.perf_counter()
-        gens = engine.generate(prompts, cfg, seeds)
-        stats["generate_s"] += time.perf_counter() - t0
-        tokens = unused = 0
-        for c, prompt, g in zip(todo, prompts, gens):
-            if g is None:
-                c["active"], c["stop"] = False, "context_full"
-                stats["stopped_context_full"] += 1
-                unused += max_tokens * (len(c["users"]) - t)
-                continue
-            stats[f"finish_{g.finish_reason}"] += 1
-            stats["num_generated_tokens"] += g.num_tokens
-            tokens += g.num_tokens
-            unused += max(0, max_tokens - g.num_tokens)
-            if not g.text.strip():
-                c["active"], c["stop"] = False, "empty"
-                stats["empty_generations"] += 1
-                unused += max_tokens * (len(c["users"]) - t - 1)
-                continue
-            c["history"] = prompt + [{"role": "assistant", "content": g.text}]
-            c["tokens"] += g.num_tokens
-            stats["num_turns"] += 1
-        report(conversations=sum(1 for c in todo if not c["active"] or t + 1 >= len(c["users"])), tokens=tokens,
-               unused_tokens=unused)
+    t0 = time.perf_counter()
+    if callable(getattr(engine, "generate_chained", None)):
+        _chained(convs, engine, cfg, stats, report)
+    else:
+        _turn_by_turn(convs, engine, cfg, stats, report)
+    stats["generate_s"] += time.perf_counter() - t0
     sampling = sampling_dict(cfg)
     out = []
     for c in convs:
@@ -136,6 +123,78 @@ def regenerate_conversations(
                     "sampling": sampling, "num_generated_tokens": c["tokens"]})
     stats["num_conversations"] += len(convs)
     return out
+
+
+REPORT_EVERY_S = 1.0  # chained regeneration: how often finished answers are reported (a Tally actor call each)
+
+
+def _prompt(c: dict[str, Any], t: int, cfg: RegenerateConfig) -> tuple[list[dict[str, str]], int]:
+    """The prompt (history + user turn ``t``) and seed of conversation ``c``'s turn ``t``."""
+    return c["history"] + [{"role": "user", "content": c["users"][t]}], request_seed(cfg.seed, str(c["row"]["id"]), t)
+
+
+def _take(c: dict[str, Any], t: int, g: Generation | None, cfg: RegenerateConfig, stats: Counter,
+          ) -> tuple[int, int, bool]:
+    """Conversation ``c`` takes the answer ``g`` to its turn ``t`` (None: its prompt left no room): (tokens generated,
+    budget tokens that will not be, whether the conversation is done)."""
+    max_tokens, left = cfg.max_tokens_per_turn, len(c["users"]) - t
+    if g is None:
+        c["active"], c["stop"] = False, "context_full"
+        stats["stopped_context_full"] += 1
+        return 0, max_tokens * left, True
+    stats[f"finish_{g.finish_reason}"] += 1
+    stats["num_generated_tokens"] += g.num_tokens
+    unused = max(0, max_tokens - g.num_tokens)
+    if not g.text.strip():
+        c["active"], c["stop"] = False, "empty"
+        stats["empty_generations"] += 1
+        return g.num_tokens, unused + max_tokens * (left - 1), True
+    c["history"] = _prompt(c, t, cfg)[0] + [{"role": "assistant", "content": g.text}]
+    c["tokens"] += g.num_tokens
+    stats["num_turns"] += 1
+    return g.num_tokens, unused, left == 1
+
+
+def _turn_by_turn(convs: list[dict[str, Any]], engine: Engine, cfg: RegenerateConfig, stats: Counter,
+                  report: Callable[..., None]) -> None:
+    """One ``engine.generate`` batch per turn across the conversations; ``report`` after each turn."""
+    for t in range(max((len(c["users"]) for c in convs), default=0)):
+        todo = [c for c in convs if c["active"] and t < len(c["users"])]
+        if not todo:
+            break
+        prompts, seeds = zip(*(_prompt(c, t, cfg) for c in todo))
+        taken = [_take(c, t, g, cfg, stats) for c, g in zip(todo, engine.generate(list(prompts), cfg, list(seeds)))]
+        report(conversations=sum(done for _, _, done in taken), tokens=sum(n for n, _, _ in taken),
+               unused_tokens=sum(u for _, u, _ in taken))
+
+
+def _chained(convs: list[dict[str, Any]], engine: Engine, cfg: RegenerateConfig, stats: Counter,
+             report: Callable[..., None]) -> None:
+    """Every conversation's turns chained in ``engine.generate_chained``: turn t+1 is queued when turn t's answer
+    finishes; ``report`` at most every :data:`REPORT_EVERY_S` seconds and once at the end."""
+    counts: Counter = Counter()
+    last = [time.monotonic()]
+    turn = [0] * len(convs)
+
+    def flush() -> None:
+        if counts:
+            report(**counts)
+            counts.clear()
+        last[0] = time.monotonic()
+
+    def on_done(i: int, g: Generation | None) -> tuple[list[dict[str, str]], int] | None:
+        c, t = convs[i], turn[i]
+        tokens, unused, done = _take(c, t, g, cfg, stats)
+        counts.update(conversations=int(done), tokens=tokens, unused_tokens=unused)
+        if time.monotonic() - last[0] >= REPORT_EVERY_S:
+            flush()
+        if done:
+            return None
+        turn[i] = t + 1
+        return _prompt(c, t + 1, cfg)
+
+    engine.generate_chained([(i, *_prompt(c, 0, cfg)) for i, c in enumerate(convs) if c["users"]], cfg, on_done)
+    flush()
 
 
 def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipelines.preflight import Machine, Problem
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, tree_bytes
@@ -40,6 +41,7 @@ class CaptureOutput(StageOutput):
     tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
     dropped: dict[str, int] | None = field(default=None, metadata=OMIT_IF_NONE)
     num_truncated: int | None = field(default=None, metadata=OMIT_IF_NONE)
+    profile: dict[str, Any] | None = field(default=None, metadata=OMIT_IF_NONE)  # materialize.capture_profile
 
     def manifest(self) -> Path | None:
         """The capture manifest (None when streaming)."""
@@ -95,7 +97,7 @@ class CaptureStage(Stage):
                              num_tokens=res.num_tokens, num_loss_tokens=res.num_loss_tokens,
                              num_shards=res.num_shards, bytes_on_disk=tree_bytes(out_dir),
                              bytes_per_token=res.bytes_per_token, tokens_per_s=res.tokens_per_s,
-                             dropped=res.dropped, num_truncated=res.num_truncated)
+                             dropped=res.dropped, num_truncated=res.num_truncated, profile=res.meta.get("profile"))
 
     def is_valid(self, out: CaptureOutput) -> bool:
         return out.streaming or out.manifest().is_file()

@@ -334,6 +334,11 @@ def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir, monkeypa
     meta = shards.load_capture_meta(tmp_path / "ref")
     assert meta["aux_layer_ids"] == list(LAYER_IDS) and meta["hidden_size"] == 36 and meta["dtype"] == "float16"
     assert meta["bytes_per_token"] == 4 + 1 + 4 * 36 * 2
+    prof = meta["profile"]  # one in-process actor: its start once, then 4 shards' forward and write
+    assert prof["num_actors"] == 1 and prof["forward_s"] > 0 and prof["write_s"] > 0 and prof["actor_start_s"] > 0
+    busy = prof["forward_s"] + prof["write_s"] + prof["wait_s"]
+    assert busy <= prof["run_s"] + 0.01 and prof["steady_tokens_per_s"] == pytest.approx(
+        ref.num_tokens / (prof["forward_s"] + prof["write_s"]), rel=0.05)
 
     out = tmp_path / "crashed"
     with monkeypatch.context() as m:

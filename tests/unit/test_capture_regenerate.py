@@ -223,3 +223,95 @@ def test_vllm_token_count_is_told_while_a_generate_call_runs(monkeypatch):
     with engines._counting_tokens(NoStats(), told.append):
         pass
     assert sum(told) == 122
+
+
+class ChainedEchoEngine(EchoEngine):
+    """EchoEngine's answers through ``generate_chained``: requests finish newest first (a later conversation's turn
+    1 before an earlier one's), and a conversation's next turn is queued before the other first turns finish."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.log: list[tuple[str, str]] = []
+
+    def generate_chained(self, first, cfg, on_done):
+        queue = [(key, msgs) for key, msgs, _ in first]
+        while queue:
+            key, msgs = queue.pop()  # newest first
+            self.log.append(("done", msgs[-1]["content"]))
+            nxt = on_done(key, self.generate([msgs], cfg, [0])[0])
+            if nxt is not None:
+                queue.append((key, nxt[0]))
+
+
+def test_chained_turns_give_the_rows_stats_and_reports_of_turn_by_turn():
+    rows = [
+        {"id": "a", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
+                                 {"role": "assistant", "content": "-"}, {"role": "user", "content": "u2"}]},
+        {"id": "e", "messages": [{"role": "user", "content": "EMPTY"}, {"role": "assistant", "content": "-"},
+                                 {"role": "user", "content": "never asked"}]},
+        {"id": "n", "messages": [{"role": "user", "content": "FULL"}]},
+        {"id": "s", "messages": [{"role": "system", "content": "no user turn"}]},
+        {"id": "b", "messages": [{"role": "user", "content": "v1"}, {"role": "assistant", "content": "-"},
+                                 {"role": "user", "content": "v2"}]},
+    ]
+    cfg = RegenerateConfig(max_tokens_per_turn=10, max_turns=2, temperature=0.5)
+    got = {}
+    for eng in (EchoEngine(empty_on="EMPTY", none_on="FULL"), ChainedEchoEngine(empty_on="EMPTY", none_on="FULL")):
+        stats, totals = Counter(), Counter()
+        out = regenerate.regenerate_conversations(rows, eng, cfg, stats=stats, report=totals.update)
+        stats.pop("generate_s")
+        got[type(eng).__name__] = (out, stats, totals, eng)
+    (out_t, stats_t, totals_t, _), (out_c, stats_c, totals_c, chained) = got["EchoEngine"], got["ChainedEchoEngine"]
+    assert out_c == out_t and stats_c == stats_t and totals_c == totals_t
+    assert totals_c["conversations"] == len(rows)
+    assert regenerate.token_budget(rows, cfg) - totals_c["unused_tokens"] == stats_c["num_generated_tokens"]
+    # b's second turn was answered before a's first: no barrier between turns
+    done = [text for _, text in chained.log]
+    assert done.index("v2") < done.index("u1")
+
+
+def test_vllm_engine_chains_requests_through_add_request_and_step():
+    """``VLLMEngine.generate_chained`` on a fake ``LLMEngine``: requests come back finished only
+    (``FINAL_ONLY``), each answer's next prompt is added at once, a prompt with no room is told as None."""
+    pytest.importorskip("vllm")
+    from vllm.sampling_params import RequestOutputKind
+
+    class Out:
+        def __init__(self, rid, n):
+            self.request_id, self.finished = rid, True
+            self.outputs = [type("O", (), {"text": f"ans{n}", "token_ids": [1] * n, "finish_reason": "stop"})()]
+
+    class FakeLLMEngine:
+        def __init__(self):
+            self.queue, self.added = [], []
+
+        def add_request(self, rid, prompt, params):
+            assert params.output_kind == RequestOutputKind.FINAL_ONLY and params.max_tokens == min(4, 16 - len(
+                prompt["prompt_token_ids"]))
+            self.added.append(len(prompt["prompt_token_ids"]))
+            self.queue.append(Out(rid, len(prompt["prompt_token_ids"])))
+
+        def has_unfinished_requests(self):
+            return bool(self.queue)
+
+        def step(self):
+            out, self.queue = self.queue[:1], self.queue[1:]
+            return out
+
+    class Tok:
+        def apply_chat_template(self, messages, **kw):
+            return {"input_ids": [0] * sum(len(m["content"]) for m in messages)}
+
+    eng = object.__new__(engines.VLLMEngine)
+    eng.llm = type("LLM", (), {"llm_engine": FakeLLMEngine()})()
+    eng.tokenizer, eng.max_model_len, eng.on_tokens, eng._chained = Tok(), 16, None, 0
+    seen, nexts = [], [10, 20, 5]  # the third prompt (20 tokens) no longer fits the 16-token context
+
+    def on_done(key, g):
+        seen.append((key, None if g is None else g.text))
+        return None if g is None else ([{"role": "user", "content": "x" * nexts.pop(0)}], 0)
+
+    eng.generate_chained([("k", [{"role": "user", "content": "abc"}], 0)], RegenerateConfig(max_tokens_per_turn=4),
+                         on_done)
+    assert seen == [("k", "ans3"), ("k", "ans10"), ("k", None)] and eng.llm.llm_engine.added == [3, 10]
+    assert nexts == [5]
