@@ -123,8 +123,9 @@ QUESTIONS = [
         "Killed Ray Train workers and capture actors, an MLflow outage, replica kills and hostile requests while "
         "serving, crashes mid-write: each fault is tried by a test CI runs, with what it cost, in "
         "[reliability.md](reliability.md). Here: how little a training call must return for another machine to "
-        "resume it."), [
+        "resume it, and a Ray node lost mid-training."), [
         report_scale.resume_state,
+        report_multi_gpu.node_fault,
     ]),
 ]
 

@@ -55,6 +55,18 @@ class Tally:
             log.debug("progress report %s lost: %s", counts, e)
 
 
+def on_driver_node() -> dict[str, Any]:
+    """Ray actor options of the driver's own helpers (progress counters, queues): no CPU, and a hard affinity to
+    the node this process runs on. Placed anywhere, such an actor can land on a worker node and die with it: on
+    a 2-node GPU cluster the train stage's progress queue sat on the node whose raylet was killed, and the bar
+    stopped while training went on (bench/results/multi_gpu_node_fault.json)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
+
+
 class _Counts:
     """The counter actor of a Ray :class:`Tally`: totals by name."""
 
@@ -81,7 +93,7 @@ def tally(on_delta: Callable[[Counts], None], *, use_ray: bool, gauges: Sequence
     """A :class:`Tally` for the body's workers; ``on_delta(counts)`` receives what was added since its last
     call (and what the ``gauges`` moved).
 
-    ``use_ray``: the counts go to a counter actor (``num_cpus=0``), read by a driver thread every ``period_s``
+    ``use_ray``: the counts go to a counter actor on the driver's node (:func:`on_driver_node`), read by a driver thread every ``period_s``
     seconds (default :data:`POLL_S`), once more when the body ends, then the actor is ended; else ``add`` calls ``on_delta`` in the
     caller's thread. Gauges are read on that thread too (one is started for them without Ray). Calls of
     ``on_delta`` never overlap.
@@ -96,7 +108,7 @@ def tally(on_delta: Callable[[Counts], None], *, use_ray: bool, gauges: Sequence
     if use_ray:
         import ray
 
-        actor = ray.remote(num_cpus=0)(_Counts).remote()
+        actor = ray.remote(_Counts).options(**on_driver_node()).remote()
     sources: list[tuple[Callable[[], Counts], Counts]] = [(g.read, {}) for g in gauges]
     if actor is not None:
         import ray

@@ -120,7 +120,7 @@ case "$STEP" in
     [ $RC = 0 ] && $M record --run-dir $RUN --name "$NAME" --note "ray_jobs.$S $*" && save
     ;;
   nodekill)
-    python3 -m bench.node_fault --temp-dir $TEMP --git-sha "${GIT_SHA:-unknown}" --timeout-s $((560 - (SECONDS - T0))) \
+    python3 -m bench.node_fault --temp-dir $TEMP --git-sha "${GIT_SHA:-unknown}" --timeout-s ${TIMEOUT_S:-$((560 - (SECONDS - T0)))} \
       --name multi_gpu_node_fault "$@" > "$OUT/nodekill.log" 2>&1
     grep -v "^\s" "$OUT/nodekill.log" | tail -30
     save

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.preflight import Machine, Problem
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, tree_bytes
+from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, key_dump, tree_bytes
 from pipelines.stages.regenerate import RegenerateOutput
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class CaptureStage(Stage):
 
     @staticmethod
     def sections(recipe):
-        return (recipe.capture, recipe.resolved_aux_layer_ids())
+        # the number of capture actors places the work, it does not change a shard
+        return (key_dump(recipe.capture, exclude={"num_workers"}), recipe.resolved_aux_layer_ids())
 
     def run(self) -> CaptureOutput:
         from peagle_core.storage import format_bytes

@@ -68,8 +68,10 @@ class RegenerateStage(Stage):
 
     @staticmethod
     def sections(recipe):
-        # aux layer ids do not change the regenerated text: they key the capture only
-        return (key_dump(recipe.target, exclude={"aux_layer_ids"}), recipe.data, recipe.regenerate)
+        # aux layer ids do not change the regenerated text: they key the capture only; nor does the number of
+        # engines (per-request seeds): a run on 1 GPU is current for the same recipe on 4
+        return (key_dump(recipe.target, exclude={"aux_layer_ids"}), recipe.data,
+                key_dump(recipe.regenerate, exclude={"num_workers"}))
 
     def run(self) -> RegenerateOutput:
         from pipelines.data.prompt_dataset import load_prompt_dataset

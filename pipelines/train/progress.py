@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pipelines.tally import on_driver_node
 from pipelines.train.loop import TrainCallback
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def train_progress(total_steps: int) -> Iterator[list[TrainCallback]]:
 
     from pipelines.console import progress
 
-    queue = Queue(actor_options={"num_cpus": 0})
+    queue = Queue(actor_options=on_driver_node())
     stop = threading.Event()
     with progress("train", total=total_steps, unit="steps") as meter:
 
@@ -67,6 +68,9 @@ def train_progress(total_steps: int) -> Iterator[list[TrainCallback]]:
                     if stop.is_set():
                         return
                     continue
+                except Exception as e:  # noqa: BLE001 - the queue's actor is gone: the bar stops, training goes on
+                    log.warning("train progress: the step queue is gone (%s); the bar stops at %d", e, done)
+                    return
                 done = max(done, step)
                 meter.update(done=done)
 
@@ -77,7 +81,10 @@ def train_progress(total_steps: int) -> Iterator[list[TrainCallback]]:
         finally:
             stop.set()
             thread.join()
-            queue.shutdown()
+            try:
+                queue.shutdown()
+            except Exception as e:  # noqa: BLE001 - its actor died with its node
+                log.debug("train progress queue not shut down: %s", e)
 
 
 def format_metrics(m: dict) -> str:

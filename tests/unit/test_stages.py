@@ -20,33 +20,34 @@ from tests.conftest import CONFIGS
 
 pytestmark = pytest.mark.unit
 
-# Stage keys of the committed recipes, computed with the pipeline before stages became objects
-# (commit e35a825, pipelines/pipeline.py PipelineRun.key). A changed value invalidates every run
-# directory made with that recipe: change a key only on purpose.
+# Stage keys of the committed recipes (first computed with the pipeline before stages became objects, commit
+# e35a825; changed on purpose on 2026-11-28: regenerate.num_workers and capture.num_workers left the keys, so that a
+# stage run on 1 GPU is current for the same recipe on 4). A changed value invalidates every run directory made
+# with that recipe: change a key only on purpose.
 KEYS = {
     "smollm2-135m-ci.yaml": {
-        "regenerate": "96020e7203fd45259d5bd46273f046417f474539ac60f6abe5abb7f673e8adca",
-        "capture": "40725644328e5abb28cc7e99a3649e53d348f635639cb4e8092b23330125bbf4",
-        "train": "9d21543544d632fde908fd1529b397071f106f19c6b768710052a33aa300f7fa",
-        "evaluate": "8512f8d191c5de9bc26e9b1823ec9e41b4283d2d91c3e7ef8ca5aa7a2e39927b",
-        "register": "be649016439d74bd64dd32e9e6bce378843e2947ca73f8a2b6bccaac32ff065c",
-        "serve": "d4c6d6a2501f647c75dec327b20f8fa97d9329f8ae7ebfe9bc676c0f869f2ae1",
+        "regenerate": "4d700ec53aed940f0600983642c8ab7d3653e867c3dabb473dc16f2d9b637f52",
+        "capture": "3e77cbe545421e37cc031f47698a8f1070305b375f4b2b27ab07cc3334e0cd14",
+        "train": "6cd72a24393e7ebb3f40b80c94217789884cf06b7035cc655e0dc79c7da2cd83",
+        "evaluate": "f3ba352f7b3c1e61c1f77f09217cd7c50f3135f27e19e685344f9cdb84d379fd",
+        "register": "add6f417f2e7c9911470b90817b08604bf96a00a5bfaa468f7d224132076ae32",
+        "serve": "f05f23f53d34822c6de1ef732ee6ed70b00612213aa42547ccfa8e27eb534518",
     },
     "smollm2-135m-cpu.yaml": {
-        "regenerate": "e1b4e92a9c07429b1acaae8fafab7abfa645110ef72d4cc0963b078e7d54f721",
-        "capture": "2d4750e2ac4c9e4499b8aceab0af8f93cc656c2de7a371105a84856c72dbc73c",
-        "train": "86f89a2325281dd52efe1c050fa56128631fd6a3010d8aac27cf4dafd567ab5e",
-        "evaluate": "5c2258fef19b291e2c96401d9a41ec5f7e8321be6eb3538e78b6be99aa1cf8b7",
-        "register": "d3fdfafa006da3412c7fc038dd78c1a64bb9745c51b2dbe0e884647841dea4d4",
-        "serve": "2663f9560d199eb963613903ae1c4d9d38237ea7df55e545645f0a174ec1e55b",
+        "regenerate": "0c45577140df41de12d86c999c7115a1b7b1a88be94c790dffde82d1c09a8dc4",
+        "capture": "242df82be4a9cdafe6ded2db8a70f8e16da757e561c5a22bf9262166f6f4e747",
+        "train": "b93aee054f1a1276a8c3f81e41974a97fa912790d56b67560ac1d49f1773ab58",
+        "evaluate": "df27ef63b4d517df4c99fa8560017b22a11454032d5059ddc026841e6ea435e4",
+        "register": "4e453bdbfa4783b636da04191b7878b71776fb5bf88866bcffe14810a98e7dbc",
+        "serve": "bd2398831c223cb12f381af1d0e2ac17f1653336e8b3b63580dd53bbdebc77cf",
     },
     "smollm2-135m-gpu.yaml": {
-        "regenerate": "92bf454e78435fc66b56d2e625c03efd3d0d1629b778519babf792fe338340a3",
-        "capture": "78d10b5a0ca1851f985a0d1228c777beebb9e7fcf76ced127a850b341bcd828a",
-        "train": "304b108871c1c731df292c1cfc94c87f4f01395eae2a9300595e476cfc633cd9",
-        "evaluate": "830cbdb4173ce759d8a0e37854217a5058808c04596cf7c7ec795d662cea58f2",
-        "register": "09b93e62ba745854e1a73f85413e1f1fad1dd2605874ead36e67c1f0fa9e6455",
-        "serve": "67ee5560dbc99618c77d8516d46baefb61da1dd9cc2a5fda6ba7df353a656814",
+        "regenerate": "0159e197976aa382f1ee898ba2a058652870e769900448ef0019805a052eebde",
+        "capture": "c195a0b20848a3d6870146b44d227070a5ca171738ffc43ba8b1b1dd30a1d4bc",
+        "train": "c3d4e9377184a62e7d827551e34d5285c7fabafe42c382457401bef98737ba88",
+        "evaluate": "c7faed75ee873b8944005f7ec437ac0c99ef8cf09f2feca49b6233d1434c4741",
+        "register": "a7eb726bbd8e1d635b17242f7c4dcc6ff6577e8e32d32b7bcc987450295eb16a",
+        "serve": "5e854512ba016f87ca950bdf8d41174be0ac69043cf82e38cf2901bfe3c494a8",
     },
 }
 
@@ -93,9 +94,11 @@ def test_key_follows_upstream_sections(ci_recipe, tmp_path, override):
     assert all(base.key(s) != changed.key(s) for s in moved)
 
 
-@pytest.mark.parametrize("override", ["training.block_mask=blockwise", "training.max_failures=5"])
+@pytest.mark.parametrize("override", ["training.block_mask=blockwise", "training.max_failures=5",
+                                      "regenerate.num_workers=4", "capture.num_workers=3"])
 def test_fields_that_do_not_change_the_head_do_not_move_a_key(ci_recipe, tmp_path, override):
-    """How the (same) block mask is built and how many failures to recover from leave every key as it is."""
+    """How the (same) block mask is built, how many failures to recover from and how many engines or capture actors
+    share the work leave every key as it is."""
     base = PipelineRun(ci_recipe, run_dir=tmp_path)
     changed = PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", [override]), run_dir=tmp_path)
     assert all(base.key(s) == changed.key(s) for s in STAGES)
