@@ -432,12 +432,34 @@ class ServeDeployment(Section):
         return self
 
 
+# vLLM engine arguments that other fields set (the target, its dtype, the head and K): an engine_kwargs that names one
+# is refused (the recipe's serving.engine_kwargs, a Serve app's engine_kwargs)
+ENGINE_KWARGS_SET_ELSEWHERE = frozenset({"model", "served_model_name", "speculative_config", "dtype"})
+
+
 class ServeConfig(ServeDeployment):
     """Ray Serve LLM deployment of target + head (parallel drafting): :class:`ServeDeployment` plus where the
-    endpoint listens and which registry alias it serves."""
+    endpoint listens, which registry alias it serves, and the drafting engine's vLLM arguments."""
 
     _error_prefix: ClassVar[str] = "serving."
 
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     head_alias: str = Field("champion", description="Registry alias of the head to serve.")
+    engine_kwargs: Annotated[dict[str, Any] | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, description="vLLM engine arguments of the target engine that drafts, the one place for them: the "
+        "evaluate stage's engines and every Serve replica get them (after the CPU/GPU defaults), so that what is "
+        "measured is what is served. E.g. compilation_config ({cudagraph_mode: FULL_AND_PIECEWISE, "
+        "max_cudagraph_capture_size: 2048}), max_num_seqs, max_num_batched_tokens, async_scheduling (docs/gpu-vllm.md). "
+        "Not model, served_model_name, speculative_config, dtype (the target, head and K fields) nor max_model_len "
+        "(data.max_length_tokens). None: vLLM's defaults.")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs(cls, value):
+        """Refuse engine arguments that other recipe fields set."""
+        bad = sorted((ENGINE_KWARGS_SET_ELSEWHERE | {"max_model_len"}) & set(value or {}))
+        if bad:
+            raise ValueError(f"serving.engine_kwargs sets {bad}: the target, target.dtype, the head, "
+                             "serving.num_speculative_tokens and data.max_length_tokens set these")
+        return value

@@ -53,7 +53,7 @@ from pydantic import Field, field_validator, model_validator
 
 from pipelines import settings
 from pipelines.assets import EMBEDDED_TARGETS
-from pipelines.recipe.stages import ServeDeployment
+from pipelines.recipe.stages import ENGINE_KWARGS_SET_ELSEWHERE, ServeDeployment
 from pipelines.registry.refs import HeadRef
 from pipelines.serve.heads import PIN_FIX, HeadDownloadCallback, fetch_head
 
@@ -132,7 +132,7 @@ class ServeAppArgs(ServeDeployment):
             from pipelines.evaluate.k_schedule import check_parallel_drafting
 
             check_parallel_drafting(self.k_schedule)
-        bad = {"model", "served_model_name", "speculative_config", "dtype"} & set(self.engine_kwargs)
+        bad = ENGINE_KWARGS_SET_ELSEWHERE & set(self.engine_kwargs)
         if bad:
             raise ValueError(f"engine_kwargs sets {sorted(bad)}: use the fields target / target_dtype / head / "
                              "num_speculative_tokens / parallel_drafting instead")

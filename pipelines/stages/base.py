@@ -145,23 +145,32 @@ class EngineSettings:
 
     ``vllm_kwargs``: added to every vLLM engine (regenerate, evaluate, serve): on CPU eager mode
     (torch.compile warm-up costs minutes and buys little for a small target) and a quarter of the
-    memory; ``accelerator``: the Serve replicas' accelerator; ``export_dtype``: dtype of the exported
-    head; ``serve_resources``: Serve CPU reservations (small on a laptop cluster).
+    memory; ``drafting_kwargs``: ``serving.engine_kwargs``, added after them to the engines that draft (evaluate,
+    serve; :meth:`drafting_engine_kwargs`); ``accelerator``: the Serve replicas' accelerator; ``export_dtype``:
+    dtype of the exported head; ``serve_resources``: Serve CPU reservations (small on a laptop cluster).
     """
 
     use_gpu: bool
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    drafting_kwargs: dict[str, Any] = field(default_factory=dict)
     accelerator: str = "gpu"
     export_dtype: str = "bfloat16"
     serve_resources: dict[str, float] = field(default_factory=dict)
 
+    def drafting_engine_kwargs(self, **base: Any) -> dict[str, Any]:
+        """vLLM kwargs of an engine that drafts (evaluate's, a Serve replica's): ``base`` (dtype, max_model_len),
+        then :attr:`vllm_kwargs`, then :attr:`drafting_kwargs` (``serving.engine_kwargs``)."""
+        return base | self.vllm_kwargs | self.drafting_kwargs
+
 
 def engine_settings(recipe: Recipe) -> EngineSettings:
-    """The one place that turns ``training.use_gpu`` into engine settings for every stage."""
+    """The one place that turns ``training.use_gpu`` and ``serving.engine_kwargs`` into engine settings for every
+    stage."""
+    drafting = dict(recipe.serving.engine_kwargs or {})
     if recipe.training.use_gpu:
-        return EngineSettings(use_gpu=True)
+        return EngineSettings(use_gpu=True, drafting_kwargs=drafting)
     return EngineSettings(use_gpu=False, vllm_kwargs={"enforce_eager": True, "gpu_memory_utilization": 0.25},
-                          accelerator="cpu", export_dtype="float32",
+                          drafting_kwargs=drafting, accelerator="cpu", export_dtype="float32",
                           serve_resources={"replica_num_cpus": 0.5, "ingress_num_cpus": 0.25})
 
 

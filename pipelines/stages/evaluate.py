@@ -133,6 +133,8 @@ class EvaluateStage(Stage):
         if self._compares:
             parts.append({"champion": self._champion.key() if self._champion is not None
                           else {"model": self.ctx.model_name, "version": None}})
+        if recipe.serving.engine_kwargs:  # what is measured runs with the served engine's settings
+            parts.append({"engine_kwargs": recipe.serving.engine_kwargs})
         return tuple(parts)
 
     def run(self) -> EvaluateOutput:
@@ -155,7 +157,7 @@ class EvaluateStage(Stage):
             sets = load_eval_prompts(r.evaluation.sources, tok, num_prompts=r.evaluation.num_prompts,
                                      seed=r.data.seed, max_prompt_tokens=max_len - r.evaluation.max_tokens,
                                      engine=engine, max_tokens=r.evaluation.max_tokens)
-        engine_kwargs = {"dtype": r.target.dtype, "max_model_len": max_len} | self.ctx.engine.vllm_kwargs
+        engine_kwargs = self.ctx.engine.drafting_engine_kwargs(dtype=r.target.dtype, max_model_len=max_len)
         champion_kw = {"champion_head": champion_head, "champion_method": champion["method"]} if champion_head else {}
         reports = {}
         for eval_set in sorted(sets, key=lambda name: name != gate):  # the gate set first

@@ -43,13 +43,14 @@ class ServeOutput(StageOutput):
 def serve_app_args(recipe, engine: EngineSettings, *, tracking_uri: str | None, **overrides: Any):
     """The ``pipelines.serve.ServeAppArgs`` the serve stage deploys for ``recipe`` on engines ``engine``
     (:func:`pipelines.stages.base.engine_settings`): the serving section, the served model id (the target's
-    basename), ``max_model_len`` (>= 1024, >= ``data.max_length_tokens``), the engines' vLLM kwargs, accelerator and
+    basename), ``max_model_len`` (>= 1024, >= ``data.max_length_tokens``), the drafting engines' vLLM kwargs
+    (:meth:`EngineSettings.drafting_engine_kwargs`, ``serving.engine_kwargs`` last), accelerator and
     Serve CPU reservations; ``overrides`` replace fields (``bench.serve_replicas``: ``head=None``, replicas)."""
     from pipelines.serve import ServeAppArgs
 
     return ServeAppArgs.from_recipe(
         recipe, tracking_uri=tracking_uri, model_id=Path(recipe.target.model.rstrip("/")).name,
-        engine_kwargs={"max_model_len": max(1024, recipe.data.max_length_tokens)} | engine.vllm_kwargs,
+        engine_kwargs=engine.drafting_engine_kwargs(max_model_len=max(1024, recipe.data.max_length_tokens)),
         accelerator=engine.accelerator, **engine.serve_resources | overrides)
 
 

@@ -266,6 +266,30 @@ def test_engine_settings_cpu_and_gpu(ci_recipe):
     assert gpu.use_gpu and gpu.vllm_kwargs == {} and gpu.export_dtype == "bfloat16" and not gpu.serve_resources
 
 
+def test_serving_engine_kwargs_reach_the_engines_that_draft_and_key_what_they_measure(ci_recipe, tmp_path):
+    """serving.engine_kwargs: one recipe field, given to the evaluate stage's engines and to every Serve replica after
+    the CPU defaults; it moves the evaluate and serve keys (not the training's), unset it moves none; arguments that
+    other fields set are refused when the recipe loads."""
+    from pipelines.stages.serve import serve_app_args
+
+    sets = ['serving.engine_kwargs={max_num_seqs: 8, compilation_config: {cudagraph_mode: FULL_AND_PIECEWISE}}']
+    tuned = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", sets)
+    eng = engine_settings(tuned)
+    evaluate_kwargs = eng.drafting_engine_kwargs(dtype="float32", max_model_len=1024)
+    assert evaluate_kwargs == {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True,
+                               "gpu_memory_utilization": 0.25, "max_num_seqs": 8,
+                               "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}
+    served = serve_app_args(tuned, eng, tracking_uri=None).engine_kwargs
+    assert {k: v for k, v in served.items() if k != "max_model_len"} == {
+        k: v for k, v in evaluate_kwargs.items() if k not in ("dtype", "max_model_len")}
+    base, changed = PipelineRun(ci_recipe, run_dir=tmp_path), PipelineRun(tuned, run_dir=tmp_path)
+    moved = [s for s in STAGES if base.key(s) != changed.key(s)]
+    assert moved == ["evaluate", "register", "serve"]
+    with pytest.raises(ValueError, match=r"serving.engine_kwargs sets \['max_model_len', 'speculative_config'\]"):
+        load_recipe(CONFIGS / "smollm2-135m-ci.yaml",
+                    ["serving.engine_kwargs={speculative_config: {}, max_model_len: 4096}"])
+
+
 def _record_regenerate(run: PipelineRun, num_lines: int, key: str | None = None) -> RegenerateOutput:
     d = run.stage_dir("regenerate")
     d.mkdir(parents=True, exist_ok=True)
