@@ -113,6 +113,11 @@ def submit(opts: argparse.Namespace) -> str:
     runtime_env["env_vars"] |= {settings.TRACKING_URI_ENV: state["mlflow_uri"]}
     if opts.git_sha:  # a checkout copy without .git (the device's)
         runtime_env["env_vars"] |= {"PEAGLE_GIT_SHA": opts.git_sha}
+    for kv in getattr(opts, "env", None) or []:  # the job's own variables (bench.node_fault: its progress period)
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            sys.exit(f"submit --env {kv!r}: give KEY=VALUE")
+        runtime_env["env_vars"][key] = value
     job_id = opts.id or f"peagle-{int(time.time())}"
     config, sets = job_recipe(state, opts.config, opts.set)
     entry = ["python", "-m", opts.module, "--config", config, *[a for kv in sets for a in ("--set", kv)]]
@@ -314,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--git-sha", default=None, help="the commit, where the checkout has no .git")
     p.add_argument("--module", default=PIPELINE_MODULE, help="the job's entry module (ray_jobs.<stage>: that stage "
                    "alone on the same run directory; ray_jobs.serve rolls to the registry's champion)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable of the "
+                   "job (its runtime_env), e.g. PEAGLE_PROGRESS_EVERY_S=5")
     p = sub.add_parser("new-champion")
     p.add_argument("--run-dir", required=True, help="the run whose register stage names the registered model")
     p = sub.add_parser("wait")

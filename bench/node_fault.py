@@ -104,7 +104,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         sys.exit(f"node {opts.node!r} has no raylet running under {opts.temp_dir}")
     submit = argparse.Namespace(temp_dir=opts.temp_dir, config=opts.config, set=opts.set, run_dir=None,
                                 id=f"{opts.stage}-fault-{int(time.time())}", git_sha=opts.git_sha,
-                                module=f"ray_jobs.{opts.stage}")
+                                module=f"ray_jobs.{opts.stage}",
+                                env=[f"{settings.PROGRESS_EVERY_ENV}={opts.progress_every_s:g}"])
     job_id = multi_gpu.submit(submit)
     client = multi_gpu.job_client(multi_gpu.load_state(opts.temp_dir))
     t0, lines = time.monotonic(), []
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--down-s", type=float, default=60.0, help="seconds until the node joins again")
     ap.add_argument("--timeout-s", type=float, default=540.0)
     ap.add_argument("--poll-s", type=float, default=2.0)
+    ap.add_argument("--progress-every-s", type=float, default=2.0, help="the job's progress period: the kill waits "
+                    "for a progress line at --kill-at (the 30 s default let 60 steps pass on 2 GPUs before the first)")
     ap.add_argument("--config", default=None, help="the recipe (default: the last job's, with its --set overrides)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ap.add_argument("--run-dir", default=None, help="the run directory, where the cluster state does not name it")

@@ -143,8 +143,6 @@ def tqdm_only_on_a_terminal() -> Iterator[None]:
         os.environ.pop("TQDM_DISABLE", None)
 
 
-HEARTBEAT_S = 30.0  # off a terminal: one progress line this often while a step runs
-
 
 def format_duration(seconds: float) -> str:
     """``"4m05s"`` (minutes grow past 59: ``"75m03s"``)."""
@@ -252,8 +250,9 @@ def progress(description: str, total: int | None, unit: str, **work: Any) -> Ite
     ``work``: the meter's ``work_unit``, ``work_total``, ``work_bound``).
 
     On a terminal it updates live. Off a terminal (a log file, ``ray job submit``) a bar cannot redraw, so
-    a line ``[description] <Meter.text()>`` is printed when the step starts, every :data:`HEARTBEAT_S`
-    seconds while it runs, and when it ends.
+    a line ``[description] <Meter.text()>`` is printed when the step starts, every
+    :func:`pipelines.settings.progress_every_s` seconds while it runs (30 s unless ``$PEAGLE_PROGRESS_EVERY_S``
+    says otherwise), and when it ends.
     """
     meter = Meter(total, unit, **work)
     if not console.is_terminal:
@@ -309,5 +308,7 @@ def _heartbeat(description: str, meter: Meter, period_s: float | None = None) ->
         console.print(f"[{description}] {meter.text()}", highlight=False, markup=False)
 
     line()
-    with every(HEARTBEAT_S if period_s is None else period_s, line, name=f"peagle-progress-{description}"):
+    from pipelines.settings import progress_every_s
+
+    with every(progress_every_s() if period_s is None else period_s, line, name=f"peagle-progress-{description}"):
         yield

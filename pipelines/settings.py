@@ -42,9 +42,14 @@ SERVE_BACKEND_PREFIX = f"{SERVE_APP_NAME}-backend-"  # its backend apps (pipelin
 # A Ray node started by `python -m pipelines.local_ray start|join --node-name NAME` carries the custom resource
 # NODE_RESOURCE_PREFIX + NAME (1 unit): how the summary names it (pipelines.placement), e.g. two raylets of one host.
 NODE_RESOURCE_PREFIX = "peagle_node_"
+# Off a terminal (a log, `ray job submit`) each stage prints a progress line this often; the environment variable
+# sets another period (e.g. 2 s for bench.node_fault, which acts when a step count is reached).
+PROGRESS_EVERY_ENV = "PEAGLE_PROGRESS_EVERY_S"
+PROGRESS_EVERY_S = 30.0
 
 __all__ = [
-    "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "NODE_RESOURCE_PREFIX", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
+    "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "NODE_RESOURCE_PREFIX", "PROGRESS_EVERY_ENV",
+    "PROGRESS_EVERY_S", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
     "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_num_cpus",
     "local_sqlite_dir", "locks_dir", "mlflow_server_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",
     "targets_dir", "tracking_uri", "traffic_dir",
@@ -64,6 +69,24 @@ def peagle_home(home: str | os.PathLike | None = None) -> Path:
     if home is not None:
         return Path(home).expanduser()
     return Path(os.environ.get(HOME_ENV) or DEFAULT_HOME).expanduser()
+
+
+def progress_every_s() -> float:
+    """Seconds between progress lines off a terminal: ``$PEAGLE_PROGRESS_EVERY_S``, else :data:`PROGRESS_EVERY_S`.
+
+    Raises:
+        ValueError: the variable is not a positive number.
+    """
+    raw = os.environ.get(PROGRESS_EVERY_ENV)
+    if raw is None:
+        return PROGRESS_EVERY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{PROGRESS_EVERY_ENV}={raw!r}: give a number of seconds > 0")
+    return value
 
 
 def tracking_uri(configured: str | None = None, *, home: str | os.PathLike | None = None) -> str:

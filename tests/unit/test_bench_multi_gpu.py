@@ -125,3 +125,24 @@ def test_node_fault_reads_the_stages_progress_lines_and_refuses_the_head():
     with pytest.raises(SystemExit) as e:
         node_fault.main(["--node", multi_gpu.NODE_NAMES[0]])
     assert e.value.code == 2
+
+
+def test_submit_gives_the_job_its_own_variables(monkeypatch, tmp_path):
+    """``submit --env KEY=VALUE`` lands in the job's runtime_env beside the tracking URI (bench.node_fault: the
+    progress period); a malformed one stops before ``ray job submit``."""
+    import argparse
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(multi_gpu, "_ray", lambda state, *args, **kw: calls.append(args) or
+                        subprocess.CompletedProcess(args, 0, "", ""))
+    multi_gpu.save_state(str(tmp_path), {"mlflow_uri": "http://127.0.0.1:5000", "dashboard_url": "http://x:8265",
+                                         "client_env": {}})
+    opts = argparse.Namespace(temp_dir=str(tmp_path), config="configs/x.yaml", set=[], run_dir=None, id="j1",
+                              git_sha=None, module="ray_jobs.train", env=["PEAGLE_PROGRESS_EVERY_S=2"])
+    multi_gpu.submit(opts)
+    env = json.loads(calls[0][calls[0].index("--runtime-env-json") + 1])["env_vars"]
+    assert env["PEAGLE_PROGRESS_EVERY_S"] == "2" and env["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:5000"
+    with pytest.raises(SystemExit, match="give KEY=VALUE"):
+        multi_gpu.submit(argparse.Namespace(**{**vars(opts), "env": ["PEAGLE_PROGRESS_EVERY_S"]}))
+    assert len(calls) == 1

@@ -26,6 +26,24 @@ def test_progress_off_a_terminal_prints_heartbeat_lines(capsys):
     assert not [t for t in threading.enumerate() if t.name.startswith("peagle-progress-")]
 
 
+def test_the_progress_period_comes_from_the_environment(monkeypatch, capsys):
+    """``$PEAGLE_PROGRESS_EVERY_S`` sets the heartbeat (bench.node_fault gives its job 2 s); 30 s without it; a bad
+    value is refused with the variable's name."""
+    from pipelines import settings
+
+    monkeypatch.delenv(settings.PROGRESS_EVERY_ENV, raising=False)
+    assert settings.progress_every_s() == 30.0
+    monkeypatch.setenv(settings.PROGRESS_EVERY_ENV, "0.05")
+    meter = console.Meter(4, "steps")
+    with console._heartbeat("train", meter):
+        time.sleep(0.3)
+    assert len([x for x in capsys.readouterr().out.splitlines() if x.strip()]) >= 4
+    for bad in ("0", "-2", "soon"):
+        monkeypatch.setenv(settings.PROGRESS_EVERY_ENV, bad)
+        with pytest.raises(ValueError, match="PEAGLE_PROGRESS_EVERY_S"):
+            settings.progress_every_s()
+
+
 def test_progress_off_a_terminal_goes_through_the_heartbeat(monkeypatch):
     calls = []
     monkeypatch.setattr(console, "_heartbeat", lambda *a, **k: calls.append(a) or _null())
