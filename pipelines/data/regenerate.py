@@ -13,6 +13,11 @@ pool (:class:`RegenerateActor`) or one in-process engine (``use_ray=False``) run
 
 Context = ``data.max_length_tokens`` (vLLM ``max_model_len``): prompt + response must fit.
 
+Parts (``run_regenerate(parts_dir=...)``; the stage gives ``regenerate/parts-<key>``): each engine batch that
+finishes is written at once as a part file (its input ids, output rows and counts; written atomically), and a later
+run with the same settings regenerates only the conversations no part holds. A killed job or a machine that goes
+back loses the batches in flight, not the stage. Not with the ``ray_data_llm`` runner (its passes span all rows).
+
 Rows whose ``keep_answers`` column (``pipelines.data.rows.KEEP_ANSWERS``) is true -- a traffic source's
 greedy served answers, already the target's own -- are not regenerated: :func:`run_regenerate` passes
 them through with ``regen_model = "served"`` (counted ``kept_served_answers``).
@@ -218,15 +223,60 @@ def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
     return f"; {num_out} of {num_in} kept" + (": " + ", ".join(parts) if parts else "")
 
 
+PART_GLOB = "part-*.json"
+
+
+def regenerate_batch(rows: list[dict[str, Any]], engine: Engine, cfg: RegenerateConfig, *, stats: Counter,
+                     report: Callable[..., None], parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
+    """:func:`regenerate_conversations` of one engine batch, then (``parts_dir``) the batch written as a part:
+    ``part-<sha256 of its ids>.json`` holding its input ids (dropped ones too), output rows and counts, written
+    atomically (``peagle_core.atomic``), so a run killed later keeps it."""
+    own: Counter = Counter()  # this batch's counts: the part's, then added to ``stats``
+    out = regenerate_conversations(rows, engine, cfg, stats=own, report=report)
+    stats.update(own)
+    if parts_dir is not None:
+        import hashlib
+        import json
+
+        from peagle_core.atomic import atomic_write_text
+
+        ids = [str(r["id"]) for r in rows]
+        name = "part-" + hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()[:16] + ".json"
+        Path(parts_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(parts_dir) / name, json.dumps({"ids": ids, "rows": out, "stats": dict(own)}))
+    return out
+
+
+def read_parts(parts_dir: str | Path, ids: Iterable[str]) -> tuple[set[str], list[dict[str, Any]], Counter]:
+    """What earlier runs wrote to ``parts_dir`` (:func:`regenerate_batch`) for conversations ``ids``: the ids done
+    (regenerated or dropped), their rows and the parts' summed counts. A part naming ids outside ``ids`` is not
+    used; a part that does not parse (cut short: it is written atomically, so only by hand) is skipped."""
+    import json
+
+    wanted, done, rows, stats = set(ids), set(), [], Counter()
+    for path in sorted(Path(parts_dir).glob(PART_GLOB)):
+        try:
+            part = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("regenerate: part %s unreadable (%s); its conversations run again", path.name, e)
+            continue
+        if not set(part["ids"]) <= wanted or done & set(part["ids"]):
+            continue
+        done |= set(part["ids"])
+        rows += part["rows"]
+        stats.update({k: v for k, v in part["stats"].items() if isinstance(v, (int, float))})
+    return done, rows, stats
+
+
 class RegenerateActor:
     """Ray Data ``map_batches`` actor holding one engine: conversation rows -> regenerated rows. ``reports``: where
     it reports its progress (:func:`regenerate_conversations`' counts; ``live_tokens`` as its engine generates)."""
 
     def __init__(self, backend: str, model_path: str, cfg: RegenerateConfig, engine_kwargs: dict[str, Any],
-                 reports: Tally | None = None):
+                 reports: Tally | None = None, parts_dir: str | None = None):
         self.reports = reports or Tally()
         self.engine = make_engine(backend, model_path, on_tokens=self._live_tokens, **engine_kwargs)
-        self.cfg = cfg
+        self.cfg, self.parts_dir = cfg, parts_dir
 
     def _live_tokens(self, n: int) -> None:
         self.reports.add(live_tokens=n)
@@ -234,7 +284,8 @@ class RegenerateActor:
     def __call__(self, batch) -> dict[str, list]:
         rows = batch.to_pylist() if hasattr(batch, "to_pylist") else batch.to_dict("records")
         stats: Counter = Counter()
-        out = regenerate_conversations(rows, self.engine, self.cfg, stats=stats, report=self.reports.add)
+        out = regenerate_batch(rows, self.engine, self.cfg, stats=stats, report=self.reports.add,
+                               parts_dir=self.parts_dir)
         keys = ("id", "messages", "source", "source_id", "regen_model", "sampling", "num_generated_tokens")
         cols: dict[str, list] = {k: [r[k] for r in out] for k in keys}
         cols["_batch_stats"] = [dict(stats)] + [{}] * (len(out) - 1) if out else []
@@ -276,6 +327,7 @@ def run_regenerate(
     num_cpus_per_worker: float = 1,
     use_ray: bool = True,
     engine_kwargs: Mapping[str, Any] | None = None,
+    parts_dir: str | Path | None = None,
 ) -> RegenerateResult:
     """Regenerate ``conversations`` (``datasets.Dataset`` or rows ``{id, messages, source}``) with the
     target on Ray Data: ``ray.data.llm`` passes (backend vllm, runner ray_data_llm) or an actor pool
@@ -283,6 +335,9 @@ def run_regenerate(
     in-process engine. Context = ``data_cfg.max_length_tokens``.
     ``out_path``: also write the rows as parquet (``.parquet``) or JSONL. Rows with ``keep_answers``
     true pass through unregenerated (module doc); when every row does, no engine starts.
+    ``parts_dir`` (actor and in-process runners): each finished batch is kept there, and conversations that an
+    earlier run's parts hold are taken from them, not regenerated (module doc; ``stats["resumed_conversations"]``).
+    Tokens/s count this run's tokens only.
 
     Raises:
         ValueError: ``regen_cfg.enabled`` is false, an unknown backend, or no conversations (before any
@@ -305,6 +360,18 @@ def run_regenerate(
     totals: Counter = Counter()
     out = [served_row(r, regen_cfg) for r, k in zip(rows, keep) if k]
     totals["kept_served_answers"] = len(out)
+    resumed: Counter = Counter()
+    if parts_dir is not None and _ray_runner(regen_cfg, use_ray) == "ray_data_llm":
+        log.info("regenerate: the ray_data_llm runner writes no parts (its passes span all rows)")
+        parts_dir = None
+    if parts_dir is not None and todo:
+        done_ids, kept_rows, resumed = read_parts(parts_dir, [r["id"] for r in todo])
+        if done_ids:
+            log.info("regenerate: %d of %d conversations taken from earlier parts in %s", len(done_ids), len(todo),
+                     parts_dir)
+        todo = [r for r in todo if r["id"] not in done_ids]
+        out += kept_rows
+        resumed["resumed_conversations"] = len(done_ids)
     if todo:
         model_path, kwargs = engine_setup(target_cfg, regen_cfg, data_cfg, num_cpus_per_worker=num_cpus_per_worker,
                                           engine_kwargs=engine_kwargs)
@@ -313,17 +380,19 @@ def run_regenerate(
                       work_bound=True) as meter:
             with _progress_tally(meter, budget, use_ray=use_ray, regen_cfg=regen_cfg, model_path=model_path) as reports:
                 out += _generate(todo, model_path, regen_cfg, kwargs, num_cpus_per_worker=num_cpus_per_worker,
-                                 use_ray=use_ray, stats=totals, reports=reports)
+                                 use_ray=use_ray, stats=totals, reports=reports, parts_dir=parts_dir)
             generated = int(totals["num_generated_tokens"])
             meter.update(done=len(todo), work_total=generated, work=generated)  # exact, whatever reports were lost
     order = {r["id"]: r["_order"] for r in rows}
     out.sort(key=lambda r: order[r["id"]])
     seconds = time.perf_counter() - t0
+    new_tokens = int(totals["num_generated_tokens"])  # this run's: the rates
+    totals.update({k: v for k, v in resumed.items() if k != "generate_s"})
     num_tokens = int(totals["num_generated_tokens"])
     result = RegenerateResult(
         rows=out, num_conversations=len(rows), num_turns=int(totals["num_turns"]), num_generated_tokens=num_tokens,
-        tokens_per_s=num_tokens / totals["generate_s"] if totals["generate_s"] else 0.0,
-        wall_tokens_per_s=num_tokens / seconds, seconds=seconds, stats=dict(totals),
+        tokens_per_s=new_tokens / totals["generate_s"] if totals["generate_s"] else 0.0,
+        wall_tokens_per_s=new_tokens / seconds, seconds=seconds, stats=dict(totals),
     )
     log.info("regenerate: %d conversations, %d turns, %d tokens, %.1f tokens/s (engine), %.1f tokens/s (wall)",
              len(out), result.num_turns, num_tokens, result.tokens_per_s, result.wall_tokens_per_s)
@@ -367,7 +436,8 @@ def _progress_tally(meter: Meter, budget: int, *, use_ray: bool, regen_cfg: Rege
 
 
 def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: RegenerateConfig, kwargs: dict[str, Any], *,
-              num_cpus_per_worker: float, use_ray: bool, stats: Counter, reports: Tally) -> list[dict[str, Any]]:
+              num_cpus_per_worker: float, use_ray: bool, stats: Counter, reports: Tally,
+              parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """The engine part of :func:`run_regenerate`: ``ray.data.llm`` passes, one in-process engine, or
     an actor pool; regenerated rows in any order; progress reported into ``reports``."""
     runner = _ray_runner(regen_cfg, use_ray)
@@ -378,8 +448,8 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         engine = make_engine(regen_cfg.backend, model_path, on_tokens=lambda n: reports.add(live_tokens=n), **kwargs)
         out: list[dict[str, Any]] = []
         for i in range(0, len(rows), regen_cfg.batch_size):
-            out.extend(regenerate_conversations(rows[i:i + regen_cfg.batch_size], engine, regen_cfg, stats=stats,
-                                                report=reports.add))
+            out.extend(regenerate_batch(rows[i:i + regen_cfg.batch_size], engine, regen_cfg, stats=stats,
+                                        report=reports.add, parts_dir=parts_dir))
             log.info("regenerated %d/%d conversations, %d tokens", min(i + regen_cfg.batch_size, len(rows)),
                      len(rows), stats["num_generated_tokens"])
         return out
@@ -390,7 +460,8 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
     ds = ray.data.from_items(rows)
     res = ds.map_batches(
         RegenerateActor,
-        fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs, reports),
+        fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs, reports,
+                             None if parts_dir is None else str(parts_dir)),
         compute=ray.data.ActorPoolStrategy(size=regen_cfg.num_workers),
         batch_size=regen_cfg.batch_size,
         batch_format="pyarrow",

@@ -97,9 +97,14 @@ class RegenerateStage(Stage):
                                            for x in rows))
             return RegenerateOutput(path=str(out), num_conversations=len(rows), regenerated=False,
                                     self_instruct=written)
+        # finished batches are kept under the stage key: a killed job or a lost machine resumes from them
+        parts = self.dir / f"parts-{self.ctx.key(self.name)[:12]}"
         res = run_regenerate(train, r.target, r.regenerate, r.data, out_path=out,
                              num_cpus_per_worker=cpus_per_worker(r.regenerate.num_workers),
-                             engine_kwargs=dict(self.ctx.engine.vllm_kwargs))
+                             engine_kwargs=dict(self.ctx.engine.vllm_kwargs), parts_dir=parts)
+        if res.stats.get("resumed_conversations"):
+            self.ctx.say(f"{res.stats['resumed_conversations']} conversations taken from the parts an earlier run "
+                         f"wrote ({parts})")
         self.ctx.say(f"{len(res.rows)} conversations, {res.num_turns} turns, {res.num_generated_tokens} tokens, "
                      f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)"
                      + drop_summary(res.num_conversations, len(res.rows), res.stats))

