@@ -328,8 +328,19 @@ def capture_profile(lines: list[str]) -> None:
               f"({fwd / n:,.0f} tok/s; goal >= 50%): capture is bound by the disk, not by the GPU. Start-up "
               f"({prof['actor_start_s'] / n:.0f} s per actor) and waiting for tokenized input are small. What would "
               "lift it: streaming capture into training (`capture.streaming`, no shards on disk), or writing a shard "
-              "while the next one is captured.")
+              "while the next one is captured." + _shard_write_note())
     lines += [reading, ""]
+
+
+def _shard_write_note() -> str:
+    """The shard writer's A/B on the CPU box (``bench.shard_write``), where run."""
+    r = load("shard_write")
+    if r is None:
+        return ""
+    rate = {x["path"]: x["mib_per_s"] for x in r["rows"]}
+    return (f" Since this run the writer hands safetensors the file instead of building each shard in memory first: "
+            f"{rate['writer']:,.0f} against {rate['bytes_first']:,.0f} MiB/s for a {r['mib']:,.0f} MiB shard on the "
+            "CPU box (`shard_write.json`, fsync included); not yet measured on a GPU machine's disk.")
 
 
 def _batch(r: dict) -> tuple[int | None, int | None]:

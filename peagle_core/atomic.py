@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -214,6 +215,31 @@ def replace_file(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     return Path(final)
 
 
+def temp_sibling(path: Path) -> Path:
+    """The temporary sibling a file is written to before it is renamed over ``path``: hidden, unique to this
+    process, ending in ``.tmp`` (the capture's cleanup of killed shard writes globs ``.shard-*.tmp``)."""
+    return path.parent / f".{path.name}.{os.getpid()}-{os.urandom(8).hex()}.tmp"
+
+
+def atomic_write_via(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """As :func:`atomic_write_bytes` for a writer that takes a file name (e.g. ``safetensors.torch.save_file``,
+    which writes a large file without first building it in memory): ``write(tmp)`` fills the temporary sibling,
+    then it is fsynced and renamed over ``path``; on any error no temp file remains.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(path)
+    try:
+        write(tmp)
+        return replace_file(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = None,
                        exclusive: bool = False) -> Path:
     """Write ``data`` to ``path`` through a temporary sibling: readers see the old file or the whole
@@ -233,8 +259,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # ends in ".tmp": the capture's cleanup of killed shard writes globs ".shard-*.tmp"
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{os.urandom(8).hex()}.tmp"
+    tmp = temp_sibling(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o666 if mode is None else mode & 0o600)  # never more open than asked, even for a moment
     try:

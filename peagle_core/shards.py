@@ -11,7 +11,7 @@ A shard ``shard-00000.safetensors`` holds its samples concatenated along tokens:
 
 plus header metadata (JSON strings): ``sample_ids``, ``checksums`` (sha256 per sample over its
 bytes), ``format_version`` and the writer's own keys. Files are written to a temporary name,
-fsynced and renamed (``peagle_core.atomic.atomic_write_bytes``), so a shard on disk is either
+fsynced and renamed (``peagle_core.atomic.atomic_write_via``), so a shard on disk is either
 absent or complete, also after a crash or power loss; bit rot or truncation is caught by
 checksums on read (:class:`ShardError`, naming the file).
 
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from peagle_core.atomic import atomic_write_bytes  # re-exported: shards.atomic_write_bytes
+from peagle_core.atomic import atomic_write_bytes, atomic_write_via  # atomic_write_bytes re-exported
 from peagle_core.samples import SAMPLE_KEYS, as_tensor, sample_checksum, validate_sample
 
 FORMAT_VERSION = "1"
@@ -104,7 +104,7 @@ def write_shard(
         ValueError: a sample fails :func:`validate_sample`, duplicate sample ids, mixed dtypes or
             widths, or a metadata key clashing with a reserved one.
     """
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
     path = Path(path)
     samples = list(samples)
@@ -146,7 +146,8 @@ def write_shard(
     if clash:
         raise ValueError(f"{path.name}: metadata keys {sorted(clash)} are reserved by the shard format")
     header.update(format_version=FORMAT_VERSION, sample_ids=json.dumps(ids), checksums=json.dumps(checksums))
-    atomic_write_bytes(path, save(tensors, metadata=header))
+    # straight to the file: save() would first build the whole shard (GBs) as one bytes object
+    atomic_write_via(path, lambda tmp: save_file(tensors, str(tmp), metadata=header))
     return [
         {"sample_id": s, "shard": path.name, "offset": int(o), "length": int(n), "checksum": c}
         for s, o, n, c in zip(ids, offsets.tolist(), lengths.tolist(), checksums)

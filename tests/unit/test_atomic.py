@@ -23,6 +23,7 @@ import pytest
 from peagle_core.atomic import (
     atomic_write_bytes,
     atomic_write_text,
+    atomic_write_via,
     recover_dir,
     recover_dirs_in,
     replace_dir,
@@ -220,6 +221,23 @@ def test_failed_file_write_leaves_the_old_file_and_no_temp(tmp_path):
         atomic_write_bytes(path, "not bytes")  # type: ignore[arg-type]
     assert path.read_text() == "old" and others(path) == []
     atomic_write_text(path, "new")
+    assert path.read_text() == "new" and others(path) == []
+
+
+def test_a_writer_that_fails_halfway_leaves_the_old_file_and_no_temp(tmp_path):
+    """``atomic_write_via`` (shards: safetensors writes the file itself): a writer that dies after writing part of
+    the temp file leaves the old file and nothing else; one that finishes replaces it."""
+    path = tmp_path / "shard-00000.safetensors"
+    atomic_write_text(path, "old")
+
+    def half(tmp: Path) -> None:
+        tmp.write_bytes(b"partial shard")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_via(path, half)
+    assert path.read_text() == "old" and others(path) == []
+    atomic_write_via(path, lambda tmp: tmp.write_text("new"))
     assert path.read_text() == "new" and others(path) == []
 
 
