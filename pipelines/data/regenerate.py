@@ -15,8 +15,8 @@ Context = ``data.max_length_tokens`` (vLLM ``max_model_len``): prompt + response
 
 Parts (``run_regenerate(parts_dir=...)``; the stage gives ``regenerate/parts-<key>``): each engine batch that
 finishes is written at once as a part file (its input ids, output rows and counts; written atomically), and a later
-run with the same settings regenerates only the conversations no part holds. A killed job or a machine that goes
-back loses the batches in flight, not the stage. Not with the ``ray_data_llm`` runner (its passes span all rows).
+run with the same settings regenerates only the conversations no part holds (the stage removes the parts once
+its output is written). A killed job or a machine that goes back loses the batches in flight, not the stage. Not with the ``ray_data_llm`` runner (its passes span all rows).
 
 Rows whose ``keep_answers`` column (``pipelines.data.rows.KEEP_ANSWERS``) is true -- a traffic source's
 greedy served answers, already the target's own -- are not regenerated: :func:`run_regenerate` passes

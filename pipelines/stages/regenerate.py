@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,7 @@ class RegenerateStage(Stage):
         if res.stats.get("resumed_conversations"):
             self.ctx.say(f"{res.stats['resumed_conversations']} conversations taken from the parts an earlier run "
                          f"wrote ({parts})")
+        shutil.rmtree(parts, ignore_errors=True)  # the output holds them now; a forced re-run regenerates all
         self.ctx.say(f"{len(res.rows)} conversations, {res.num_turns} turns, {res.num_generated_tokens} tokens, "
                      f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)"
                      + drop_summary(res.num_conversations, len(res.rows), res.stats))
