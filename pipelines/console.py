@@ -143,7 +143,6 @@ def tqdm_only_on_a_terminal() -> Iterator[None]:
         os.environ.pop("TQDM_DISABLE", None)
 
 
-
 def format_duration(seconds: float) -> str:
     """``"4m05s"`` (minutes grow past 59: ``"75m03s"``)."""
     s = max(0, round(seconds))
