@@ -311,19 +311,18 @@ def _capture_with_ray(tasks, pending: list[int], actor_args: tuple, actor_kwargs
 
 
 def capture_profile(shard_stats: Mapping[int, Mapping[str, Any]], pending: Sequence[int], run_s: float,
-                    ) -> dict[str, Any]:
+                    tokens: int) -> dict[str, Any]:
     """Where this run's capture time went, in seconds summed over the actors (each shard's ``*_ms`` from
     :meth:`~pipelines.capture.actors.CaptureShardActor.write_shard`): ``actor_start_s`` (model or engine
     load), ``wait_s`` (idle, waiting for tokenized shards), ``forward_s`` (model step with the copy to host),
     ``write_s`` (shard files); ``run_s`` is the wall time of the actor pool; ``num_actors`` the actors that
-    wrote a shard. ``steady_tokens_per_s`` = tokens / (forward_s + write_s) x num_actors: the pool's rate
-    once started and fed."""
+    wrote a shard. ``steady_tokens_per_s`` = ``tokens`` (this run's) / (forward_s + write_s) x num_actors: the
+    pool's rate once started and fed."""
     sums: Counter = Counter()
     for k in pending:
         sums.update({key: v for key, v in shard_stats[k].items() if key.endswith("_ms") and isinstance(v, int)})
     num_actors = sum(1 for k in pending if "actor_start_ms" in shard_stats[k])
     busy_ms = sums["forward_ms"] + sums["write_ms"]
-    tokens = sum(int(shard_stats[k].get("num_tokens", 0)) for k in pending)
     out = {f"{key[:-3]}_s": round(v / 1000, 3) for key, v in sorted(sums.items())}
     return out | {"run_s": round(run_s, 3), "num_actors": num_actors,
                   "steady_tokens_per_s": tokens / busy_ms * 1000 * max(1, num_actors) if busy_ms else None}
@@ -351,7 +350,8 @@ def _finish(out_dir: Path, tasks, done: dict[int, list[dict]], shard_stats: dict
     for s in shard_stats.values():
         totals.update({k: v for k, v in s.items() if isinstance(v, int)})
     new_tokens = sum(shard_stats[k].get("num_tokens", 0) for k in pending)
-    forward_s = sum(shard_stats[k].get("forward_ms", 0) for k in pending) / 1000
+    profile = capture_profile(shard_stats, pending, run_s, new_tokens)
+    forward_s = profile.get("forward_s", 0.0)
     num_tokens = sum(r["length"] for r in manifest_rows)
     disk = sum((out_dir / shards.shard_name(k)).stat().st_size for k in range(len(tasks)))
     hidden_size, vocab_size = int(config["hidden_size"]), int(config["vocab_size"])
@@ -384,7 +384,7 @@ def _finish(out_dir: Path, tasks, done: dict[int, list[dict]], shard_stats: dict
         "capture_tokens_per_s_this_run": new_tokens / run_s if pending and run_s > 0 else None,
         # tokens / time in the model step (batching, forward, copy to host, validate), summed over actors
         "forward_tokens_per_s": new_tokens / forward_s if forward_s > 0 else None,
-        "profile": capture_profile(shard_stats, pending, run_s),
+        "profile": profile,
     }
     shards.write_capture_meta(out_dir, meta)
     shards.write_manifest(out_dir, manifest_rows)  # last: marks the capture finished

@@ -24,6 +24,7 @@ prompt that leaves no room gets ``None``. Per-request seeds: :func:`request_seed
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import zlib
@@ -127,7 +128,6 @@ class VLLMEngine:
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.name = name or str(model_path)
-        self._chained = 0  # requests of generate_chained so far: unique request ids across its calls
 
     def generate(self, prompts, cfg, seeds) -> list[Generation | None]:
         return self._run([_chat_ids(self.tokenizer, m) for m in prompts], chat_params(cfg), seeds)
@@ -151,21 +151,21 @@ class VLLMEngine:
         arrive finished (``RequestOutputKind.FINAL_ONLY``)."""
         from vllm import TokensPrompt
 
-        engine, p = self.llm.llm_engine, chat_params(cfg)
-        keys: dict[str, Any] = {}
+        engine, p, request_ids = self.llm.llm_engine, chat_params(cfg), itertools.count()
+        keys: dict[str, Any] = {}  # request id -> chain key, while the request runs
+
+        def finish(key: Any, g: Generation | None) -> None:
+            nxt = on_done(key, g)
+            if nxt is not None:
+                submit(key, *nxt)
 
         def submit(key: Any, messages, seed: int) -> None:
-            while True:
-                ids = _chat_ids(self.tokenizer, messages)
-                room = self.max_model_len - len(ids)
-                if room >= 1:
-                    break
-                nxt = on_done(key, None)
-                if nxt is None:
-                    return
-                messages, seed = nxt
-            rid = f"peagle-chain-{self._chained}"
-            self._chained += 1
+            ids = _chat_ids(self.tokenizer, messages)
+            room = self.max_model_len - len(ids)
+            if room < 1:
+                finish(key, None)
+                return
+            rid = f"peagle-chain-{next(request_ids)}"  # every request of a call ends inside it: unique enough
             keys[rid] = key
             engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), self._sampling(p, room, seed, final_only=True))
 
@@ -174,13 +174,9 @@ class VLLMEngine:
         with _counting_tokens(self.llm, self.on_tokens):
             while engine.has_unfinished_requests():
                 for res in engine.step():
-                    if not res.finished:
-                        continue
-                    o = res.outputs[0]
-                    key = keys.pop(res.request_id)
-                    nxt = on_done(key, Generation(o.text, len(o.token_ids), str(o.finish_reason)))
-                    if nxt is not None:
-                        submit(key, *nxt)
+                    if res.finished:
+                        o = res.outputs[0]
+                        finish(keys.pop(res.request_id), Generation(o.text, len(o.token_ids), str(o.finish_reason)))
 
     @staticmethod
     def _sampling(p: CompletionParams, room: int, seed: int, *, final_only: bool = False):

@@ -268,6 +268,18 @@ def read_parts(parts_dir: str | Path, ids: Iterable[str]) -> tuple[set[str], lis
     return done, rows, stats
 
 
+def _resume(parts_dir: str | Path, todo: list[dict[str, Any]],
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Counter]:
+    """:func:`read_parts` for the conversations ``todo``: those still to regenerate, the rows the parts hold, the
+    parts' counts with ``resumed_conversations``."""
+    done_ids, kept_rows, resumed = read_parts(parts_dir, [r["id"] for r in todo])
+    if done_ids:
+        log.info("regenerate: %d of %d conversations taken from earlier parts in %s", len(done_ids), len(todo),
+                 parts_dir)
+    resumed["resumed_conversations"] = len(done_ids)
+    return [r for r in todo if r["id"] not in done_ids], kept_rows, resumed
+
+
 class RegenerateActor:
     """Ray Data ``map_batches`` actor holding one engine: conversation rows -> regenerated rows. ``reports``: where
     it reports its progress (:func:`regenerate_conversations`' counts; ``live_tokens`` as its engine generates)."""
@@ -365,13 +377,8 @@ def run_regenerate(
         log.info("regenerate: the ray_data_llm runner writes no parts (its passes span all rows)")
         parts_dir = None
     if parts_dir is not None and todo:
-        done_ids, kept_rows, resumed = read_parts(parts_dir, [r["id"] for r in todo])
-        if done_ids:
-            log.info("regenerate: %d of %d conversations taken from earlier parts in %s", len(done_ids), len(todo),
-                     parts_dir)
-        todo = [r for r in todo if r["id"] not in done_ids]
+        todo, kept_rows, resumed = _resume(parts_dir, todo)
         out += kept_rows
-        resumed["resumed_conversations"] = len(done_ids)
     if todo:
         model_path, kwargs = engine_setup(target_cfg, regen_cfg, data_cfg, num_cpus_per_worker=num_cpus_per_worker,
                                           engine_kwargs=engine_kwargs)

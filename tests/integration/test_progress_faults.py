@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from pipelines import console, tally
+from pipelines import tally
 from pipelines.train import progress
+from tests.integration.progress_helpers import record_bars
 
 pytestmark = pytest.mark.integration
 
@@ -25,27 +26,8 @@ def ray_local():
 def test_a_killed_step_queue_stops_the_bar_not_the_stage(ray_local, monkeypatch):
     import ray
 
-    bars, errors = [], []
+    bars, errors = record_bars(monkeypatch), []
     monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
-
-    class Bar:
-        def __init__(self, **kw):
-            self.done = 0
-
-        def update(self, done=None, **kw):
-            self.done = done
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    def recording(description, total, unit, **kw):
-        bars.append(Bar())
-        return bars[-1]
-
-    monkeypatch.setattr(console, "progress", recording)
     with progress.train_progress(10) as callbacks:
         queue = callbacks[0].queue
         opts = tally.on_driver_node()

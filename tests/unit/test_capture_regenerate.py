@@ -304,7 +304,7 @@ def test_vllm_engine_chains_requests_through_add_request_and_step():
 
     eng = object.__new__(engines.VLLMEngine)
     eng.llm = type("LLM", (), {"llm_engine": FakeLLMEngine()})()
-    eng.tokenizer, eng.max_model_len, eng.on_tokens, eng._chained = Tok(), 16, None, 0
+    eng.tokenizer, eng.max_model_len, eng.on_tokens = Tok(), 16, None
     seen, nexts = [], [10, 20, 5]  # the third prompt (20 tokens) no longer fits the 16-token context
 
     def on_done(key, g):
