@@ -30,8 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
-    "atomic_write_bytes", "atomic_write_text", "fsync_dir", "fsync_tree", "recover_dir", "recover_dirs_in",
-    "replace_dir", "replace_file", "temp_dir_for",
+    "atomic_write_bytes", "atomic_write_text", "atomic_write_via", "fsync_dir", "fsync_tree", "recover_dir",
+    "recover_dirs_in", "replace_dir", "replace_file", "temp_dir_for", "temp_sibling",
 ]
 
 _SIBLING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>old|tmp)-(?P<pid>\d+)(?:-.*)?$")

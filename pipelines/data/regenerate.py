@@ -14,9 +14,10 @@ pool (:class:`RegenerateActor`) or one in-process engine (``use_ray=False``) run
 Context = ``data.max_length_tokens`` (vLLM ``max_model_len``): prompt + response must fit.
 
 Parts (``run_regenerate(parts_dir=...)``; the stage gives ``regenerate/parts-<key>``): each engine batch that
-finishes is written at once as a part file (its input ids, output rows and counts; written atomically), and a later
-run with the same settings regenerates only the conversations no part holds (the stage removes the parts once
-its output is written). A killed job or a machine that goes back loses the batches in flight, not the stage. Not with the ``ray_data_llm`` runner (its passes span all rows).
+finishes is kept at once as a part file (:mod:`pipelines.data.parts`), and a later run with the same settings
+regenerates only the conversations no part holds (the stage removes the parts once its output is written). A
+killed job or a machine that goes back loses the batches in flight, not the stage. Not with the ``ray_data_llm``
+runner (its passes span all rows).
 
 Rows whose ``keep_answers`` column (``pipelines.data.rows.KEEP_ANSWERS``) is true -- a traffic source's
 greedy served answers, already the target's own -- are not regenerated: :func:`run_regenerate` passes
@@ -48,6 +49,7 @@ from pipelines.data.engines import (
     make_engine,
     request_seed,
 )
+from pipelines.data.parts import read_parts, write_part
 from pipelines.data.rows import KEEP_ANSWERS
 from pipelines.tally import Tally, VLLMTokenGauge, tally
 
@@ -223,54 +225,22 @@ def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
     return f"; {num_out} of {num_in} kept" + (": " + ", ".join(parts) if parts else "")
 
 
-PART_GLOB = "part-*.json"
-
-
 def regenerate_batch(rows: list[dict[str, Any]], engine: Engine, cfg: RegenerateConfig, *, stats: Counter,
                      report: Callable[..., None], parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
-    """:func:`regenerate_conversations` of one engine batch, then (``parts_dir``) the batch written as a part:
-    ``part-<sha256 of its ids>.json`` holding its input ids (dropped ones too), output rows and counts, written
-    atomically (``peagle_core.atomic``), so a run killed later keeps it."""
+    """:func:`regenerate_conversations` of one engine batch, then (``parts_dir``) the batch kept as a part
+    (:func:`pipelines.data.parts.write_part`: its input ids, dropped ones too, output rows and own counts), so a
+    run killed later keeps it."""
     own: Counter = Counter()  # this batch's counts: the part's, then added to ``stats``
     out = regenerate_conversations(rows, engine, cfg, stats=own, report=report)
     stats.update(own)
     if parts_dir is not None:
-        import hashlib
-        import json
-
-        from peagle_core.atomic import atomic_write_text
-
-        ids = [str(r["id"]) for r in rows]
-        name = "part-" + hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()[:16] + ".json"
-        Path(parts_dir).mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(parts_dir) / name, json.dumps({"ids": ids, "rows": out, "stats": dict(own)}))
+        write_part(parts_dir, [str(r["id"]) for r in rows], out, own)
     return out
-
-
-def read_parts(parts_dir: str | Path, ids: Iterable[str]) -> tuple[set[str], list[dict[str, Any]], Counter]:
-    """What earlier runs wrote to ``parts_dir`` (:func:`regenerate_batch`) for conversations ``ids``: the ids done
-    (regenerated or dropped), their rows and the parts' summed counts. A part naming ids outside ``ids`` is not
-    used; a part that does not parse (cut short: it is written atomically, so only by hand) is skipped."""
-    import json
-
-    wanted, done, rows, stats = set(ids), set(), [], Counter()
-    for path in sorted(Path(parts_dir).glob(PART_GLOB)):
-        try:
-            part = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            log.warning("regenerate: part %s unreadable (%s); its conversations run again", path.name, e)
-            continue
-        if not set(part["ids"]) <= wanted or done & set(part["ids"]):
-            continue
-        done |= set(part["ids"])
-        rows += part["rows"]
-        stats.update({k: v for k, v in part["stats"].items() if isinstance(v, (int, float))})
-    return done, rows, stats
 
 
 def _resume(parts_dir: str | Path, todo: list[dict[str, Any]],
             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Counter]:
-    """:func:`read_parts` for the conversations ``todo``: those still to regenerate, the rows the parts hold, the
+    """:func:`~pipelines.data.parts.read_parts` for the conversations ``todo``: those still to regenerate, the rows the parts hold, the
     parts' counts with ``resumed_conversations``."""
     done_ids, kept_rows, resumed = read_parts(parts_dir, [r["id"] for r in todo])
     if done_ids:

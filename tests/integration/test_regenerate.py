@@ -10,9 +10,10 @@ import time
 import pytest
 
 from pipelines import tally
+from pipelines.data.parts import PART_GLOB
 from pipelines.data.prompt_dataset import load_prompt_dataset
 from pipelines.data.prompts import load_conversations
-from pipelines.data.regenerate import PART_GLOB, run_regenerate
+from pipelines.data.regenerate import run_regenerate
 from pipelines.data.selfinstruct import COUNT_KEYS, SelfInstructWriter
 from pipelines.recipe import (
     DataConfig,

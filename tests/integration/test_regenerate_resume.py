@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from pipelines.data.parts import PART_GLOB
 from pipelines.data.prompts import load_conversations
-from pipelines.data.regenerate import PART_GLOB, run_regenerate
+from pipelines.data.regenerate import run_regenerate
 from pipelines.recipe import DataConfig, RegenerateConfig, SourceConfig, TargetConfig
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pipelines.data import engines, regenerate
+from pipelines.data import engines, parts, regenerate
 from pipelines.recipe import RegenerateConfig
 from tests.unit.conftest import tiny_target_config
 from tests.unit.test_capture import tiny_tokenizer
@@ -325,13 +325,13 @@ def test_finished_batches_are_kept_as_parts_and_read_back(tmp_path):
     eng = EchoEngine(none_on="FULL")
     for batch in (rows[:2], rows[2:]):
         regenerate.regenerate_batch(batch, eng, cfg, stats=totals, report=lambda **c: None, parts_dir=tmp_path)
-    parts = sorted(tmp_path.glob(regenerate.PART_GLOB))
-    assert len(parts) == 2 and totals["num_generated_tokens"] == 9
-    done, kept, stats = regenerate.read_parts(tmp_path, ["a", "b", "FULL", "d", "e"])
+    files = sorted(tmp_path.glob(parts.PART_GLOB))
+    assert len(files) == 2 and totals["num_generated_tokens"] == 9
+    done, kept, stats = parts.read_parts(tmp_path, ["a", "b", "FULL", "d", "e"])
     assert done == {"a", "b", "FULL", "d"} and sorted(r["id"] for r in kept) == ["a", "b", "d"]
     assert stats["num_generated_tokens"] == 9 and stats["dropped_context_full"] == 1  # per part, not cumulative
-    done, kept, _ = regenerate.read_parts(tmp_path, ["a", "b"])  # the other part names ids not asked for
+    done, kept, _ = parts.read_parts(tmp_path, ["a", "b"])  # the other part names ids not asked for
     assert done == {"a", "b"} and len(kept) == 2
-    parts[0].write_text("{cut")
-    done, _, _ = regenerate.read_parts(tmp_path, ["a", "b", "FULL", "d"])
+    files[0].write_text("{cut")
+    done, _, _ = parts.read_parts(tmp_path, ["a", "b", "FULL", "d"])
     assert len(done) == 2
