@@ -318,7 +318,7 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
         cases += [(f"{target}, paper profile", rows, m) for m in ("peagle", "eagle3")]
     for target in sorted({r["target"] for r in (load_data or {}).get("rows", [])}):
         for warm, label in ((0, "first waves"), (1, "after one warm-up wave"), (WARM, f"after {WARM} warm-up waves")):
-            rows = [r for r in load_data["rows"] if r["target"] == target and not r.get("engine_kwargs")
+            rows = [r for r in load_data["rows"] if r["target"] == target and not _changed(r)
                     and r.get("warmup_waves", 0) == warm]
             profiles = sorted({r["profile"] for r in rows if r["method"] != "none"})
             cases += [(f"{target}, {', '.join(profiles)} profile, {label}", rows, m) for m in ("peagle", "eagle3")
@@ -350,10 +350,17 @@ LOAD_HEADING = "Speculation under load: cold and warm concurrencies, and where a
 LOAD_GOALS = {1: 1.9, 16: 1.3, 64: 1.0}  # issue 41: P-EAGLE / none on the 8B shape at each concurrency
 
 
-def _load_settings(row: dict) -> str:
-    """A row's engine settings beyond the defaults (extra engine and speculative kwargs), '-' for none."""
-    extra = {**row.get("engine_kwargs", {}), **row.get("spec_kwargs", {})}
+def _load_settings(row: dict, env: bool = False) -> str:
+    """A row's engine settings beyond the defaults (extra engine and speculative kwargs; with ``env``, the engine
+    worker's environment too), '-' for none."""
+    extra = {**row.get("engine_kwargs", {}), **row.get("spec_kwargs", {}), **(row.get("engine_env", {}) if env else {})}
     return ", ".join(f"{k}={v}" for k, v in extra.items()) or "-"
+
+
+def _changed(row: dict) -> bool:
+    """Whether a row ran with settings other than the defaults: engine or speculative kwargs, or an engine
+    environment (e.g. EAGLE-3 forced onto the V1 runner)."""
+    return bool(row.get("engine_kwargs") or row.get("spec_kwargs") or row.get("engine_env"))
 
 
 def under_load(lines: list[str], data: dict | None) -> None:
@@ -410,8 +417,8 @@ def _warm_readings(target: str, rows: list[dict]) -> list[str]:
     """The sentences on the rows of :data:`WARM` warm-up waves of one target: each speculative cell against no
     speculation per concurrency, P-EAGLE / EAGLE-3, the goals on the 8B shape with the best K per concurrency, and
     what the warm-up waves compiled (``compiles``, ``pipelines.evaluate.step_profile.compile_counts``)."""
-    cell = {(r["method"], r["K"], r["concurrency"]): r for r in rows if r["target"] == target
-            and r.get("warmup_waves", 0) == WARM and not r.get("engine_kwargs")}
+    warm = [r for r in rows if r["target"] == target and r.get("warmup_waves", 0) == WARM]
+    cell = {(r["method"], r["K"], r["concurrency"]): r for r in warm if not _changed(r)}
     cs = sorted(c for m, _, c in cell if m == "none")
     if not cs:
         return []
@@ -419,6 +426,14 @@ def _warm_readings(target: str, rows: list[dict]) -> list[str]:
     spec = sorted({(m, k) for m, k, _ in x})
     parts = [f"{m} K={k} ({cell[(m, k, cs[0])].get('model_runner', '-')}): "
              + ", ".join(f"c={c} {_f(x[(m, k, c)])}x" for c in cs if (m, k, c) in x) for m, k in spec]
+    changed: dict[tuple, dict[int, float]] = {}  # (method, K, runner, settings) -> c -> x none, default settings
+    for r in warm:
+        if _changed(r) and ("none", 0, r["concurrency"]) in cell:
+            key = (r["method"], r["K"], r.get("model_runner", "-"), _load_settings(r, env=True))
+            changed.setdefault(key, {})[r["concurrency"]] = (
+                r["tokens_per_s"] / cell[("none", 0, r["concurrency"])]["tokens_per_s"])
+    parts += [f"{m} K={k} ({runner}, {settings}): " + ", ".join(f"c={c} {_f(v)}x" for c, v in sorted(by_c.items()))
+              for (m, k, runner, settings), by_c in sorted(changed.items())]
     lines = [(f"**{target}**, after {WARM} warm-up waves, against no speculation on its default runner: "
               + "; ".join(parts) + ".")]
     vs = [f"c={c} {_f(x[('peagle', 5, c)] / x[('eagle3', 5, c)])}x" for c in cs
