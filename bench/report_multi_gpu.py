@@ -242,6 +242,14 @@ def _profile(o: dict, key: str) -> float | None:
     return (o.get("profile") or {}).get(key)
 
 
+def _steady(o: dict) -> float | None:
+    """The capture pool's tokens/s once its actors started (``pipelines.capture.materialize.steady_tokens_per_s``,
+    recomputed from the record's profile: records before 2026-11-28 stored another definition)."""
+    from pipelines.capture.materialize import steady_tokens_per_s
+
+    return steady_tokens_per_s(o["profile"], o.get("num_tokens", 0)) if o.get("profile") else None
+
+
 def _forward_tok_s(o: dict, n: int) -> float | None:
     """The capture actors' model step alone (forward and copy to host): tokens / (forward seconds / actors)."""
     fwd, actors = _profile(o, "forward_s"), _profile(o, "num_actors")
@@ -259,7 +267,7 @@ def data_path(lines: list[str]) -> None:
     regen_reading(lines)
     _per_gpus(lines, "capture", CAPTURE_HEADING, [
         ("tok/s over the stage", lambda o, n: o.get("tokens_per_s")),
-        ("tok/s once started (forward + write)", lambda o, n: _profile(o, "steady_tokens_per_s")),
+        ("tok/s once started", lambda o, n: _steady(o)),
         ("tok/s of the model step alone", _forward_tok_s)], "tok/s over the stage")
     capture_profile(lines)
 
@@ -320,15 +328,17 @@ def capture_profile(lines: list[str]) -> None:
     n, o = next((n, run[0]) for n in SCALE_GPUS if (run := _stage_run("capture", n)) and run[0].get("profile"))
     prof, fwd = o["profile"], _forward_tok_s(o, n)
     busy = prof["forward_s"] + prof["write_s"]
-    steady = prof["steady_tokens_per_s"] / n
-    reading = (f"Reading ({n} GPUs): the shard writes take {prof['write_s'] / busy:.0%} of the actors' busy time "
-              f"({o.get('bytes_per_token', 0):,.0f} bytes per token: three aux hidden states and the final one, "
-              f"{o.get('bytes_on_disk', 0) / prof['write_s'] / 2**20:,.0f} MiB/s per actor). Once started, an "
-              f"actor captures {steady:,.0f} tok/s, {steady / (fwd / n):.0%} of its model step alone "
-              f"({fwd / n:,.0f} tok/s; goal >= 50%): capture is bound by the disk, not by the GPU. Start-up "
-              f"({prof['actor_start_s'] / n:.0f} s per actor) and waiting for tokenized input are small. What would "
-              "lift it: streaming capture into training (`capture.streaming`, no shards on disk), or writing a shard "
-              "while the next one is captured." + _shard_write_note())
+    steady = _steady(o) / n
+    reading = (f"Reading ({n} GPUs): the shard writes took {prof['write_s'] / busy:.0%} of the actors' forward and "
+              f"write time ({o.get('bytes_per_token', 0):,.0f} bytes per token: three aux hidden states and the final "
+              f"one, {o.get('bytes_on_disk', 0) / prof['write_s'] / 2**20:,.0f} MiB/s per actor), each write after its "
+              f"forward. Once started, an actor captured {steady:,.0f} tok/s (the pool's wall time less the mean "
+              f"actor start), {steady / (fwd / n):.0%} of its model step alone ({fwd / n:,.0f} tok/s; goal >= 50%): "
+              f"capture was bound by the disk, not by the GPU. Start-up ({prof['actor_start_s'] / n:.0f} s per "
+              "actor) and waiting for tokenized input are small. Since 2026-11-28 a GPU actor writes a shard while it "
+              "captures the next (two calls in flight per actor, one forward at a time; "
+              "`CaptureShardActor.SHARDS_IN_FLIGHT`), not yet run on a GPU; streaming capture into training "
+              "(`capture.streaming`) writes no shards at all." + _shard_write_note())
     lines += [reading, ""]
 
 

@@ -297,17 +297,40 @@ def _capture_with_ray(tasks, pending: list[int], actor_args: tuple, actor_kwargs
     tokenized = ds.map_batches(tokenize_shard_tasks, fn_kwargs=tokenize_kwargs, batch_size=1,
                                batch_format="pyarrow",
                                num_cpus=tokenize_num_cpus(num_gpus, num_cpus_per_worker, num_workers))
+    # GPU actors are threaded: one shard is written while the next is captured (the actor's lock keeps one forward).
+    # CPU actors are not: their tokenize stage is fused into them (tokenize_num_cpus), which needs equal remote args,
+    # and the forward, not the write, bounds them there
+    compute, remote_args = _actor_pool(num_workers, CaptureShardActor.SHARDS_IN_FLIGHT if num_gpus else 1)
     out = tokenized.map_batches(
         CaptureShardActor,
         fn_constructor_args=actor_args,
         fn_constructor_kwargs={**actor_kwargs, "num_threads": max(1, int(num_cpus_per_worker))},
-        compute=ray.data.ActorPoolStrategy(size=num_workers),
+        compute=compute,
         batch_size=1,
         batch_format="pyarrow",
         num_cpus=num_cpus_per_worker,
         num_gpus=num_gpus,
+        **remote_args,
     )
     yield from out.iter_rows()
+
+
+def _actor_pool(size: int, calls_per_actor: int):
+    """``(compute, ray_remote_args)`` for a ``map_batches`` pool of ``size`` actors, each running up to
+    ``calls_per_actor`` calls at once in threads (1: one call at a time). Ray >= 2.59 takes the count in
+    ``ActorPoolStrategy(max_concurrent_calls_per_actor=)`` and deprecates ``ray_remote_args``; Ray 2.58 (the GPU
+    machines' carried Ray) only has the actor's ``max_concurrency`` remote argument."""
+    import inspect
+
+    import ray
+
+    if calls_per_actor == 1:
+        return ray.data.ActorPoolStrategy(size=size), {}
+    if "max_concurrent_calls_per_actor" in inspect.signature(ray.data.ActorPoolStrategy).parameters:
+        return ray.data.ActorPoolStrategy(size=size, max_concurrent_calls_per_actor=calls_per_actor,
+                                          enable_true_multi_threading=True), {}
+    return (ray.data.ActorPoolStrategy(size=size, enable_true_multi_threading=True),
+            {"max_concurrency": calls_per_actor})
 
 
 def capture_profile(shard_stats: Mapping[int, Mapping[str, Any]], pending: Sequence[int], run_s: float,
@@ -316,16 +339,24 @@ def capture_profile(shard_stats: Mapping[int, Mapping[str, Any]], pending: Seque
     :meth:`~pipelines.capture.actors.CaptureShardActor.write_shard`): ``actor_start_s`` (model or engine
     load), ``wait_s`` (idle, waiting for tokenized shards), ``forward_s`` (model step with the copy to host),
     ``write_s`` (shard files); ``run_s`` is the wall time of the actor pool; ``num_actors`` the actors that
-    wrote a shard. ``steady_tokens_per_s`` = ``tokens`` (this run's) / (forward_s + write_s) x num_actors: the
-    pool's rate once started and fed."""
+    wrote a shard. ``steady_tokens_per_s`` (:func:`steady_tokens_per_s`): the pool's rate once its actors
+    started."""
     sums: Counter = Counter()
     for k in pending:
         sums.update({key: v for key, v in shard_stats[k].items() if key.endswith("_ms") and isinstance(v, int)})
     num_actors = sum(1 for k in pending if "actor_start_ms" in shard_stats[k])
-    busy_ms = sums["forward_ms"] + sums["write_ms"]
     out = {f"{key[:-3]}_s": round(v / 1000, 3) for key, v in sorted(sums.items())}
-    return out | {"run_s": round(run_s, 3), "num_actors": num_actors,
-                  "steady_tokens_per_s": tokens / busy_ms * 1000 * max(1, num_actors) if busy_ms else None}
+    out |= {"run_s": round(run_s, 3), "num_actors": num_actors}
+    return out | {"steady_tokens_per_s": steady_tokens_per_s(out, tokens)}
+
+
+def steady_tokens_per_s(profile: Mapping[str, Any], tokens: int) -> float | None:
+    """Capture's rate once its actors started: ``tokens`` / (``run_s`` - the mean ``actor_start_s`` per actor), from a
+    :func:`capture_profile` (None without a start or a run). A shard's write may overlap the next one's forward
+    (:class:`~pipelines.capture.actors.CaptureShardActor`), so forward and write seconds do not add up to it."""
+    actors, run_s = profile.get("num_actors") or 0, profile.get("run_s") or 0.0
+    steady_s = run_s - (profile.get("actor_start_s") or 0.0) / max(1, actors)
+    return tokens / steady_s if actors and steady_s > 0 else None
 
 
 def _shard_tokens(out_dir: Path, manifest_rows: Sequence[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
