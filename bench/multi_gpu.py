@@ -123,6 +123,8 @@ def submit(opts: argparse.Namespace) -> str:
     entry = ["python", "-m", opts.module, "--config", config, *[a for kv in sets for a in ("--set", kv)]]
     if opts.run_dir:
         entry += ["--run-dir", opts.run_dir]
+    if getattr(opts, "force", False):  # rerun a current stage (e.g. capture on 1 GPU after 4: one key for both)
+        entry += ["--force"]
     out = _ray(state, "job", "submit", "--address", state["dashboard_url"], "--no-wait", "--submission-id", job_id,
                "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--", *entry)
     if out.returncode != 0:
@@ -319,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--git-sha", default=None, help="the commit, where the checkout has no .git")
     p.add_argument("--module", default=PIPELINE_MODULE, help="the job's entry module (ray_jobs.<stage>: that stage "
                    "alone on the same run directory; ray_jobs.serve rolls to the registry's champion)")
+    p.add_argument("--force", action="store_true", help="the job's --force: run its stages even when current")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable of the "
                    "job (its runtime_env), e.g. PEAGLE_PROGRESS_EVERY_S=5")
     p = sub.add_parser("new-champion")
