@@ -359,6 +359,22 @@ def steady_tokens_per_s(profile: Mapping[str, Any], tokens: int) -> float | None
     return tokens / steady_s if actors and steady_s > 0 else None
 
 
+LENGTH_THRESHOLDS = (1024, 2048, 4096)  # tokens: the long-history buckets of the eval (1k / 2k / 4k of history)
+
+
+def length_distribution(lengths: Sequence[int]) -> dict[str, Any]:
+    """Tokens per captured sample (a conversation after the chat template and ``data.max_length_tokens``):
+    ``p50``, ``p90``, ``p99``, ``max`` and ``share_over`` ({threshold: share of samples longer}, for each of
+    :data:`LENGTH_THRESHOLDS`); empty for no samples. A head learns long histories only from long samples."""
+    if not lengths:
+        return {}
+    import numpy as np
+
+    a = np.asarray(lengths)
+    return {f"p{q}": int(np.percentile(a, q)) for q in (50, 90, 99)} | {
+        "max": int(a.max()), "share_over": {str(t): round(float((a > t).mean()), 4) for t in LENGTH_THRESHOLDS}}
+
+
 def _shard_tokens(out_dir: Path, manifest_rows: Sequence[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
     """``{input_ids, loss_mask}`` of each shard (all its samples concatenated), read lazily: only these
     two tensors of one shard are in memory at a time."""
@@ -416,6 +432,7 @@ def _finish(out_dir: Path, tasks, done: dict[int, list[dict]], shard_stats: dict
         # tokens / time in the model step (batching, forward, copy to host, validate), summed over actors
         "forward_tokens_per_s": new_tokens / forward_s if forward_s > 0 else None,
         "profile": profile,
+        "length_distribution": length_distribution([r["length"] for r in manifest_rows]),
     }
     shards.write_capture_meta(out_dir, meta)
     shards.write_manifest(out_dir, manifest_rows)  # last: marks the capture finished

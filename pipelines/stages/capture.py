@@ -42,6 +42,7 @@ class CaptureOutput(StageOutput):
     dropped: dict[str, int] | None = field(default=None, metadata=OMIT_IF_NONE)
     num_truncated: int | None = field(default=None, metadata=OMIT_IF_NONE)
     profile: dict[str, Any] | None = field(default=None, metadata=OMIT_IF_NONE)  # materialize.capture_profile
+    length_distribution: dict[str, Any] | None = field(default=None, metadata=OMIT_IF_NONE)  # tokens per sample
 
     def manifest(self) -> Path | None:
         """The capture manifest (None when streaming)."""
@@ -98,7 +99,8 @@ class CaptureStage(Stage):
                              num_tokens=res.num_tokens, num_loss_tokens=res.num_loss_tokens,
                              num_shards=res.num_shards, bytes_on_disk=tree_bytes(out_dir),
                              bytes_per_token=res.bytes_per_token, tokens_per_s=res.tokens_per_s,
-                             dropped=res.dropped, num_truncated=res.num_truncated, profile=res.meta.get("profile"))
+                             dropped=res.dropped, num_truncated=res.num_truncated, profile=res.meta.get("profile"),
+                             length_distribution=res.meta.get("length_distribution"))
 
     def is_valid(self, out: CaptureOutput) -> bool:
         return out.streaming or out.manifest().is_file()

@@ -334,6 +334,9 @@ def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir, monkeypa
     meta = shards.load_capture_meta(tmp_path / "ref")
     assert meta["aux_layer_ids"] == list(LAYER_IDS) and meta["hidden_size"] == 36 and meta["dtype"] == "float16"
     assert meta["bytes_per_token"] == 4 + 1 + 4 * 36 * 2
+    lengths = [r["length"] for r in ref_manifest]
+    assert meta["length_distribution"]["max"] == max(lengths)
+    assert meta["length_distribution"]["share_over"]["1024"] == 0.0  # max_length_tokens=64
     prof = meta["profile"]  # one in-process actor: its start once, then 4 shards' forward and write
     assert prof["num_actors"] == 1 and prof["forward_s"] > 0 and prof["write_s"] > 0 and prof["actor_start_s"] > 0
     busy = prof["forward_s"] + prof["write_s"] + prof["wait_s"]
@@ -455,3 +458,10 @@ def test_ray_gpu_actors_overlap_writes_and_match_the_in_process_capture(tmp_path
     assert got.num_shards == want.num_shards == 4
     assert shards.load_manifest(tmp_path / "ray").to_pylist() == shards.load_manifest(tmp_path / "in-process").to_pylist()
     assert got.meta["profile"]["num_actors"] == 1
+
+
+def test_length_distribution_counts_samples_longer_than_each_threshold():
+    got = materialize.length_distribution([100] * 90 + [3000] * 5 + [5000] * 5)
+    assert got["max"] == 5000 and got["p50"] == 100
+    assert got["share_over"] == {"1024": 0.1, "2048": 0.1, "4096": 0.05}
+    assert materialize.length_distribution([]) == {}
