@@ -433,7 +433,7 @@ def test_a_shard_is_written_while_the_next_is_captured(tmp_path, target_dir, mon
 
     capture.run_capture(rows, t, c, d, tmp_path / "one-at-a-time", use_ray=False)
     monkeypatch.setattr(materialize, "_capture_in_process", two_at_once)
-    monkeypatch.setattr(shards, "write_shard", timed("write", shards.write_shard, 0.6))
+    monkeypatch.setattr(shards, "write_shard", timed("write", shards.write_shard, 1.0))
     capture.run_capture(rows, t, c, d, tmp_path / "two-at-once", use_ray=False)
     (f0, f1), (w0, _) = sorted(spans["forward"]), sorted(spans["write"])
     assert f0[1] <= f1[0]  # one forward at a time
