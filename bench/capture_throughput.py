@@ -23,6 +23,8 @@ transformers step's best batch (goal >= 2).
 
     python -m bench.capture_throughput --data ~/keep/w1/sharegpt.jsonl.xz   # GPU
     python -m bench.capture_throughput --data .carry/w1/sharegpt.jsonl.xz --smoke   # CPU, tiny
+    python -m bench.capture_throughput --data ~/keep/w1/sharegpt.jsonl.xz --target ~/keep/targets/llama-3.1-8b-random \
+        --batch-sizes 4,8,16 --name capture_throughput_llama8b   # after bench.random_target llama-3.1-8b
 """
 
 from __future__ import annotations
@@ -153,11 +155,13 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="8,16,32,64", help="transformers step batches")
     ap.add_argument("--vllm", action="store_true", help="also the vLLM backend (see module doc)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM backend only")
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="an embedded target or a local HF directory, "
+                    "e.g. a random-weight Llama-3.1-8B shape from bench.random_target")
     ap.add_argument("--name", default=None, help="result file name (default capture_throughput[_smoke])")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
-    path = ensure_target("smollm2-135m-instruct", dtype=dtype).path
+    path = ensure_target(args.target, dtype=dtype).path
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     rows = read_jsonl_xz(args.data)[:8 if args.smoke else args.num_conversations]
@@ -172,7 +176,8 @@ def main() -> None:
                                    gpu_memory_utilization=args.gpu_memory_utilization)
         res["vllm"]["vllm_over_step"] = res["vllm"]["vllm_step_tok_s"] / max(r["step_tok_s"] for r in res["rows"])
     name = args.name or "capture_throughput" + ("_smoke" if args.smoke else "")
-    out = write_result(name, {"dtype": dtype, "max_length": args.max_length, **res, "goal": "step_over_plain >= 0.85"})
+    out = write_result(name, {"target": args.target, "dtype": dtype, "max_length": args.max_length, **res,
+                              "goal": "step_over_plain >= 0.85"})
     print("wrote", out)
 
 
