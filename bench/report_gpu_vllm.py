@@ -446,6 +446,13 @@ def _warm_readings(target: str, rows: list[dict]) -> list[str]:
         lines[-1] += (" Goals (P-EAGLE at its best measured K / none): " + ", ".join(
             f"c={c} >= {g}x: {_f(best[c][0])}x at K={best[c][1]} {met(best[c][0] >= g)}"
             for c, g in LOAD_GOALS.items() if c in best) + ".")
+        one_k = {k: [c for c, g in LOAD_GOALS.items() if ("peagle", k, c) in x and x[("peagle", k, c)] < g]
+                 for m, k in spec if m == "peagle" and all(("peagle", k, c) in x for c in LOAD_GOALS)}
+        lines[-1] += (" A P-EAGLE server drafts at one K for every concurrency (vLLM sizes its parallel-drafting "
+                      "slots once); " + ("no single K meets all three" if all(one_k.values()) else "per K") + ": "
+                      + "; ".join(
+                          f"K={k} misses c={', c='.join(map(str, miss))}" if miss else f"K={k} meets them"
+                          for k, miss in sorted(one_k.items())) + ".")
     def compiled(phase: str) -> str:
         got = [f"{m} K={k} c={c}: {r['compiles'][phase]['dynamo_graphs']} graphs, "
                f"{r['compiles'][phase]['triton_cache_entries']} kernels" for (m, k, c), r in sorted(cell.items())
