@@ -1,0 +1,135 @@
+"""Regeneration parts from one lent GPU machine to the next.
+
+A lent machine keeps nothing once it goes back, and each call carries at most 64 MiB in and returns at most 8 files
+of at most 16 MiB. The regenerate stage keeps every finished engine batch as a part file
+(``regenerate/parts-<key>/part-*.json``, :mod:`pipelines.data.parts`), and a run of the same recipe resumes from
+them. So a regeneration larger than one lease (issue 42: 300k conversations) goes on across leases:
+
+* ``pack``, on the machine: bundle the parts no earlier bundle holds (``--sent`` lists those, in ``~/keep``) into
+  at most ``--max-files`` tar bundles of at most ``--max-bytes`` each, every part xz-compressed on its own, under
+  its parts directory's name;
+* the call returns the bundles; they wait on this machine (e.g. ``.carry/regen/``, not in git);
+* ``unpack``, on the next machine: write each bundle's parts back under ``--regenerate-dir`` (the run's
+  ``regenerate/``; the bundle names its ``parts-<key>`` directory), atomically, keeping parts already there. The
+  regenerate stage then regenerates only the conversations no part holds.
+
+    python -m bench.parts_carry pack ~/keep/peagle/runs/RUN/regenerate/parts-KEY $OUT/parts --sent ~/keep/sent.txt
+    python -m bench.parts_carry unpack .carry/regen/*.tar --regenerate-dir ~/keep/peagle/runs/RUN/regenerate
+
+A part too large for one bundle is an error (lower ``regenerate.batch_size``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import lzma
+import tarfile
+from pathlib import Path
+
+from peagle_core.atomic import atomic_write_bytes
+from pipelines.data.parts import PART_GLOB
+
+MIB = 2**20
+TAR_MEMBER_OVERHEAD = 1024  # a member's header block plus the padding of its data to 512 bytes, at most
+
+
+def _tar_bytes(content: int) -> int:
+    """A tar's size on disk for ``content`` bytes of members and end blocks: tarfile pads it to 20 blocks."""
+    return -(-content // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+
+def pack(parts_dir: str | Path, out_dir: str | Path, *, sent: str | Path | None = None, max_bytes: int = 16 * MIB,
+         max_files: int = 8) -> tuple[list[Path], int]:
+    """Bundle the parts of ``parts_dir`` that ``sent`` does not list into ``out_dir``; ``(bundles written, parts
+    left for another call)``. The bundled parts are appended to ``sent``.
+
+    Raises:
+        ValueError: one compressed part larger than ``max_bytes``.
+    """
+    parts_dir, out_dir = Path(parts_dir), Path(out_dir)
+    done = set(Path(sent).read_text().split()) if sent and Path(sent).is_file() else set()
+    todo = [p for p in sorted(parts_dir.glob(PART_GLOB)) if p.name not in done]
+    bundles: list[list[tuple[str, bytes]]] = [[]]
+    size = 1024  # the tar's end-of-archive blocks
+    left = 0
+    for i, p in enumerate(todo):
+        blob = lzma.compress(p.read_bytes(), preset=6)
+        if _tar_bytes(len(blob) + TAR_MEMBER_OVERHEAD + 1024) > max_bytes:
+            raise ValueError(f"{p.name}: {len(blob) / MIB:.1f} MiB compressed, more than a bundle's "
+                             f"{max_bytes / MIB:.1f} MiB; lower regenerate.batch_size")
+        if _tar_bytes(size + len(blob) + TAR_MEMBER_OVERHEAD) > max_bytes:
+            if len(bundles) == max_files:
+                left = len(todo) - i
+                break
+            bundles.append([])
+            size = 1024
+        bundles[-1].append((p.name, blob))
+        size += len(blob) + TAR_MEMBER_OVERHEAD
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for members in (b for b in bundles if b):
+        names = [n for n, _ in members]
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, blob in members:
+                info = tarfile.TarInfo(f"{parts_dir.name}/{name}.xz")
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+        digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
+        written.append(atomic_write_bytes(out_dir / f"{parts_dir.name}-{digest}.tar", buf.getvalue()))
+        if sent:
+            with open(sent, "a") as f:
+                f.write("".join(n + "\n" for n in names))
+    return written, left
+
+
+def unpack(bundles: list[str | Path], regenerate_dir: str | Path) -> int:
+    """Write the parts of ``bundles`` under ``regenerate_dir`` (each in the ``parts-<key>`` directory its bundle
+    names); parts already there are kept. Returns the number of parts written.
+
+    Raises:
+        ValueError: a member that is not ``parts-<key>/part-*.json.xz``.
+    """
+    written = 0
+    for bundle in bundles:
+        with tarfile.open(bundle) as tar:
+            for info in tar.getmembers():
+                directory, _, name = info.name.partition("/")
+                if not (directory.startswith("parts-") and name.startswith("part-") and name.endswith(".json.xz")
+                        and "/" not in name):
+                    raise ValueError(f"{bundle}: member {info.name!r} is not parts-<key>/part-*.json.xz")
+                target = Path(regenerate_dir) / directory / name.removesuffix(".xz")
+                if target.exists():
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(target, lzma.decompress(tar.extractfile(info).read()))
+                written += 1
+    return written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("parts_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--sent", default=None, help="file listing the parts earlier bundles hold (appended to)")
+    p.add_argument("--max-bytes", type=int, default=16 * MIB)
+    p.add_argument("--max-files", type=int, default=8)
+    p = sub.add_parser("unpack")
+    p.add_argument("bundles", nargs="+")
+    p.add_argument("--regenerate-dir", required=True, help="the run's regenerate/ directory")
+    args = ap.parse_args()
+    if args.cmd == "pack":
+        written, left = pack(args.parts_dir, args.out_dir, sent=args.sent, max_bytes=args.max_bytes,
+                             max_files=args.max_files)
+        print(f"{len(written)} bundles, {sum(p.stat().st_size for p in written) / MIB:.1f} MiB; {left} parts left "
+              "for another call")
+    else:
+        print(f"{unpack(args.bundles, args.regenerate_dir)} parts written under {args.regenerate_dir}")
+
+
+if __name__ == "__main__":
+    main()
