@@ -16,7 +16,9 @@ collapsing whitespace), ``near_duplicates`` (``datasketch`` MinHash of lower-cas
 ``MinHashLSH`` at ``dedup_threshold``; an LSH candidate counts only if its estimated Jaccard
 similarity is >= the threshold); the first occurrence is kept. Kept prompts become conversation rows
 ``{id: "self_instruct/<seed>/<request index>", messages: [system?, user], source: "self_instruct"}``
-that the regenerate stage answers like any other conversation.
+that the regenerate stage answers like any other conversation; with ``turns: k`` (:func:`pack_turns`) k consecutive
+kept prompts make one conversation of k user turns, answered one after another on the growing history: long
+histories of the target's own answers, the data a head needs to keep its acceptance after thousands of tokens.
 
 Where it runs (design): self-instruct prompts are data that needs the target's engine, so they are
 written before the sources are mixed, not inside ``regenerate_conversations``:
@@ -197,9 +199,31 @@ def generate_prompts(engine: Engine, cfg: SelfInstructConfig, *, batch_size: int
     stats["num_generated_tokens"] += sum(g.num_tokens for g in gens if g is not None)
     kept = filter_prompts(gens, cfg, pq.stop_text, stats)
     log.info("self_instruct (seed %d): %s", cfg.seed, summary(stats))
-    system = [{"role": "system", "content": pq.system}] if pq.system else []
-    return [{"id": f"{SOURCE}/{cfg.seed}/{i}", "messages": [*system, {"role": "user", "content": text}],
-             "source": SOURCE} for i, text in kept]
+    return pack_turns(kept, cfg, pq.system)
+
+
+# the assistant turns between packed user turns: replaced by the target's answers in the regenerate stage (a recipe
+# with a self_instruct source must regenerate: pipelines.recipe.load), never trained on
+ANSWER_PLACEHOLDER = "[answered by the target in the regenerate stage]"
+
+
+def pack_turns(kept: Sequence[tuple[int, str]], cfg: SelfInstructConfig, system: str | None) -> list[dict[str, Any]]:
+    """Conversation rows of the kept prompts ``(request index, text)``: one user turn each, or with
+    ``cfg.turns`` = k > 1, k consecutive prompts a conversation (the last one may have fewer), their assistant turns
+    :data:`ANSWER_PLACEHOLDER` until the regenerate stage answers them. Ids: ``self_instruct/<seed>/<request index>``
+    of the first prompt, with ``+<n>`` for a conversation of n > 1 turns."""
+    k = cfg.turns or 1
+    head = [{"role": "system", "content": system}] if system else []
+    rows = []
+    for start in range(0, len(kept), k):
+        chunk = kept[start:start + k]
+        turns = [m for j, (_, text) in enumerate(chunk) for m in (
+            [{"role": "user", "content": text}] if j == len(chunk) - 1
+            else [{"role": "user", "content": text}, {"role": "assistant", "content": ANSWER_PLACEHOLDER}])]
+        suffix = f"+{len(chunk)}" if len(chunk) > 1 else ""
+        rows.append({"id": f"{SOURCE}/{cfg.seed}/{chunk[0][0]}{suffix}", "messages": [*head, *turns],
+                     "source": SOURCE})
+    return rows
 
 
 def summary(stats: Mapping[str, Any]) -> str:

@@ -41,6 +41,13 @@ class SelfInstructConfig(Section):
         "a Python coding assistant.'); kept in the conversations, so the answers see it too.",
     )
 
+    turns: Annotated[int | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None, ge=1, description="User turns per conversation: consecutive kept prompts are packed into conversations "
+        "of this many user turns, each answered by the target after the turns before it (regenerate.max_turns must "
+        "allow them), so a head sees long histories of the target's own answers; one conversation's topics are "
+        "unrelated. None = 1.",
+    )
+
     @model_validator(mode="after")
     def _lengths(self):
         if self.min_chars > self.max_chars:

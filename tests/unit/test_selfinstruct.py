@@ -188,3 +188,29 @@ def test_assets_lists_the_scale_recipe_self_instruct_source_without_a_file(monke
     si_row = rows[1]
     assert si_row["path"] is None and si_row["num_conversations"] is None and si_row["num_prompts"] == 30000
     assert rows[0]["num_conversations"] == 3 and rows[0]["path"].endswith(".json")
+
+
+def test_turns_pack_kept_prompts_into_conversations_the_regenerate_stage_answers(tiny_chat_tokenizer):
+    """``turns: 3``: consecutive kept prompts make conversations of 3 user turns (the last shorter), rows of the
+    prompt schema whose placeholder answers the regenerate stage replaces turn by turn on the growing history."""
+    from pipelines.data import regenerate
+    from pipelines.data.rows import normalize_row
+    from pipelines.recipe import RegenerateConfig
+    from tests.unit.test_capture_regenerate import EchoEngine
+
+    one = si.generate_prompts(FakeEngine(tiny_chat_tokenizer), SelfInstructConfig(num_prompts=12, seed=1,
+                              dedup_threshold=None), batch_size=5)
+    packed = si.generate_prompts(FakeEngine(tiny_chat_tokenizer), SelfInstructConfig(
+        num_prompts=12, seed=1, dedup_threshold=None, turns=3, system_prompt="S"), batch_size=5)
+    users = [[m["content"] for m in r["messages"] if m["role"] == "user"] for r in packed]
+    assert [u for us in users for u in us] == [r["messages"][-1]["content"] for r in one]  # same prompts, in order
+    assert [len(u) for u in users] == [3] * (len(one) // 3) + ([len(one) % 3] if len(one) % 3 else [])
+    assert packed[0]["id"] == one[0]["id"] + "+3" and packed[0]["messages"][0] == {"role": "system", "content": "S"}
+    assert all(normalize_row(r, i, "openai_jsonl") for i, r in enumerate(packed))  # alternating roles, no empty turn
+    out = regenerate.regenerate_conversations(packed[:1], EchoEngine(), RegenerateConfig(max_turns=3))
+    answers = [m["content"] for m in out[0]["messages"] if m["role"] == "assistant"]
+    assert answers == [f"re:{u}/{n}" for n, u in enumerate(users[0])]  # each turn after the answers before it
+    assert si.ANSWER_PLACEHOLDER not in str(out[0]["messages"])
+    assert SelfInstructConfig(turns=3).turns == 3
+    with pytest.raises(ValueError):
+        SelfInstructConfig(turns=0)
