@@ -41,6 +41,7 @@ from pipelines.capture.actors import CaptureShardActor, actor_num_gpus, tokenize
 from pipelines.capture.rows import SAMPLE_ID, conversation_rows
 from pipelines.capture.target import check_backend
 from pipelines.capture.tokenize import DROP_REASONS, count_assistant_tokens, tokenize_shard_tasks
+from pipelines.data.lengths import length_distribution
 from pipelines.tally import tally
 
 if TYPE_CHECKING:
@@ -357,22 +358,6 @@ def steady_tokens_per_s(profile: Mapping[str, Any], tokens: int) -> float | None
     actors, run_s = profile.get("num_actors") or 0, profile.get("run_s") or 0.0
     steady_s = run_s - (profile.get("actor_start_s") or 0.0) / max(1, actors)
     return tokens / steady_s if actors and steady_s > 0 else None
-
-
-LENGTH_THRESHOLDS = (1024, 2048, 4096)  # tokens: the long-history buckets of the eval (1k / 2k / 4k of history)
-
-
-def length_distribution(lengths: Sequence[int]) -> dict[str, Any]:
-    """Tokens per captured sample (a conversation after the chat template and ``data.max_length_tokens``):
-    ``p50``, ``p90``, ``p99``, ``max`` and ``share_over`` ({threshold: share of samples longer}, for each of
-    :data:`LENGTH_THRESHOLDS`); empty for no samples. A head learns long histories only from long samples."""
-    if not lengths:
-        return {}
-    import numpy as np
-
-    a = np.asarray(lengths)
-    return {f"p{q}": int(np.percentile(a, q)) for q in (50, 90, 99)} | {
-        "max": int(a.max()), "share_over": {str(t): round(float((a > t).mean()), 4) for t in LENGTH_THRESHOLDS}}
 
 
 def _shard_tokens(out_dir: Path, manifest_rows: Sequence[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:

@@ -36,6 +36,8 @@ class RegenerateOutput(StageOutput):
     tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
     wall_tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
     self_instruct: list[dict] | None = field(default=None, metadata=OMIT_IF_NONE)
+    # tokens per conversation (pipelines.data.lengths), from a seeded sample of them
+    length_distribution: dict | None = field(default=None, metadata=OMIT_IF_NONE)
 
     def rows(self) -> list[dict]:
         """The conversations (``id, messages, source``, ...) in file order."""
@@ -97,7 +99,7 @@ class RegenerateStage(Stage):
             atomic_write_text(out, "".join(json.dumps({k: x[k] for k in ("id", "messages", "source")}) + "\n"
                                            for x in rows))
             return RegenerateOutput(path=str(out), num_conversations=len(rows), regenerated=False,
-                                    self_instruct=written)
+                                    self_instruct=written, length_distribution=self._lengths(rows))
         # finished batches are kept under the stage key: a killed job or a lost machine resumes from them
         parts = self.dir / f"parts-{self.ctx.key(self.name)[:12]}"
         res = run_regenerate(train, r.target, r.regenerate, r.data, out_path=out,
@@ -113,7 +115,23 @@ class RegenerateStage(Stage):
         return RegenerateOutput(path=str(out), num_conversations=len(res.rows), regenerated=True,
                                 num_turns=res.num_turns, num_generated_tokens=res.num_generated_tokens,
                                 tokens_per_s=res.tokens_per_s, wall_tokens_per_s=res.wall_tokens_per_s,
-                                self_instruct=written)
+                                self_instruct=written, length_distribution=self._lengths(res.rows))
+
+    def _lengths(self, rows: list[dict]) -> dict | None:
+        """:func:`~pipelines.data.lengths.length_distribution` of ``rows`` (a seeded sample), said on the console."""
+        from transformers import AutoTokenizer
+
+        from pipelines.assets import resolve_target
+        from pipelines.data.lengths import conversation_lengths, length_distribution
+
+        if not rows:
+            return None
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target(self.recipe.target)[0].path)
+        dist = length_distribution(conversation_lengths(rows, tokenizer, seed=self.recipe.data.seed),
+                                   sampled_from=len(rows))
+        self.ctx.say("tokens per conversation: median {p50}, p90 {p90}, max {max}; over 4k: {over:.1%} "
+                     "(of {sample} sampled)".format(**dist, over=dist["share_over"]["4096"]))
+        return dist
 
     def is_valid(self, out: RegenerateOutput) -> bool:
         p = Path(out.path)

@@ -110,9 +110,13 @@ def test_pipeline_job_end_to_end(head, base):
 
     rows = [json.loads(x) for x in (run / "regenerate" / "conversations.jsonl").read_text().splitlines()]
     assert rows and all(r["messages"][-1]["role"] == "assistant" and r["regen_model"] for r in rows)
-    capture_dir = json.loads((run / "capture" / "stage.json").read_text())["outputs"]["capture_dir"]
-    manifest = load_manifest(capture_dir)
+    capture_out = json.loads((run / "capture" / "stage.json").read_text())["outputs"]
+    manifest = load_manifest(capture_out["capture_dir"])
     assert manifest.num_rows == len(rows)
+    # tokens per conversation: the regenerate stage's (every row: fewer than its sample) and the capture stage's
+    regen_lengths = json.loads((run / "regenerate" / "stage.json").read_text())["outputs"]["length_distribution"]
+    assert regen_lengths["sample"] == regen_lengths["of"] == len(rows)
+    assert capture_out["length_distribution"]["max"] == max(manifest.column("length").to_pylist())
     head_dir = run / "train" / "head"
     validate_head(head_dir, parallel_drafting=True)
     from safetensors import safe_open

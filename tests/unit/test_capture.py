@@ -461,7 +461,22 @@ def test_ray_gpu_actors_overlap_writes_and_match_the_in_process_capture(tmp_path
 
 
 def test_length_distribution_counts_samples_longer_than_each_threshold():
-    got = materialize.length_distribution([100] * 90 + [3000] * 5 + [5000] * 5)
+    from pipelines.data.lengths import length_distribution
+
+    got = length_distribution([100] * 90 + [3000] * 5 + [5000] * 5)
     assert got["max"] == 5000 and got["p50"] == 100
     assert got["share_over"] == {"1024": 0.1, "2048": 0.1, "4096": 0.05}
-    assert materialize.length_distribution([]) == {}
+    assert length_distribution([]) == {}
+    assert length_distribution([1, 2], sampled_from=10)["of"] == 10
+
+
+def test_conversation_lengths_tokenize_a_seeded_sample():
+    from pipelines.data.lengths import conversation_lengths
+
+    tok, rows = tiny_tokenizer(), many_convos(30)
+    every = conversation_lengths(rows, tok, sample=100)
+    assert every == [len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)
+                         ["input_ids"]) for r in rows]
+    assert min(every) > 5  # tokens, not the keys of an encoding
+    some = conversation_lengths(rows, tok, sample=10, seed=1)
+    assert len(some) == 10 and some == conversation_lengths(rows, tok, sample=10, seed=1) and set(some) <= set(every)

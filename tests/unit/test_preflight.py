@@ -32,6 +32,7 @@ ON_DEV_BOX = {  # what the dev box cannot honour, per recipe: exactly the machin
     "qwen3-coder-30b-a3b-b200.yaml": CLUSTER_RECIPE,
     "smollm2-135m-gpu.yaml": GPU,
     "smollm2-135m-4gpu.yaml": GPU,
+    "smollm2-135m-300k.yaml": GPU,
     "smollm2-135m-scale.yaml": GPU - {("regenerate", Severity.MACHINE, "training.use_gpu")},  # transformers engine
     "smollm2-135m-ci.yaml": set(),
     "smollm2-135m-ci-refresh.yaml": set(),
