@@ -100,6 +100,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                         for n, p in model.named_parameters()}
         if rank == 0:
             torch.save(result, os.path.join(out_dir, "result.pt"))
+        # both ranks leave together: a rank that tears gloo down while its peer is still connected can abort with
+        # "terminate called without an active exception" (seen once in make unit on the 2-core box, 2026-11-28)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
