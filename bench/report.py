@@ -11,7 +11,7 @@ DDP, GPU recipe, demo sweep), :mod:`bench.report_data` (warm-up, data path, the 
 :mod:`bench.report_scale` and :mod:`bench.report_scale_eval` (the scaling heads, their training and their vLLM
 evaluation), :mod:`bench.report_long_context` (acceptance after long histories, training on long sequences),
 :mod:`bench.report_depths` (deep positions), :mod:`bench.report_speculators` (peagle against speculators),
-:mod:`bench.report_gpu_vllm` (GPU vLLM), :mod:`bench.report_multi_gpu` (one several-GPU node as a Ray cluster). A new
+:mod:`bench.report_gpu_vllm` (GPU vLLM), :mod:`bench.report_load` (speculation under load), :mod:`bench.report_multi_gpu` (one several-GPU node as a Ray cluster). A new
 section is one more entry in its question's list. Every figure comes
 from a result file (``bench.report_fmt.load``): rerunning a benchmark and this command updates every figure.
 """
@@ -27,6 +27,7 @@ from bench import (
     report_depths,
     report_gpu_vllm,
     report_kernels,
+    report_load,
     report_long_context,
     report_multi_gpu,
     report_scale,
@@ -90,7 +91,7 @@ QUESTIONS = [
         report_decode.decode,
         _gpu(report_gpu_vllm.serving, "gpu_vllm_serving"),
         _gpu(report_gpu_vllm.synthetic, "gpu_synthetic_serving"),
-        _gpu(report_gpu_vllm.under_load, "gpu_synthetic_load"),
+        _gpu(report_load.under_load, "gpu_synthetic_load"),
         _gpu(report_gpu_vllm.k_schedule, "gpu_vllm_serving", "gpu_synthetic_serving", "gpu_synthetic_load"),
         _gpu(report_gpu_vllm.parity, "gpu_vllm_parity"),
         report_multi_gpu.serving,
