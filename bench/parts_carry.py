@@ -33,6 +33,7 @@ from pipelines.data.parts import PART_GLOB
 
 MIB = 2**20
 TAR_MEMBER_OVERHEAD = 1024  # a member's header block plus the padding of its data to 512 bytes, at most
+TAR_END = 1024  # the two zero blocks that end an archive
 
 
 def _tar_bytes(content: int) -> int:
@@ -52,11 +53,11 @@ def pack(parts_dir: str | Path, out_dir: str | Path, *, sent: str | Path | None 
     done = set(Path(sent).read_text().split()) if sent and Path(sent).is_file() else set()
     todo = [p for p in sorted(parts_dir.glob(PART_GLOB)) if p.name not in done]
     bundles: list[list[tuple[str, bytes]]] = [[]]
-    size = 1024  # the tar's end-of-archive blocks
+    size = TAR_END
     left = 0
     for i, p in enumerate(todo):
         blob = lzma.compress(p.read_bytes(), preset=6)
-        if _tar_bytes(len(blob) + TAR_MEMBER_OVERHEAD + 1024) > max_bytes:
+        if _tar_bytes(TAR_END + len(blob) + TAR_MEMBER_OVERHEAD) > max_bytes:
             raise ValueError(f"{p.name}: {len(blob) / MIB:.1f} MiB compressed, more than a bundle's "
                              f"{max_bytes / MIB:.1f} MiB; lower regenerate.batch_size")
         if _tar_bytes(size + len(blob) + TAR_MEMBER_OVERHEAD) > max_bytes:
@@ -64,7 +65,7 @@ def pack(parts_dir: str | Path, out_dir: str | Path, *, sent: str | Path | None 
                 left = len(todo) - i
                 break
             bundles.append([])
-            size = 1024
+            size = TAR_END
         bundles[-1].append((p.name, blob))
         size += len(blob) + TAR_MEMBER_OVERHEAD
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +104,6 @@ def unpack(bundles: list[str | Path], regenerate_dir: str | Path) -> int:
                 target = Path(regenerate_dir) / directory / name.removesuffix(".xz")
                 if target.exists():
                     continue
-                target.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(target, lzma.decompress(tar.extractfile(info).read()))
                 written += 1
     return written

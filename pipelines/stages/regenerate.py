@@ -122,15 +122,16 @@ class RegenerateStage(Stage):
         from transformers import AutoTokenizer
 
         from pipelines.assets import resolve_target
-        from pipelines.data.lengths import conversation_lengths, length_distribution
+        from pipelines.data.lengths import LENGTH_THRESHOLDS, conversation_lengths, length_distribution
 
         if not rows:
             return None
         tokenizer = AutoTokenizer.from_pretrained(resolve_target(self.recipe.target)[0].path)
         dist = length_distribution(conversation_lengths(rows, tokenizer, seed=self.recipe.data.seed),
                                    sampled_from=len(rows))
-        self.ctx.say("tokens per conversation: median {p50}, p90 {p90}, max {max}; over 4k: {over:.1%} "
-                     "(of {sample} sampled)".format(**dist, over=dist["share_over"]["4096"]))
+        longest = LENGTH_THRESHOLDS[-1]
+        self.ctx.say("tokens per conversation: median {p50}, p90 {p90}, max {max}; over {longest}: {over:.1%} "
+                     "(of {sample} sampled)".format(**dist, longest=longest, over=dist["share_over"][str(longest)]))
         return dist
 
     def is_valid(self, out: RegenerateOutput) -> bool:
