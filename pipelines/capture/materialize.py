@@ -92,6 +92,7 @@ def run_capture(
     use_ray: bool | None = None,
     progress: Callable[[int], None] | None = None,
     engine_kwargs: Mapping[str, Any] | None = None,
+    reuse_shards: bool = True,
 ) -> CaptureResult:
     """Materialized capture of ``conversations`` (``datasets.Dataset``, Ray Dataset or list of rows
     ``{id, messages, ...}``) into ``out_dir``. Resumable: see the module docstring.
@@ -105,6 +106,7 @@ def run_capture(
     from an earlier run count at the start). ``engine_kwargs``: added to each
     actor's ``vllm.LLM`` (``capture.backend: vllm``; the pipeline passes
     ``pipelines.stages.base.engine_settings(recipe).vllm_kwargs``), ignored by transformers.
+    ``reuse_shards=False`` (the capture stage under ``--force``) writes every shard again, verified ones too.
 
     Writes ``shard-XXXXX.safetensors``, ``token_counts.safetensors`` ([V] counts of assistant tokens
     for d2t/t2d), ``capture_meta.json`` and, last, ``manifest.parquet``.
@@ -126,7 +128,7 @@ def run_capture(
     layer_ids = target_cfg.resolve_aux_layer_ids(config["num_hidden_layers"])
     fp = _fingerprint(asset, layer_ids, capture_cfg, data_cfg)
     tasks = _shard_tasks(rows, capture_cfg.shard_size_samples, out_dir)
-    done, shard_stats = _reuse_shards(out_dir, tasks, fp)
+    done, shard_stats = _reuse_shards(out_dir, tasks, fp, keep=reuse_shards)
     num_reused = len(done)
     pending = [k for k in range(len(tasks)) if k not in done]
     advance = progress or (lambda n: None)
@@ -214,17 +216,18 @@ def _shard_tasks(rows: list[dict[str, Any]], size: int, out_dir: Path) -> list[l
     return tasks
 
 
-def _reuse_shards(out_dir: Path, tasks: list[list[dict[str, Any]]],
-                  fingerprint: dict[str, Any]) -> tuple[dict[int, list[dict]], dict[int, dict]]:
-    """``(manifest rows, stats)`` by shard index of the shards on disk that can be kept; then removes the
-    manifest (a manifest marks a finished capture: not yet) and temp files of interrupted writes.
+def _reuse_shards(out_dir: Path, tasks: list[list[dict[str, Any]]], fingerprint: dict[str, Any], *,
+                  keep: bool = True) -> tuple[dict[int, list[dict]], dict[int, dict]]:
+    """``(manifest rows, stats)`` by shard index of the shards on disk that can be kept (none when not
+    ``keep``: each is written again); then removes the manifest (a manifest marks a finished capture: not yet)
+    and temp files of interrupted writes.
 
     Raises:
         ValueError: a shard made with other settings (see :func:`_reusable_shard`).
     """
     done: dict[int, list[dict]] = {}
     shard_stats: dict[int, dict] = {}
-    for k, task in enumerate(tasks):
+    for k, task in enumerate(tasks if keep else ()):
         path = out_dir / shards.shard_name(k)
         reused = _reusable_shard(path, fingerprint, [r[SAMPLE_ID] for r in task])
         if reused is not None:

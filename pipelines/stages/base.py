@@ -210,6 +210,7 @@ class RunContext(Protocol):
     engine: EngineSettings
     records: dict[str, StageRecord]
     verbose: bool  # --verbose: stages may say more (e.g. the full eval table)
+    force: set[str]  # stages run with --force: rerun even when current (capture then rewrites its shards)
 
     def key(self, name: str) -> str: ...
 

@@ -89,7 +89,8 @@ class CaptureStage(Stage):
 
         with progress("capture", total=len(rows), unit="conversations") as meter:
             res = run_capture(rows, r.target, cap, r.data, out_dir, num_cpus_per_worker=cpus_per_worker(cap.num_workers),
-                              progress=meter, engine_kwargs=self.ctx.engine.vllm_kwargs)
+                              progress=meter, engine_kwargs=self.ctx.engine.vllm_kwargs,
+                              reuse_shards=self.name not in self.ctx.force)
             meter.update(done=len(rows))  # all of them, whatever progress reports were lost
         self.ctx.say(f"{res.num_samples} samples, {res.num_tokens} tokens ({res.num_loss_tokens} assistant), "
                      f"{res.num_shards} shards ({res.num_shards_reused} reused), "

@@ -364,6 +364,10 @@ def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir, monkeypa
     assert not list(out.glob(".*tmp"))
     again = capture.run_capture(rows, t, c, d, out, use_ray=False)
     assert again.num_shards_reused == 4 and shards.load_manifest(out).to_pylist() == ref_manifest
+    kept = (out / "shard-00000.safetensors").stat().st_mtime_ns
+    forced = capture.run_capture(rows, t, c, d, out, use_ray=False, reuse_shards=False)  # the stage's --force
+    assert forced.num_shards_reused == 0 and (out / "shard-00000.safetensors").stat().st_mtime_ns != kept
+    assert shards.load_manifest(out).to_pylist() == ref_manifest
     got = list(shards.iter_samples(out))
     assert [s["sample_id"] for s in got] == [r["sample_id"] for r in ref_manifest]
     counts = load_token_counts(out / TOKEN_COUNTS_NAME)
