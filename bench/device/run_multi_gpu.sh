@@ -29,13 +29,14 @@
 #                          -> $OUT/logs.tar.xz
 #   down                   stop Ray and the MLflow server
 #
-# Before it, on the same warm machine, one call each (a call carries <= 64 MiB with the ~10 MB tree): (1)
-# `keep_carry.sh .carry/v1`, (2) `.carry/v2`, (3) `keep_carry.sh .carry/w1` carrying .carry/w1/part00 and
-# .carry/w1/humaneval.jsonl.xz, (4) `. bench/device/install_target.sh bfloat16` (carry .carry/w2), (5)
-# `VLLM_CHECK=0 . bench/device/install_vllm.sh` (carry .carry/v3), (6) `keep_carry.sh .carry/w1;
-# . bench/device/env.sh; . bench/device/install_mlflow.sh` (carry .carry/w1/sharegpt.jsonl.xz and .carry/mlflow);
-# then (7) `GIT_SHA=... bash bench/device/run_multi_gpu.sh up` (carry .carry/ray), `wait` until it says SUCCEEDED,
-# `record`, `load`, `roll`. GIT_SHA names the commit (the device's checkout copy has no .git).
+# Before it, on the same warm machine, one call each (a call carries <= 64 MiB with the ~11 MB tree; 2026-11-28):
+# (1) `keep_carry.sh .carry/v1`, (2) `keep_carry.sh .carry/v2`, (3) `keep_carry.sh .carry/w1 .carry/v4` carrying
+# .carry/w1/part00, .carry/w1/humaneval.jsonl.xz and .carry/v4, (4) `keep_carry.sh .carry/w1 .carry/w3;
+# . bench/device/env.sh; . bench/device/install_mlflow.sh` carrying .carry/w1/sharegpt.jsonl.xz, .carry/w3 and
+# .carry/mlflow, (5) `. bench/device/install_target.sh bfloat16` (carry .carry/w2), (6) `VLLM_CHECK=0
+# . bench/device/install_vllm.sh` (carry .carry/v3); then (7) `GIT_SHA=... bash bench/device/run_multi_gpu.sh up`
+# (carry .carry/ray), `wait` until it says SUCCEEDED, `record`, `load`, `roll`. GIT_SHA names the commit (the
+# device's checkout copy has no .git).
 set -u
 T0=$SECONDS
 STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|roll|stage|nodekill|logs|down}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Carry .carry/w2, after `keep_carry.sh .carry/w1`: install SmolLM2 (bf16), then the online (capture in the step) vs
+# Carry .carry/w2, after `keep_carry.sh .carry/w1 .carry/w3`: install SmolLM2 (bf16), then the online (capture in the step) vs
 # offline (materialized samples) P-EAGLE training step at N=8192 (bench.online_step).
 set -u
 . bench/device/install_target.sh bfloat16

@@ -6,7 +6,7 @@
 # 2 epochs. evaluate and serve need vLLM and register MLflow, none of which is on the machine: the pipeline
 # says so and runs regenerate, capture and train (Ray Data actors on the GPU, then Ray Train). The run
 # directory stays in ~/keep: a second call on the same warm machine resumes (finished stages are skipped).
-# Carry .carry/ray (prepare_ray.sh), after `keep_carry.sh .carry/w1` and `. install_target.sh bfloat16` (carry
+# Carry .carry/ray (prepare_ray.sh), after `keep_carry.sh .carry/w1 .carry/w3` and `. install_target.sh bfloat16` (carry
 # .carry/w2) on the same warm machine. Usage: bash bench/device/run_pipeline_ray.sh [NUM_SAMPLES [BACKEND [OVERRIDE...]]]
 # BACKEND vllm (issue 25 item 6; after install_vllm.sh on this warm machine): regenerate and capture with vLLM 0.26
 # (regenerate.backend=vllm, capture.backend=vllm) and evaluate with it on 16 HumanEval prompts x 128 tokens, K=7, c=1,

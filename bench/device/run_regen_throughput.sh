@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regeneration throughput of the regenerate stage's engines on the same prompts (bench.regen_throughput).
 # Usage: bash bench/device/run_regen_throughput.sh [ENGINES [NAME [PROMPTS [bench.regen_throughput flags...]]]]
-#   ENGINES plain,static (default; issue 14: transformers plain vs static cache, carry .carry/w2 after `keep_carry.sh .carry/w1`)
+#   ENGINES plain,static (default; issue 14: transformers plain vs static cache, carry .carry/w2 after `keep_carry.sh .carry/w1 .carry/w3`)
 #   ENGINES vllm,static NAME regen_throughput_vllm (issue 25 item 4: vLLM after install_vllm.sh on this warm machine)
 #   ENGINES vllm NAME regen_sweep_vllm 4096 --vllm-sweep 256:8192,512:32768,1024:32768 (issue 40 item 3: the
 #     scheduler settings, one engine each, ~2 min an engine on an H100)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The data-scaling table of issue 14 (bench.scale), one step per call, state in ~/keep (a machine idle for ~30 s goes
 # back with it: every call returns what a new machine needs to continue):
-#   prompts NUM [FLAGS]        carry .carry/w2 after `keep_carry.sh .carry/w1`: installs SmolLM2 (bf16) and datasketch;
+#   prompts NUM [FLAGS]        carry .carry/w2 after `keep_carry.sh .carry/w1 .carry/w3`: installs SmolLM2 (bf16) and datasketch;
 #                              the target writes NUM self-instruct prompts -> selfinstruct.jsonl.xz (returned);
 #                              FLAGS go to bench.scale prompts (`--engine vllm --max-num-seqs 1024` after install_vllm.sh)
 #   regenerate SIZE BUDGET_S [FLAGS]   no carry, or .carry/scale-data (returned files) on a new machine after

@@ -3,7 +3,7 @@
 # (bench.synthetic_serving; random-weight targets, nothing carried but vLLM). Rows go to
 # ~/keep/gpu_synthetic_serving.json (seeded from bench/results on a new machine) and come back after every call;
 # repeat the call until it prints no new cell. Needs install_vllm.sh on this warm machine (or carry .carry/v3
-# after keep_carry.sh .carry/v1 and .carry/v2: it installs then).
+# after keep_carry.sh .carry/v1, .carry/v2 and .carry/v4: it installs then).
 # Usage: bash bench/device/run_synthetic_serving.sh [bench.synthetic_serving flags...]
 set -u
 T0=$SECONDS
