@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+RESULTS = ROOT / "bench" / "results"
 
 # Drafter shapes of the targets the benchmarks model (public HF configs; 4-layer P-EAGLE heads).
 TARGET_SHAPES = {

@@ -6,8 +6,9 @@ training at 1, 2 and 4 GPUs (``multi_gpu_train_<N>.json``, where run)."""
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, NamedTuple
 
+from bench.common import RESULTS, ROOT
 from bench.report_fmt import f, load, section, stage_table, table
 
 PIPELINE_HEADING = "### The main job on one 4-GPU node: every stage through Ray, a real MLflow server"
@@ -17,6 +18,7 @@ REGEN_HEADING = "### Regeneration on 1, 2 and 4 GPUs through the regenerate stag
 CAPTURE_HEADING = "### Capture on 1, 2 and 4 GPUs through the capture stage (one actor per GPU)"
 SCALE_GOAL = 0.90  # issue goal: tokens/s scaling efficiency at 4 GPUs
 REGEN_GOAL_TOK_S = 45_000  # output tokens/s per H100 for SmolLM2 (datatrove's tuned public figure)
+CAPTURE_STEADY_GOAL = 0.50  # issue goal: the capture stage's steady tokens/s against its model step on one GPU
 
 
 def _where(st: dict) -> str:
@@ -204,38 +206,64 @@ def _rolls(lines: list[str], r: dict) -> None:
 SCALE_GPUS = (1, 2, 4)
 
 
-def _stage_run(stage: str, n: int) -> tuple[dict, str] | None:
-    """``(outputs, source)`` of ``stage`` run on ``n`` GPUs through ``bench/device/run_multi_gpu.sh``: the stage
-    alone (``stage STAGE multi_gpu_<stage>_<n>``), or at 4 GPUs the main job's own stage; None where not run."""
-    r, src = load(f"multi_gpu_{stage}_{n}"), f"`multi_gpu_{stage}_{n}.json`"
-    if r is None and n == 4:
-        r, src = load("multi_gpu_pipeline"), "the main job"
-    rec = (r or {}).get("stage_records", {}).get(stage)
-    if not rec or rec.get("status") != "ran":
-        return None
-    return rec.get("outputs") or {}, f"{src}, {(r.get('environment') or {}).get('date', '')[:10]}"
+class StageRun(NamedTuple):
+    """One run of a stage alone through ``bench/device/run_multi_gpu.sh stage STAGE multi_gpu_<stage>_<label>``."""
+
+    name: str  # the result file's name
+    gpus: int  # the GPUs the stage used (its placement)
+    machine: str  # the lease it ran on: "4x NVIDIA H200, 2026-11-28" (compare only within one)
+    outputs: dict
+    record: dict  # the whole result file
 
 
-def _per_gpus(lines: list[str], stage: str, heading: str, metrics: list[tuple[str, Any]], scaled: str) -> None:
-    """One stage at 1, 2 and 4 GPUs: ``metrics`` (column, fn(outputs, n) -> tok/s), the efficiency of the column
-    ``scaled`` against ``n`` times its 1-GPU value (the issue's goal: >= 0.9, i.e. 3.6x at 4 GPUs)."""
-    lines += [heading, ""]
-    runs = {n: _stage_run(stage, n) for n in SCALE_GPUS}
-    if not any(runs.values()):
-        lines += ["not run", ""]
-        return
-    col = dict(metrics)[scaled]
-    base = runs[1] and col(runs[1][0], 1)
-    rows = []
-    for n, run in runs.items():
-        if run is None:
-            rows.append([n, "not run"] + ["-"] * (len(metrics) + 1))
+def stage_runs(stage: str) -> list[StageRun]:
+    """Every ``multi_gpu_<stage>_*.json`` whose stage ran, by machine then GPUs."""
+    runs = []
+    for path in RESULTS.glob(f"multi_gpu_{stage}_*.json"):
+        r = load(path.stem)
+        rec = r.get("stage_records", {}).get(stage) or {}
+        if rec.get("status") != "ran":
             continue
-        out, src = run
-        eff = f(col(out, n) / (n * base), 2) if base and col(out, n) else "-"
-        rows.append([n, src, *[f"{v:,.0f}" if (v := fn(out, n)) else "-" for _, fn in metrics], eff])
-    lines += table(["GPUs", "run", *[c for c, _ in metrics], f"efficiency vs 1 GPU (goal >= {SCALE_GOAL})"], rows)
+        gpus = r.get("gpus") or [r["environment"]["device"]]
+        machine = f"{len(gpus)}x {gpus[0]}, {r['environment']['date'][:10]}"
+        runs.append(StageRun(path.stem, (rec.get("placement") or {}).get("num_gpus") or 1, machine,
+                             rec.get("outputs") or {}, r))
+    return sorted(runs, key=lambda x: (x.machine, x.gpus, x.name))
+
+
+def _baseline(run: StageRun, runs: list[StageRun], same=lambda a, b: True) -> tuple[StageRun | None, bool]:
+    """``(the 1-GPU run to compare run with, whether it ran on the same machine)``: the same lease's first, else
+    one on the same kind of GPU (marked in the table); ``same(a, b)``: further conditions (e.g. the method)."""
+    ones = [x for x in runs if x.gpus == 1 and same(x, run)]
+    here = [x for x in ones if x.machine == run.machine]
+    if here:
+        return here[0], True
+    kind = [x for x in ones if x.machine.split(",")[0].split("x ")[1] == run.machine.split(",")[0].split("x ")[1]]
+    return (kind[0] if kind else None), False
+
+
+def _per_gpus(lines: list[str], stage: str, heading: str, metrics: list[tuple[str, Any]], scaled: str,
+              extra: list[tuple[str, Any]] = (), same=lambda a, b: True) -> list[StageRun]:
+    """``stage`` alone at 1, 2 and 4 GPUs: ``metrics`` (column, fn(outputs, gpus) -> tok/s), ``extra`` columns
+    (column, fn(StageRun) -> text), and the efficiency of the column ``scaled`` against ``gpus`` times its value
+    on the 1-GPU run of the same machine (:func:`_baseline`; the issue's goal: >= 0.9, i.e. 3.6x at 4 GPUs)."""
+    lines += [heading, ""]
+    runs = stage_runs(stage)
+    if not runs:
+        lines += ["not run", ""]
+        return runs
+    col = dict(metrics)[scaled]
+    rows = []
+    for run in runs:
+        base, here = _baseline(run, runs, same)
+        value, ref = col(run.outputs, run.gpus), base and col(base.outputs, 1)
+        eff = "-" if not (value and ref) else f(value / (run.gpus * ref), 2) + ("" if here else " (1 GPU: another machine)")
+        rows.append([run.gpus, f"`{run.name}.json`", run.machine, *[fn(run) for _, fn in extra],
+                     *[f"{v:,.0f}" if (v := fn(run.outputs, run.gpus)) else "-" for _, fn in metrics], eff])
+    lines += table(["GPUs", "run", "machine", *[c for c, _ in extra], *[c for c, _ in metrics],
+                    f"efficiency vs 1 GPU (goal >= {SCALE_GOAL})"], rows)
     lines += [""]
+    return runs
 
 
 def _profile(o: dict, key: str) -> float | None:
@@ -251,25 +279,27 @@ def _steady(o: dict) -> float | None:
 
 
 def _forward_tok_s(o: dict, n: int) -> float | None:
-    """The capture actors' model step alone (forward and copy to host): tokens / (forward seconds / actors)."""
+    """The capture actors' model step alone (forward and copy to host), all actors: tokens / (forward seconds /
+    actors)."""
     fwd, actors = _profile(o, "forward_s"), _profile(o, "num_actors")
     return o.get("num_tokens", 0) / (fwd / actors) if fwd and actors else None
 
 
 def data_path(lines: list[str]) -> None:
     """Regeneration and capture at 1, 2 and 4 GPUs, the engine's scheduler sweep, where capture time goes."""
-    _per_gpus(lines, "regenerate", REGEN_HEADING, [
+    regen = _per_gpus(lines, "regenerate", REGEN_HEADING, [
         # RegenerateResult.tokens_per_s is per engine (tokens / engine seconds summed): n engines decode n times it
         ("tok/s in the engines (all)", lambda o, n: (o.get("tokens_per_s") or 0) * n),
         ("tok/s per engine", lambda o, n: o.get("tokens_per_s")),
-        ("tok/s over the stage", lambda o, n: o.get("wall_tokens_per_s"))], "tok/s in the engines (all)")
+        ("tok/s over the stage", lambda o, n: o.get("wall_tokens_per_s"))], "tok/s in the engines (all)",
+        extra=[("conversations", lambda x: f"{x.outputs.get('num_conversations', 0):,}")])
     regen_sweep(lines)
-    regen_reading(lines)
-    _per_gpus(lines, "capture", CAPTURE_HEADING, [
+    regen_reading(lines, regen)
+    capture = _per_gpus(lines, "capture", CAPTURE_HEADING, [
         ("tok/s over the stage", lambda o, n: o.get("tokens_per_s")),
         ("tok/s once started", lambda o, n: _steady(o)),
         ("tok/s of the model step alone", _forward_tok_s)], "tok/s over the stage")
-    capture_profile(lines)
+    capture_profile(lines, capture)
 
 
 def regen_sweep(lines: list[str]) -> None:
@@ -279,8 +309,9 @@ def regen_sweep(lines: list[str]) -> None:
     if r is None:
         return
     lines += [(f"vLLM alone ({r.get('prompts')} ShareGPT first turns in one `generate` call, at most "
-               f"{r.get('max_new_tokens')} new tokens, {(r.get('environment') or {}).get('device', '')}, vLLM "
-               f"{(r.get('vllm') or {}).get('vllm', '')}; `multi_gpu_regen_sweep.json`):"), ""]
+               f"{r.get('max_new_tokens')} new tokens, {(r.get('environment') or {}).get('device', '')}, "
+               f"{r['environment']['date'][:10]}, vLLM {(r.get('vllm') or {}).get('vllm', '')}; "
+               "`multi_gpu_regen_sweep.json`):"), ""]
     rows = [[x.get("scheduler_max_num_seqs", "-"), x.get("scheduler_max_num_batched_tokens", "-"),
              "vLLM's default" if not x.get("max_num_seqs") else "set", x.get("engines_at_once", 1),
              f"{x['tokens_per_s']:,.0f}" if x.get("tokens_per_s") else x.get("error", "-"),
@@ -289,112 +320,183 @@ def regen_sweep(lines: list[str]) -> None:
                     "engine start s"], rows) + [""]
 
 
-def regen_reading(lines: list[str]) -> None:
-    """What the regenerate rows say, from the 1- and 2-GPU stage runs and vLLM's own sweep."""
-    one, two, sweep = _stage_run("regenerate", 1), _stage_run("regenerate", 2), load("multi_gpu_regen_sweep")
-    if not (one and two and sweep):
+def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
+    """What the regenerate rows say, from the stage runs and vLLM's own sweep."""
+    sweep = load("multi_gpu_regen_sweep")
+    if not (runs and sweep):
         return
-    best = max(x["tokens_per_s"] for x in sweep["vllm_sweep"] if x.get("tokens_per_s"))
-    lines += [(f"Reading: each engine of the stage decodes {one[0]['tokens_per_s']:,.0f}-{two[0]['tokens_per_s']:,.0f} "
-               f"tok/s, as fast as vLLM alone on these prompts ({best:,.0f} at best; the public tuned setting, 512 "
-               "sequences and 32,768 batched tokens, is no faster here): the stage is not what stands between "
-               f"SmolLM2 and the goal of {REGEN_GOAL_TOK_S:,} per GPU, vLLM 0.26's step is (a 135M target is "
-               "host-bound). The engines scale with the GPUs; the stage's wall time does less "
-               f"({two[0]['wall_tokens_per_s'] / one[0]['wall_tokens_per_s']:.2f}x from 1 to 2 GPUs) because each "
-               "engine's start (~100 s, compilation and CUDA graphs) is paid once per GPU whatever the data size. "
-               "The 4-GPU row is the main job of 2026-11-27 (4,000 conversations, turns fed one batch per turn): "
-               "its stage time is mostly engine start. Each conversation's next turn is now queued as soon as its "
-               "answer ends, so progress moves conversation by conversation; no same-machine A/B against the "
-               "batch-per-turn runner was measured."), ""]
+    tried = [x for x in sweep["vllm_sweep"] if x.get("tokens_per_s")]
+    best = max(tried, key=lambda x: x["tokens_per_s"])
+    per = [x.outputs["tokens_per_s"] for x in runs if x.outputs.get("tokens_per_s")]
+    widest = max(runs, key=lambda x: x.gpus)
+    start = statistics.median(x["engine_start_s"] for x in tried)
+    lines += [(f"Reading: each engine of the stage decodes {min(per):,.0f}-{max(per):,.0f} tok/s, as fast as vLLM "
+               f"alone on these prompts ({min(x['tokens_per_s'] for x in tried):,.0f}-{best['tokens_per_s']:,.0f} "
+               f"over the {len(tried)} scheduler settings, the best {best['scheduler_max_num_seqs']} sequences and "
+               f"{best['scheduler_max_num_batched_tokens']:,} batched tokens; the public tuned setting, 512 and "
+               "32,768, is no faster here): the stage is not what stands between SmolLM2 and the goal of "
+               f"{REGEN_GOAL_TOK_S:,} per GPU, vLLM 0.26's step is (a 135M target is host-bound). Each engine's "
+               f"start (median {start:.0f} s: compilation and CUDA graphs) is paid once per GPU whatever the data "
+               f"size, so on {widest.gpus} GPUs ({widest.outputs.get('num_conversations', 0):,} conversations, "
+               f"~{widest.outputs.get('num_conversations', 0) // widest.gpus:,} an engine) the stage ran "
+               f"{widest.outputs['wall_tokens_per_s']:,.0f} tok/s over its {widest.record['stage_records']['regenerate']['seconds']:.0f} s, "
+               "and each engine spent the end of its share on a few long conversations whose turns are chained "
+               "(fewer sequences a step, lower tok/s per engine)."
+               + ("" if _baseline(widest, runs)[1] else f" The {widest.gpus}-GPU row's machine ran no 1-GPU row: its "
+                  "efficiency is against another machine's.")
+               + " A run long enough for start-up to be a small share is issue 42's 300k-conversation regeneration."),
+              ""]
 
 
-def capture_profile(lines: list[str]) -> None:
-    """Where the capture stage's time went at each GPU count that has a profile (``capture_meta`` ``profile``)."""
+def capture_profile(lines: list[str], runs: list[StageRun]) -> None:
+    """Where the capture stage's time went in each run with a profile (``capture_meta`` ``profile``)."""
+    runs = [x for x in runs if x.outputs.get("profile")]
+    if not runs:
+        return
     rows = []
-    for n in SCALE_GPUS:
-        run = _stage_run("capture", n)
-        prof = (run or ({}, ""))[0].get("profile")
-        if not prof:
-            continue
-        o = run[0]
-        rows.append([n, f"{o.get('num_tokens', 0):,}", f"{o.get('bytes_per_token', 0):,.0f}",
-                     *[f(prof.get(k), 1) for k in ("actor_start_s", "wait_s", "forward_s", "write_s", "run_s")]])
-    if not rows:
-        return
+    for x in runs:
+        o, prof = x.outputs, x.outputs["profile"]
+        rows.append([x.gpus, x.machine, f"{o.get('num_tokens', 0):,}", f"{o.get('bytes_per_token', 0):,.0f}",
+                     *[f(prof.get(k), 1) for k in ("actor_start_s", "wait_s", "forward_s", "write_s", "run_s")],
+                     f"{o.get('bytes_on_disk', 0) / prof['run_s'] / 2**20:,.0f}"])
     lines += [("Where the capture time went (seconds summed over the actors; `run s` is the actor pool's wall "
-               "time):"), ""]
-    lines += table(["GPUs", "tokens", "bytes/token on disk", "actor start s", "waiting for input s",
-                    "forward + copy to host s", "shard writes s", "run s"], rows) + [""]
-    n, o = next((n, run[0]) for n in SCALE_GPUS if (run := _stage_run("capture", n)) and run[0].get("profile"))
-    prof, fwd = o["profile"], _forward_tok_s(o, n)
-    busy = prof["forward_s"] + prof["write_s"]
-    steady = _steady(o) / n
-    reading = (f"Reading ({n} GPUs): the shard writes took {prof['write_s'] / busy:.0%} of the actors' forward and "
-              f"write time ({o.get('bytes_per_token', 0):,.0f} bytes per token: three aux hidden states and the final "
-              f"one, {o.get('bytes_on_disk', 0) / prof['write_s'] / 2**20:,.0f} MiB/s per actor), each write after its "
-              f"forward. Once started, an actor captured {steady:,.0f} tok/s (the pool's wall time less the mean "
-              f"actor start), {steady / (fwd / n):.0%} of its model step alone ({fwd / n:,.0f} tok/s; goal >= 50%): "
-              f"capture was bound by the disk, not by the GPU. Start-up ({prof['actor_start_s'] / n:.0f} s per "
-              "actor) and waiting for tokenized input are small. Since 2026-11-28 a GPU actor writes a shard while it "
-              "captures the next (two calls in flight per actor, one forward at a time; "
-              "`CaptureShardActor.SHARDS_IN_FLIGHT`), not yet run on a GPU; streaming capture into training "
-              "(`capture.streaming`) writes no shards at all." + _shard_write_note())
-    lines += [reading, ""]
+               "time; MiB/s: the shards' bytes over it):"), ""]
+    lines += table(["GPUs", "machine", "tokens", "bytes/token on disk", "actor start s", "waiting for input s",
+                    "forward + copy to host s", "shard writes s", "run s", "MiB/s to disk"], rows) + [""]
+    lines += [_capture_reading(runs), ""]
+
+
+def _capture_reading(runs: list[StageRun]) -> str:
+    """The reading of the newest machine's capture runs: the 1-GPU goal (steady state >= 50% of the model step),
+    then what bounds the wider runs (the disk)."""
+    machine = max(runs, key=lambda x: x.record["environment"]["date"]).machine
+    here = [x for x in runs if x.machine == machine]
+    one = next((x for x in here if x.gpus == 1), None)
+    wide = max(here, key=lambda x: x.gpus)
+    text = []
+    if one is not None:
+        steady, step = _steady(one.outputs), _forward_tok_s(one.outputs, 1)
+        text.append(f"Reading ({machine}): on one GPU the stage captured {steady:,.0f} tok/s once its actor started, "
+                    f"{steady / step:.0%} of the model step alone ({step:,.0f} tok/s, forward and copy to host; goal "
+                    f">= {CAPTURE_STEADY_GOAL:.0%}: {'met' if steady / step >= CAPTURE_STEADY_GOAL else 'not met'}): "
+                    "the actor writes one shard while it captures the next "
+                    "(`CaptureShardActor.SHARDS_IN_FLIGHT`). Start-up "
+                    f"({one.outputs['profile']['actor_start_s']:.0f} s) is apart.")
+    if wide is not one:
+        rates = {x.gpus: x.outputs.get("bytes_on_disk", 0) / x.outputs["profile"]["run_s"] / 2**20 for x in here}
+        text.append(f"On {wide.gpus} GPUs the stage ran {wide.outputs['tokens_per_s']:,.0f} tok/s, "
+                    f"{wide.outputs['tokens_per_s'] / one.outputs['tokens_per_s']:.2f}x one GPU (goal "
+                    f"{SCALE_GOAL * wide.gpus:.1f}x: not met), while its model step ran "
+                    f"{_forward_tok_s(wide.outputs, wide.gpus):,.0f} tok/s over {wide.gpus} actors: every run put "
+                    f"{min(rates.values()):,.0f}-{max(rates.values()):,.0f} MiB/s on the node's disk "
+                    f"({wide.outputs.get('bytes_per_token', 0):,.0f} bytes a token: three aux hidden states and the "
+                    "final one), so materialized capture is bound by the disk, not by the GPUs, and more GPUs do "
+                    "not help it." + _shard_write_note() + " Streaming capture into training "
+                    "(`capture.streaming`) writes no shards: its rate is the model step's.")
+    if any(x.machine != machine for x in runs):
+        text.append("The rows of other machines ran before the actors overlapped shard writes with forwards "
+                    "(2026-11-28): one call at a time per actor.")
+    return " ".join(text)
 
 
 def _shard_write_note() -> str:
-    """The shard writer's A/B on the CPU box (``bench.shard_write``), where run."""
-    r = load("shard_write")
-    if r is None:
-        return ""
-    rate = {x["path"]: x["mib_per_s"] for x in r["rows"]}
-    return (f" Since this run the writer hands safetensors the file instead of building each shard in memory first: "
-            f"{rate['writer']:,.0f} against {rate['bytes_first']:,.0f} MiB/s for a {r['mib']:,.0f} MiB shard on the "
-            "CPU box (`shard_write.json`, fsync included); not yet measured on a GPU machine's disk.")
+    """The shard writer alone (``bench.shard_write``) on the CPU box and on a GPU machine's disk, where run."""
+    rates = []
+    for name, where in (("shard_write_gpu", "the GPU machine"), ("shard_write", "the CPU box")):
+        r = load(name)
+        if r is not None:
+            rate = {x["path"]: x["mib_per_s"] for x in r["rows"]}
+            rates.append(f"{rate['writer']:,.0f} MiB/s on {where} ({r['environment']['date'][:10]})")
+    return (" One shard writer alone (`python -m bench.shard_write`, a 479 MiB shard, fsync included) wrote "
+            + " and ".join(rates) + ".") if rates else ""
 
 
-def _batch(r: dict) -> tuple[int | None, int | None]:
-    """(workers, tokens per worker per step) of a train run from its recipe overrides (None: the recipe's)."""
-    sets = dict(s.split("=", 1) for s in (r.get("job") or {}).get("sets", []) if "=" in s)
+def _batch(r: dict) -> tuple[int | None, int]:
+    """(workers, tokens per worker per step) of a train run: its recipe overrides, else its recipe's (workers:
+    None)."""
+    from pipelines.recipe.load import load_recipe
+
+    job = r.get("job") or {}
+    sets = dict(s.split("=", 1) for s in job.get("sets", []) if "=" in s)
     workers, per = sets.get("training.num_workers"), sets.get("training.batch_tokens")
-    return (int(workers) if workers else None), (int(per) if per else None)
+    recipe_per = load_recipe(ROOT / job["config"]).training.batch_tokens if not per else None
+    return (int(workers) if workers else None), int(per or recipe_per)
+
+
+def _setting(run: StageRun, key: str, default: str) -> str:
+    """A ``training.<key>`` override of the run's job, else the recipe's ``default``."""
+    sets = dict(s.split("=", 1) for s in (run.record.get("job") or {}).get("sets", []) if "=" in s)
+    return sets.get(f"training.{key}", default)
+
+
+def _batch_cell(run: StageRun) -> str:
+    workers, per = _batch(run.record)
+    return f"{workers or run.gpus} x {per:,}"
 
 
 def training(lines: list[str]) -> None:
-    _per_gpus(lines, "train", TRAIN_HEADING, [
-        ("training tok/s", lambda o, n: _train_tok_s(o.get("history") or []))], "training tok/s")
-    loss_curves(lines)
-    one, two = load("multi_gpu_train_1"), load("multi_gpu_train_2")
-    if one and two:
-        losses = [{int(h["step"]): h["loss"] for h in r["stage_records"]["train"]["outputs"]["history"]}
-                  for r in (one, two)]
-        gap = max(abs(losses[1][k] / losses[0][k] - 1) for k in losses[0].keys() & losses[1].keys())
-        lines += [("Reading: P-EAGLE (4 layers, K=5, DDP) at 1 GPU trains 32,768 tokens per step and at 2 GPUs "
-                   "16,384 per worker, so the two runs share the global batch: their losses agree within "
-                   f"{gap:.1%} at every logged window. Per GPU, 2 workers keep "
-                   f"{_train_tok_s(two['stage_records']['train']['outputs']['history']) / 2 / _train_tok_s(one['stage_records']['train']['outputs']['history']):.0%}"
-                   " of one GPU's tokens/s (the 1-GPU run at twice the tokens per step, which favours it). The 4-GPU "
-                   "row is the main job of 2026-11-27 (150 steps, other data), not a run of this series. Not run "
-                   "yet: 4 GPUs in this series, FSDP, EAGLE-3."), ""]
+    runs = _per_gpus(lines, "train", TRAIN_HEADING, [
+        ("training tok/s", lambda o, n: _train_tok_s(o.get("history") or []))], "training tok/s",
+        extra=[("method, strategy", lambda x: f"{_setting(x, 'method', 'peagle')}, {_setting(x, 'parallel_strategy', 'ddp')}"),
+               ("workers x tokens a step", _batch_cell)],
+        same=lambda a, b: _setting(a, "method", "peagle") == _setting(b, "method", "peagle"))
+    loss_curves(lines, runs)
+    training_reading(lines, runs)
 
 
-def loss_curves(lines: list[str]) -> None:
-    """The loss of each logged window at 1, 2 and 4 GPUs, with each run's global batch (the issue: at equal global
-    batch the curve matches one GPU's)."""
-    runs = {n: load(f"multi_gpu_train_{n}") for n in SCALE_GPUS}
-    runs = {n: r for n, r in runs.items() if r and (r.get("stage_records", {}).get("train") or {}).get("outputs")}
-    if len(runs) < 2:
-        return
-    hist = {n: {int(h["step"]): h for h in r["stage_records"]["train"]["outputs"].get("history") or []}
-            for n, r in runs.items()}
-    header = ["step"]
-    for n, r in runs.items():
-        workers, per = _batch(r)
-        header.append(f"loss, {n} GPU{'s' if n > 1 else ''} ({(workers or n)} x {per or 16384:,} tokens)")
-    steps = sorted(set().union(*[h.keys() for h in hist.values()]))
-    rows = [[s, *[f(hist[n].get(s, {}).get("loss"), 3) for n in runs]] for s in steps]
-    lines += ["Loss per logged window (training stage records; the first and last three windows are kept):", ""]
-    lines += table(header, rows) + [""]
+def _history(run: StageRun) -> list[dict]:
+    return run.outputs.get("history") or []
+
+
+def loss_curves(lines: list[str], runs: list[StageRun]) -> None:
+    """The loss of each logged window of each run, with its global batch (the issue: at equal global batch the
+    curve matches one GPU's), one table per machine."""
+    for machine in dict.fromkeys(x.machine for x in runs):
+        here = [x for x in runs if x.machine == machine and _history(x)]
+        if len(here) < 2:
+            continue
+        hist = {x.name: {int(h["step"]): h for h in _history(x)} for x in here}
+        header = ["step", *[f"loss, {x.gpus} GPU{'s' if x.gpus > 1 else ''} ({_setting(x, 'method', 'peagle')}, "
+                            f"{_setting(x, 'parallel_strategy', 'ddp')}, {_batch_cell(x)})" for x in here]]
+        steps = sorted(set().union(*[h.keys() for h in hist.values()]))
+        rows = [[s, *[f(hist[x.name].get(s, {}).get("loss"), 3) for x in here]] for s in steps]
+        lines += [f"Loss per logged window, {machine} (training stage records; EAGLE-3's loss sums its TTT steps):",
+                  ""]
+        lines += table(header, rows) + [""]
+
+
+def training_reading(lines: list[str], runs: list[StageRun]) -> None:
+    """The 4-GPU runs against the same machine's 1-GPU run at the same global batch."""
+    peagle = [x for x in runs if _setting(x, "method", "peagle") == "peagle" and _history(x)]
+    for wide in [x for x in peagle if x.gpus > 1 and _setting(x, "parallel_strategy", "ddp") == "ddp"]:
+        base, here = _baseline(wide, peagle)
+        if base is None or not here:
+            continue
+        a = {int(h["step"]): h for h in _history(base)}
+        b = {int(h["step"]): h for h in _history(wide)}
+        gap = max(abs(b[k]["loss"] / a[k]["loss"] - 1) for k in a.keys() & b.keys())
+        last = max(a.keys() & b.keys())
+        eff = _train_tok_s(_history(wide)) / wide.gpus / _train_tok_s(_history(base))
+        last_eff = b[last]["tokens_per_s"] / wide.gpus / a[last]["tokens_per_s"]
+        first = _history(wide)[1]["tokens_per_s"]  # the first window after compilation
+        equal = _batch(base.record)[1] == wide.gpus * _batch(wide.record)[1]
+        lines += [(f"Reading ({wide.machine}, P-EAGLE, DDP on {wide.gpus} GPUs against 1): "
+                   f"{'at equal global batch ' if equal else 'at another global batch (the 1-GPU run has more tokens a worker) '}"
+                   f"the losses agree within {gap:.1%} at every logged window. Per GPU, {wide.gpus} workers keep "
+                   f"{eff:.0%} of one GPU's tokens/s over the run (median window after the first; goal "
+                   f"{SCALE_GOAL:.0%}: {'met' if eff >= SCALE_GOAL else 'not met'}), {last_eff:.0%} in the last "
+                   f"window (step {last})" + (
+                       f": the {wide.gpus}-worker run was still speeding up ({first:,.0f} -> "
+                       f"{b[last]['tokens_per_s']:,.0f} tok/s) when its {last} steps ended; whether it settles at the "
+                       "goal needs a longer run." if b[last]["tokens_per_s"] > 1.05 * first else "."))]
+        fsdp = next((x for x in peagle if x.machine == wide.machine and x.gpus == wide.gpus
+                     and _setting(x, "parallel_strategy", "ddp") == "fsdp"), None)
+        if fsdp is not None:
+            c = {int(h["step"]): h for h in _history(fsdp)}
+            lines[-1] += (f" FSDP on the same {wide.gpus} GPUs ran {_train_tok_s(_history(fsdp)) / _train_tok_s(_history(wide)):.0%} "
+                          f"of DDP's tokens/s (a 4-layer head gains nothing from sharding) with the same losses "
+                          f"(step {last}: {c[last]['loss']:.3f} against {b[last]['loss']:.3f}).")
+        lines += [""]
 
 
 NODE_FAULT_HEADING = "### A Ray node lost in the middle of training (its raylet SIGKILLed, then joined again)"

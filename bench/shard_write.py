@@ -2,7 +2,7 @@
 temp file itself, ``atomic_write_via``) against building the whole shard as one bytes object first (``save`` +
 ``atomic_write_bytes``, the writer before 2026-11-28), on the same tensors, alternately, fsync included.
 
-    python -m bench.shard_write [--tokens 108800] [--repeats 3]
+    python -m bench.shard_write [--tokens 108800] [--repeats 3] [--name shard_write_gpu]
 
 SmolLM2's layout (three aux hidden states and the final one, bf16: 4,613 bytes a token). The capture stage on 2 H200s
 spent 71% of its actors' busy time in shard writes (``multi_gpu_capture_2.json``).
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=108_800)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--name", default="shard_write", help="result name (shard_write_gpu: a GPU machine's disk)")
     args = ap.parse_args()
     length = 850
     samples = [{"sample_id": f"s{i}", "input_ids": torch.randint(0, 49152, (length,), dtype=torch.int32),
@@ -59,7 +60,7 @@ def main() -> None:
              "mib_per_s": mib / statistics.median(v)} for name, v in times.items()]
     for r in rows:
         print(r)
-    write_result("shard_write", {"tokens": tokens, "mib": mib, "repeats": args.repeats, "rows": rows})
+    write_result(args.name, {"tokens": tokens, "mib": mib, "repeats": args.repeats, "rows": rows})
 
 
 if __name__ == "__main__":
