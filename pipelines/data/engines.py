@@ -458,6 +458,7 @@ class TransformersEngine:
 # The engines of ``RegenerateConfig.backend`` (its Literal lists the same names: a unit test keeps them equal) and
 # the packages (import names) each needs: the pre-flight (RegenerateStage.preflight) reads it before any compute.
 ENGINES: dict[str, tuple[str, ...]] = {"vllm": ("vllm",), "transformers": ()}
+SHARED_GPU_MEMORY = 0.8  # of one GPU: vLLM's gpu_memory_utilization summed over the engines sharing it
 
 
 def make_engine(backend: str, model_path: str | Path, *, dtype: str, max_model_len: int, seed: int = 0,
@@ -487,7 +488,8 @@ def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg
                  ) -> tuple[Path, dict[str, Any]]:
     """(target directory, :func:`make_engine` keyword arguments) of the recipe's engine: the target's
     dtype, context ``data.max_length_tokens``, ``regenerate.seed``, a name with the weights' sha256
-    (vllm: ``regenerate.max_num_seqs`` / ``max_num_batched_tokens`` where set; transformers: threads,
+    (vllm: ``regenerate.max_num_seqs`` / ``max_num_batched_tokens`` where set, and :data:`SHARED_GPU_MEMORY`
+    split over ``regenerate.engines_per_gpu`` when engines share a GPU; transformers: threads,
     ``regenerate.batch_size`` and ``regenerate.static_cache``), then ``engine_kwargs``."""
     from pipelines.assets import resolve_target
 
@@ -498,6 +500,8 @@ def engine_setup(target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(regen_cfg, name) is not None:
                 kwargs.setdefault(name, getattr(regen_cfg, name))
+        if regen_cfg.engines_per_gpu > 1:
+            kwargs.setdefault("gpu_memory_utilization", round(SHARED_GPU_MEMORY / regen_cfg.engines_per_gpu, 3))
     if regen_cfg.backend == "transformers":
         kwargs.setdefault("num_threads", max(1, int(num_cpus_per_worker)))
         kwargs.setdefault("batch_size", regen_cfg.batch_size)

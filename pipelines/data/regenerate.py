@@ -432,8 +432,7 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         return out
     import ray
 
-    from pipelines.capture.actors import actor_num_gpus
-
+    num_cpus, num_gpus = engine_share(regen_cfg, num_cpus_per_worker)
     ds = ray.data.from_items(rows)
     res = ds.map_batches(
         RegenerateActor,
@@ -442,8 +441,8 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         compute=ray.data.ActorPoolStrategy(size=regen_cfg.num_workers),
         batch_size=regen_cfg.batch_size,
         batch_format="pyarrow",
-        num_cpus=num_cpus_per_worker,
-        num_gpus=actor_num_gpus(None),  # one GPU per engine where the cluster has them (the capture actors' rule)
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
     )
     out = []
     for r in res.iter_rows():
@@ -454,6 +453,18 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
             if len(out) % max(1, regen_cfg.batch_size) == 0:
                 log.info("regenerated %d/%d conversations", len(out), len(rows))
     return out
+
+
+def engine_share(regen_cfg: RegenerateConfig, num_cpus_per_worker: float) -> tuple[float, float]:
+    """``(CPUs, GPUs)`` of one engine actor of the pool: where the Ray cluster has GPUs, one GPU (the capture
+    actors' rule, ``actor_num_gpus``) and ``num_cpus_per_worker`` (a GPU's share of its node's CPUs), both split
+    over ``regenerate.engines_per_gpu`` engines (at least 1 CPU each); without GPUs, ``num_cpus_per_worker``
+    and 0."""
+    from pipelines.capture.actors import actor_num_gpus
+
+    gpus = actor_num_gpus(None)
+    k = regen_cfg.engines_per_gpu if gpus else 1
+    return (max(1, int(num_cpus_per_worker // k)) if k > 1 else num_cpus_per_worker), gpus / k
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:

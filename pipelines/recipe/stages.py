@@ -30,7 +30,12 @@ class RegenerateConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens_per_turn: int = Field(512, ge=1, description="Max new tokens per regenerated assistant turn.")
     batch_size: int = Field(32, ge=1, description="Conversations per Ray Data batch.")
-    num_workers: int = Field(1, ge=1, description="Engine actors (one per GPU on clusters).")
+    num_workers: int = Field(1, ge=1, description="Engine actors (one per GPU on clusters; see engines_per_gpu).")
+    engines_per_gpu: int = Field(
+        1, ge=1, le=8, description="backend=vllm, vllm_runner=actor: engine actors sharing one GPU (each asks Ray "
+        "for 1/engines_per_gpu of it, its CPUs and GPU memory split the same way). A small target is bound by "
+        "each engine's host work per step, not by the GPU: on 4 H200s SmolLM2 ran 19-22k tok/s per engine "
+        "whatever max_num_seqs (docs/benchmarks.md). Needs num_workers / engines_per_gpu GPUs.")
     seed: int = Field(0, description="Sampling seed.")
     vllm_runner: Literal["ray_data_llm", "actor"] = Field(
         "ray_data_llm", description="backend=vllm: Ray's ray.data.llm processor (one pass per assistant turn) or "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle_core.atomic import atomic_write_text
-from pipelines.preflight import Machine, Problem
+from pipelines.preflight import Machine, Problem, Severity
 from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, key_dump, write_json
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ class RegenerateStage(Stage):
     def num_gpus(recipe) -> tuple[int, str]:
         r = recipe.regenerate
         if recipe.training.use_gpu and r.enabled and r.backend == "vllm":
+            if r.engines_per_gpu > 1:
+                return (-(-r.num_workers // r.engines_per_gpu),
+                        f"{r.engines_per_gpu} vLLM engines each, regenerate.num_workers={r.num_workers}")
             return r.num_workers, f"one per vLLM engine, regenerate.num_workers={r.num_workers}"
         return 0, ""
 
@@ -65,6 +68,11 @@ class RegenerateStage(Stage):
         r = recipe.regenerate
         if r.enabled:
             problems += cls.choice_problems("regenerate.backend", r.backend, ENGINES, machine)
+        if r.engines_per_gpu > 1 and (r.backend, r.vllm_runner) != ("vllm", "actor"):
+            problems.append(cls.problem(
+                Severity.INVALID, f"regenerate.engines_per_gpu={r.engines_per_gpu} shares a GPU between vLLM engine "
+                f"actors: it needs backend=vllm and vllm_runner=actor (got {r.backend}, {r.vllm_runner})",
+                field="regenerate.engines_per_gpu"))
         if r.static_cache and r.backend != "transformers":
             log.warning("regenerate.static_cache is a transformers engine setting: ignored with backend=%s", r.backend)
         return problems + cls.source_problems("data.sources", recipe.data.sources, machine)
@@ -72,9 +80,9 @@ class RegenerateStage(Stage):
     @staticmethod
     def sections(recipe):
         # aux layer ids do not change the regenerated text: they key the capture only; nor does the number of
-        # engines (per-request seeds): a run on 1 GPU is current for the same recipe on 4
+        # engines or how many share a GPU (per-request seeds): a run on 1 GPU is current for the same recipe on 4
         return (key_dump(recipe.target, exclude={"aux_layer_ids"}), recipe.data,
-                key_dump(recipe.regenerate, exclude={"num_workers"}))
+                key_dump(recipe.regenerate, exclude={"num_workers", "engines_per_gpu"}))
 
     def run(self) -> RegenerateOutput:
         from pipelines.data.prompt_dataset import load_prompt_dataset

@@ -188,6 +188,26 @@ def test_vllm_step_sizes_reach_the_engine_only_when_set(monkeypatch, tmp_path):
     got = kwargs(max_num_seqs=512, max_num_batched_tokens=32768)
     assert got["max_num_seqs"] == 512 and got["max_num_batched_tokens"] == 32768
     assert "max_num_seqs" not in kwargs(backend="transformers", max_num_seqs=512)
+    # engines sharing a GPU split its memory; one engine keeps VLLMEngine's own default; a caller's value wins
+    assert "gpu_memory_utilization" not in kwargs()
+    assert kwargs(engines_per_gpu=2)["gpu_memory_utilization"] == engines.SHARED_GPU_MEMORY / 2
+    cpu = engines.engine_setup(target, RegenerateConfig(engines_per_gpu=2), data,
+                               engine_kwargs={"gpu_memory_utilization": 0.25})[1]
+    assert cpu["gpu_memory_utilization"] == 0.25
+
+
+def test_engines_sharing_a_gpu_split_its_share_of_cpus(monkeypatch):
+    """regenerate.engines_per_gpu: each engine actor asks Ray for 1/k of a GPU and of that GPU's CPUs (at least
+    one); on a cluster without GPUs the setting changes nothing."""
+    import pipelines.capture.actors
+    from pipelines.data.regenerate import engine_share
+
+    monkeypatch.setattr(pipelines.capture.actors, "actor_num_gpus", lambda requested: 1.0)
+    assert engine_share(RegenerateConfig(engines_per_gpu=2), 11) == (5, 0.5)
+    assert engine_share(RegenerateConfig(engines_per_gpu=3), 2) == (1, 1 / 3)
+    assert engine_share(RegenerateConfig(), 11) == (11, 1.0)
+    monkeypatch.setattr(pipelines.capture.actors, "actor_num_gpus", lambda requested: 0.0)
+    assert engine_share(RegenerateConfig(engines_per_gpu=2), 2) == (2, 0.0)
 
 
 def test_vllm_token_count_is_told_while_a_generate_call_runs(monkeypatch):

@@ -200,6 +200,22 @@ def test_invalid_anywhere_lists_every_problem(tmp_path, monkeypatch):
          "the gate compares ALs measured at its K; add it to the sweep")]
 
 
+def test_engines_sharing_a_gpu():
+    """regenerate.engines_per_gpu: num_workers / engines_per_gpu GPUs (rounded up); only the actor pool of vLLM
+    engines can share a GPU (ray.data.llm places its own engines, transformers runs one per process)."""
+    gpu = Machine(num_gpus=2, absent=frozenset())
+    r = load_recipe(CONFIGS / "smollm2-135m-4gpu.yaml", ["regenerate.num_workers=5", "regenerate.engines_per_gpu=2"])
+    (need,) = [p for p in preflight(r, machine=gpu) if p.stage == "regenerate"]
+    assert need.severity is Severity.MACHINE and "needs 3 CUDA GPUs (2 vLLM engines each" in need.message
+    assert not [p for p in preflight(r, machine=Machine(num_gpus=4, absent=frozenset())) if p.stage == "regenerate"]
+    for runner, backend in (("ray_data_llm", "vllm"), ("actor", "transformers")):
+        r = load_recipe(CONFIGS / "smollm2-135m-4gpu.yaml", ["regenerate.engines_per_gpu=2",
+                                                             f"regenerate.vllm_runner={runner}",
+                                                             f"regenerate.backend={backend}"])
+        (bad,) = [p for p in preflight(r, machine=gpu) if p.field == "regenerate.engines_per_gpu"]
+        assert bad.severity is Severity.INVALID and f"(got {backend}, {runner})" in bad.message
+
+
 @pytest.mark.parametrize("streaming, stage", [(False, "capture"), (True, "train")])
 def test_vllm_capture_needs_vllm(streaming, stage):
     r = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["capture.backend=vllm", f"capture.streaming={streaming}"])

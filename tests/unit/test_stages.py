@@ -104,6 +104,13 @@ def test_fields_that_do_not_change_the_head_do_not_move_a_key(ci_recipe, tmp_pat
     assert all(base.key(s) == changed.key(s) for s in STAGES)
 
 
+def test_engines_sharing_a_gpu_do_not_move_a_key(tmp_path):
+    """regenerate.engines_per_gpu (valid with the actor runner only) leaves every key as it is."""
+    base, shared = (PipelineRun(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["regenerate.vllm_runner=actor", *more]),
+                                run_dir=tmp_path) for more in ([], ["regenerate.engines_per_gpu=2"]))
+    assert all(base.key(s) == shared.key(s) for s in STAGES)
+
+
 SAMPLES = [
     RegenerateOutput(path="/r/conversations.jsonl", num_conversations=14, regenerated=True, num_turns=14,
                      num_generated_tokens=751, tokens_per_s=8.8, wall_tokens_per_s=7.9),
