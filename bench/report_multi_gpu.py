@@ -5,6 +5,7 @@ training at 1, 2 and 4 GPUs (``multi_gpu_train_<N>.json``, where run)."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Any, NamedTuple
 
@@ -244,7 +245,7 @@ def _baseline(run: StageRun, runs: list[StageRun], same=lambda a, b: True) -> tu
 
 def _per_gpus(lines: list[str], stage: str, heading: str, metrics: list[tuple[str, Any]], scaled: str,
               extra: list[tuple[str, Any]] = (), same=lambda a, b: True) -> list[StageRun]:
-    """``stage`` alone at 1, 2 and 4 GPUs: ``metrics`` (column, fn(outputs, gpus) -> tok/s), ``extra`` columns
+    """``stage`` alone at 1, 2 and 4 GPUs: ``metrics`` (column, fn(StageRun) -> tok/s), ``extra`` columns
     (column, fn(StageRun) -> text), and the efficiency of the column ``scaled`` against ``gpus`` times its value
     on the 1-GPU run of the same machine (:func:`_baseline`; the issue's goal: >= 0.9, i.e. 3.6x at 4 GPUs)."""
     lines += [heading, ""]
@@ -256,10 +257,10 @@ def _per_gpus(lines: list[str], stage: str, heading: str, metrics: list[tuple[st
     rows = []
     for run in runs:
         base, here = _baseline(run, runs, same)
-        value, ref = col(run.outputs, run.gpus), base and col(base.outputs, 1)
+        value, ref = col(run), base and col(base)
         eff = "-" if not (value and ref) else f(value / (run.gpus * ref), 2) + ("" if here else " (1 GPU: another machine)")
         rows.append([run.gpus, f"`{run.name}.json`", run.machine, *[fn(run) for _, fn in extra],
-                     *[f"{v:,.0f}" if (v := fn(run.outputs, run.gpus)) else "-" for _, fn in metrics], eff])
+                     *[f"{v:,.0f}" if (v := fn(run)) else "-" for _, fn in metrics], eff])
     lines += table(["GPUs", "run", "machine", *[c for c, _ in extra], *[c for c, _ in metrics],
                     f"efficiency vs 1 GPU (goal >= {SCALE_GOAL})"], rows)
     lines += [""]
@@ -278,7 +279,7 @@ def _steady(o: dict) -> float | None:
     return steady_tokens_per_s(o["profile"], o.get("num_tokens", 0)) if o.get("profile") else None
 
 
-def _forward_tok_s(o: dict, n: int) -> float | None:
+def _forward_tok_s(o: dict) -> float | None:
     """The capture actors' model step alone (forward and copy to host), all actors: tokens / (forward seconds /
     actors)."""
     fwd, actors = _profile(o, "forward_s"), _profile(o, "num_actors")
@@ -289,16 +290,16 @@ def data_path(lines: list[str]) -> None:
     """Regeneration and capture at 1, 2 and 4 GPUs, the engine's scheduler sweep, where capture time goes."""
     regen = _per_gpus(lines, "regenerate", REGEN_HEADING, [
         # RegenerateResult.tokens_per_s is per engine (tokens / engine seconds summed): n engines decode n times it
-        ("tok/s in the engines (all)", lambda o, n: (o.get("tokens_per_s") or 0) * n),
-        ("tok/s per engine", lambda o, n: o.get("tokens_per_s")),
-        ("tok/s over the stage", lambda o, n: o.get("wall_tokens_per_s"))], "tok/s in the engines (all)",
-        extra=[("conversations", lambda x: f"{x.outputs.get('num_conversations', 0):,}")])
+        ("tok/s in the engines (all)", lambda x: (x.outputs.get("tokens_per_s") or 0) * _engines(x)),
+        ("tok/s per engine", lambda x: x.outputs.get("tokens_per_s")),
+        ("tok/s over the stage", lambda x: x.outputs.get("wall_tokens_per_s"))], "tok/s in the engines (all)",
+        extra=[("engines", _engines), ("conversations", lambda x: f"{x.outputs.get('num_conversations', 0):,}")])
     regen_sweep(lines)
     regen_reading(lines, regen)
     capture = _per_gpus(lines, "capture", CAPTURE_HEADING, [
-        ("tok/s over the stage", lambda o, n: o.get("tokens_per_s")),
-        ("tok/s once started", lambda o, n: _steady(o)),
-        ("tok/s of the model step alone", _forward_tok_s)], "tok/s over the stage")
+        ("tok/s over the stage", lambda x: x.outputs.get("tokens_per_s")),
+        ("tok/s once started", lambda x: _steady(x.outputs)),
+        ("tok/s of the model step alone", lambda x: _forward_tok_s(x.outputs))], "tok/s over the stage")
     capture_profile(lines, capture)
 
 
@@ -344,7 +345,10 @@ def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
                "(fewer sequences a step, lower tok/s per engine)."
                + ("" if _baseline(widest, runs)[1] else f" The {widest.gpus}-GPU row's machine ran no 1-GPU row: its "
                   "efficiency is against another machine's.")
-               + " A run long enough for start-up to be a small share is issue 42's 300k-conversation regeneration."),
+               + " A run long enough for start-up to be a small share is issue 42's 300k-conversation regeneration."
+               " Since tok/s per engine does not move with the scheduler's step size, each engine is bound by its "
+               "own host work per step, not by the GPU: `regenerate.engines_per_gpu` (2026-11-28) runs several "
+               "engines on one GPU; not yet run on a GPU."),
               ""]
 
 
@@ -375,7 +379,7 @@ def _capture_reading(runs: list[StageRun]) -> str:
     wide = max(here, key=lambda x: x.gpus)
     text = []
     if one is not None:
-        steady, step = _steady(one.outputs), _forward_tok_s(one.outputs, 1)
+        steady, step = _steady(one.outputs), _forward_tok_s(one.outputs)
         text.append(f"Reading ({machine}): on one GPU the stage captured {steady:,.0f} tok/s once its actor started, "
                     f"{steady / step:.0%} of the model step alone ({step:,.0f} tok/s, forward and copy to host; goal "
                     f">= {CAPTURE_STEADY_GOAL:.0%}: {'met' if steady / step >= CAPTURE_STEADY_GOAL else 'not met'}): "
@@ -387,7 +391,7 @@ def _capture_reading(runs: list[StageRun]) -> str:
         text.append(f"On {wide.gpus} GPUs the stage ran {wide.outputs['tokens_per_s']:,.0f} tok/s, "
                     f"{wide.outputs['tokens_per_s'] / one.outputs['tokens_per_s']:.2f}x one GPU (goal "
                     f"{SCALE_GOAL * wide.gpus:.1f}x: not met), while its model step ran "
-                    f"{_forward_tok_s(wide.outputs, wide.gpus):,.0f} tok/s over {wide.gpus} actors: every run put "
+                    f"{_forward_tok_s(wide.outputs):,.0f} tok/s over {wide.gpus} actors: every run put "
                     f"{min(rates.values()):,.0f}-{max(rates.values()):,.0f} MiB/s on the node's disk "
                     f"({wide.outputs.get('bytes_per_token', 0):,.0f} bytes a token: three aux hidden states and the "
                     "final one), so materialized capture is bound by the disk, not by the GPUs, and more GPUs do "
@@ -411,22 +415,35 @@ def _shard_write_note() -> str:
             + " and ".join(rates) + ".") if rates else ""
 
 
+def _sets(r: dict) -> dict[str, str]:
+    """The ``--set`` overrides of a run's job: field -> value."""
+    return dict(s.split("=", 1) for s in (r.get("job") or {}).get("sets", []) if "=" in s)
+
+
+def _engines(run: StageRun) -> int:
+    """The regenerate stage's vLLM engines in a run: its ``regenerate.num_workers`` override, else one per GPU."""
+    return int(_sets(run.record).get("regenerate.num_workers", run.gpus))
+
+
+@functools.cache
+def _recipe(config: str):
+    """The committed recipe a run's job named (``job.config``, relative to the repository)."""
+    from pipelines.recipe.load import load_recipe
+
+    return load_recipe(ROOT / config)
+
+
 def _batch(r: dict) -> tuple[int | None, int]:
     """(workers, tokens per worker per step) of a train run: its recipe overrides, else its recipe's (workers:
     None)."""
-    from pipelines.recipe.load import load_recipe
-
-    job = r.get("job") or {}
-    sets = dict(s.split("=", 1) for s in job.get("sets", []) if "=" in s)
+    sets = _sets(r)
     workers, per = sets.get("training.num_workers"), sets.get("training.batch_tokens")
-    recipe_per = load_recipe(ROOT / job["config"]).training.batch_tokens if not per else None
-    return (int(workers) if workers else None), int(per or recipe_per)
+    return (int(workers) if workers else None), int(per or _recipe(r["job"]["config"]).training.batch_tokens)
 
 
-def _setting(run: StageRun, key: str, default: str) -> str:
-    """A ``training.<key>`` override of the run's job, else the recipe's ``default``."""
-    sets = dict(s.split("=", 1) for s in (run.record.get("job") or {}).get("sets", []) if "=" in s)
-    return sets.get(f"training.{key}", default)
+def _setting(run: StageRun, key: str) -> str:
+    """``training.<key>`` of the run: its job's override, else its recipe's."""
+    return _sets(run.record).get(f"training.{key}") or str(getattr(_recipe(run.record["job"]["config"]).training, key))
 
 
 def _batch_cell(run: StageRun) -> str:
@@ -436,10 +453,10 @@ def _batch_cell(run: StageRun) -> str:
 
 def training(lines: list[str]) -> None:
     runs = _per_gpus(lines, "train", TRAIN_HEADING, [
-        ("training tok/s", lambda o, n: _train_tok_s(o.get("history") or []))], "training tok/s",
-        extra=[("method, strategy", lambda x: f"{_setting(x, 'method', 'peagle')}, {_setting(x, 'parallel_strategy', 'ddp')}"),
+        ("training tok/s", lambda x: _train_tok_s(_history(x)))], "training tok/s",
+        extra=[("method, strategy", lambda x: f"{_setting(x, 'method')}, {_setting(x, 'parallel_strategy')}"),
                ("workers x tokens a step", _batch_cell)],
-        same=lambda a, b: _setting(a, "method", "peagle") == _setting(b, "method", "peagle"))
+        same=lambda a, b: _setting(a, "method") == _setting(b, "method"))
     loss_curves(lines, runs)
     training_reading(lines, runs)
 
@@ -456,8 +473,8 @@ def loss_curves(lines: list[str], runs: list[StageRun]) -> None:
         if len(here) < 2:
             continue
         hist = {x.name: {int(h["step"]): h for h in _history(x)} for x in here}
-        header = ["step", *[f"loss, {x.gpus} GPU{'s' if x.gpus > 1 else ''} ({_setting(x, 'method', 'peagle')}, "
-                            f"{_setting(x, 'parallel_strategy', 'ddp')}, {_batch_cell(x)})" for x in here]]
+        header = ["step", *[f"loss, {x.gpus} GPU{'s' if x.gpus > 1 else ''} ({_setting(x, 'method')}, "
+                            f"{_setting(x, 'parallel_strategy')}, {_batch_cell(x)})" for x in here]]
         steps = sorted(set().union(*[h.keys() for h in hist.values()]))
         rows = [[s, *[f(hist[x.name].get(s, {}).get("loss"), 3) for x in here]] for s in steps]
         lines += [f"Loss per logged window, {machine} (training stage records; EAGLE-3's loss sums its TTT steps):",
@@ -467,8 +484,8 @@ def loss_curves(lines: list[str], runs: list[StageRun]) -> None:
 
 def training_reading(lines: list[str], runs: list[StageRun]) -> None:
     """The 4-GPU runs against the same machine's 1-GPU run at the same global batch."""
-    peagle = [x for x in runs if _setting(x, "method", "peagle") == "peagle" and _history(x)]
-    for wide in [x for x in peagle if x.gpus > 1 and _setting(x, "parallel_strategy", "ddp") == "ddp"]:
+    peagle = [x for x in runs if _setting(x, "method") == "peagle" and _history(x)]
+    for wide in [x for x in peagle if x.gpus > 1 and _setting(x, "parallel_strategy") == "ddp"]:
         base, here = _baseline(wide, peagle)
         if base is None or not here:
             continue
@@ -490,7 +507,7 @@ def training_reading(lines: list[str], runs: list[StageRun]) -> None:
                        f"{b[last]['tokens_per_s']:,.0f} tok/s) when its {last} steps ended; whether it settles at the "
                        "goal needs a longer run." if b[last]["tokens_per_s"] > 1.05 * first else "."))]
         fsdp = next((x for x in peagle if x.machine == wide.machine and x.gpus == wide.gpus
-                     and _setting(x, "parallel_strategy", "ddp") == "fsdp"), None)
+                     and _setting(x, "parallel_strategy") == "fsdp"), None)
         if fsdp is not None:
             c = {int(h["step"]): h for h in _history(fsdp)}
             lines[-1] += (f" FSDP on the same {wide.gpus} GPUs ran {_train_tok_s(_history(fsdp)) / _train_tok_s(_history(wide)):.0%} "
@@ -514,7 +531,7 @@ def node_fault(lines: list[str]) -> None:
     for name, r in runs:
         job, kill, out = r.get("job") or {}, r.get("kill") or {}, ((r.get("stage_record") or {}).get("outputs") or {})
         env = r.get("environment") or {}
-        sets = dict(x.split("=", 1) for x in job.get("sets", []) if "=" in x)
+        sets = _sets(r)
         rows.append([f"`{name}.json`", f"{env.get('device', '')}, {env.get('date', '')[:10]}",
                      sets.get("training.num_workers", "-"), sets.get("training.max_steps", "-"),
                      f"step {kill.get('progress', '-')} at {f(kill.get('t_s'), 0)} s", f(r.get("rejoined_s"), 0),

@@ -75,21 +75,31 @@ def test_a_stage_alone_takes_the_recipe_of_the_last_job_that_named_one():
     assert state["recipe"] == {"config": "configs/x.yaml", "sets": ["a.b=1"]}  # a stage's own overrides not kept
 
 
-def test_the_per_gpu_table_scales_against_one_gpu_and_falls_back_to_the_main_job_at_four(monkeypatch):
+def test_the_per_gpu_table_scales_against_the_same_machines_one_gpu(monkeypatch, tmp_path):
+    """Each run's efficiency is against the 1-GPU run of its own machine (lease), else one on the same kind of GPU,
+    marked as such; the main job's stages are not rows of the series."""
     from bench import report_multi_gpu as rmg
 
-    def run(tok_s: float, date: str) -> dict:
-        history = [{"tokens_per_s": 1.0}, {"tokens_per_s": tok_s}, {"tokens_per_s": tok_s}]
-        return {"environment": {"date": date}, "stage_records": {"train": {"status": "ran", "outputs": {
-            "history": history}}}}
+    def run(tok_s: float, gpus: int, machine_gpus: int, date: str) -> dict:
+        history = [{"step": 10 * (i + 1), "loss": 5.0, "tokens_per_s": t} for i, t in enumerate((1.0, tok_s, tok_s))]
+        return {"environment": {"date": date, "device": "NVIDIA H200"}, "gpus": ["NVIDIA H200"] * machine_gpus,
+                "job": {"config": "configs/smollm2-135m-4gpu.yaml", "sets": [f"training.num_workers={gpus}"]},
+                "stage_records": {"train": {"status": "ran", "placement": {"num_gpus": gpus},
+                                            "outputs": {"history": history}}}}
 
-    files = {"multi_gpu_train_1": run(100_000, "2026-12-01"), "multi_gpu_pipeline": run(342_000, "2026-11-27")}
+    files = {"multi_gpu_train_1": run(100_000, 1, 2, "2026-12-01"), "multi_gpu_train_2": run(180_000, 2, 2, "2026-12-01"),
+             "multi_gpu_train_4": run(342_000, 4, 4, "2026-12-02"), "multi_gpu_pipeline": run(1.0, 4, 4, "2026-11-27")}
+    for name in files:
+        (tmp_path / f"{name}.json").write_text("{}")
+    monkeypatch.setattr(rmg, "RESULTS", tmp_path)
     monkeypatch.setattr(rmg, "load", files.get)
     lines: list[str] = []
     rmg.training(lines)
-    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| GPUs")]
-    assert rows == ["| 1 | `multi_gpu_train_1.json`, 2026-12-01 | 100,000 | 1.00 |", "| 2 | not run | - | - |",
-                    "| 4 | the main job, 2026-11-27 | 342,000 | 0.85 |"]
+    rows = [ln.split(" | ") for ln in lines if ln.startswith("| ") and not ln.startswith("| GPUs") and "`" in ln]
+    assert [(r[0], r[1], r[2], r[-1]) for r in rows] == [
+        ("| 1", "`multi_gpu_train_1.json`", "2x NVIDIA H200, 2026-12-01", "1.00 |"),
+        ("| 2", "`multi_gpu_train_2.json`", "2x NVIDIA H200, 2026-12-01", "0.90 |"),
+        ("| 4", "`multi_gpu_train_4.json`", "4x NVIDIA H200, 2026-12-02", "0.85 (1 GPU: another machine) |")]
 
 
 def test_scale_down_is_counted_from_the_first_lower_level_after_the_peak():
