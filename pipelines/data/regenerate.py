@@ -250,6 +250,35 @@ def _resume(parts_dir: str | Path, todo: list[dict[str, Any]],
     return [r for r in todo if r["id"] not in done_ids], kept_rows, resumed
 
 
+GPU_START_LOCK_DIR = Path("/tmp")  # node-local: one lock file per GPU (its CUDA_VISIBLE_DEVICES) of this host
+
+
+@contextmanager
+def gpu_start_lock(shared: bool) -> Iterator[None]:
+    """Held while an engine that shares its GPU starts (``regenerate.engines_per_gpu`` > 1): the engines of one GPU
+    start one after another. vLLM sizes its KV cache from the whole device's free memory while it profiles, so
+    an engine starting beside another charges the other's allocations to itself and may find no memory for its
+    cache (vllm-project/vllm#55827). An exclusive ``flock`` on ``GPU_START_LOCK_DIR /
+    peagle-engine-start-gpu<CUDA_VISIBLE_DEVICES>.lock``, released when the engine has started (or failed);
+    nothing when not ``shared`` or no GPU is assigned."""
+    import fcntl
+    import os
+
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if not shared or not gpu:
+        yield
+        return
+    path = GPU_START_LOCK_DIR / f"peagle-engine-start-gpu{gpu.replace(',', '-')}.lock"
+    with open(path, "a") as f:
+        t0 = time.perf_counter()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        log.info("engine start on GPU %s: waited %.1f s for the engines before it", gpu, time.perf_counter() - t0)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class RegenerateActor:
     """Ray Data ``map_batches`` actor holding one engine: conversation rows -> regenerated rows. ``reports``: where
     it reports its progress (:func:`regenerate_conversations`' counts; ``live_tokens`` as its engine generates)."""
@@ -257,7 +286,8 @@ class RegenerateActor:
     def __init__(self, backend: str, model_path: str, cfg: RegenerateConfig, engine_kwargs: dict[str, Any],
                  reports: Tally | None = None, parts_dir: str | None = None):
         self.reports = reports or Tally()
-        self.engine = make_engine(backend, model_path, on_tokens=self._live_tokens, **engine_kwargs)
+        with gpu_start_lock(cfg.engines_per_gpu > 1):
+            self.engine = make_engine(backend, model_path, on_tokens=self._live_tokens, **engine_kwargs)
         self.cfg, self.parts_dir = cfg, parts_dir
 
     def _live_tokens(self, n: int) -> None:

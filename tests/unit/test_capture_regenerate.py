@@ -1,6 +1,7 @@
 """pipelines.data.regenerate and pipelines.data.engines without Ray or vLLM: turn-by-turn conditioning, provenance,
 the transformers engine."""
 
+import os
 import time
 from collections import Counter
 
@@ -355,3 +356,31 @@ def test_finished_batches_are_kept_as_parts_and_read_back(tmp_path):
     files[0].write_text("{cut")
     done, _, _ = parts.read_parts(tmp_path, ["a", "b", "FULL", "d"])
     assert len(done) == 2
+
+
+def test_engines_sharing_a_gpu_start_one_after_another(tmp_path, monkeypatch):
+    """gpu_start_lock, with real processes and a real flock: while an engine of GPU 3 starts (here: this test holds
+    the lock), another engine sharing GPU 3 waits; one on GPU 5, or an engine alone on GPU 3, does not."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "start.py"
+    script.write_text("import sys\nfrom pathlib import Path\nfrom pipelines.data import regenerate\n"
+                      "regenerate.GPU_START_LOCK_DIR = Path(sys.argv[1])\n"
+                      "with regenerate.gpu_start_lock(sys.argv[2] == '1'):\n    print('started')\n")
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    monkeypatch.setattr(regenerate, "GPU_START_LOCK_DIR", locks)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+
+    def start(gpu: str, shared: bool) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(locks), "1" if shared else "0"], text=True,
+                                stdout=subprocess.PIPE, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
+
+    with regenerate.gpu_start_lock(True):
+        waiting, other_gpu, alone = start("3", True), start("5", True), start("3", False)
+        assert other_gpu.communicate(timeout=120)[0] == "started\n" and alone.communicate(timeout=120)[0] == "started\n"
+        time.sleep(1.0)
+        assert waiting.poll() is None  # still waiting for this start to end
+    assert waiting.communicate(timeout=120)[0] == "started\n"
+    assert sorted(p.name for p in locks.iterdir()) == ["peagle-engine-start-gpu3.lock", "peagle-engine-start-gpu5.lock"]
