@@ -33,9 +33,9 @@ class RegenerateConfig(Section):
     num_workers: int = Field(1, ge=1, description="Engine actors (one per GPU on clusters; see engines_per_gpu).")
     engines_per_gpu: int = Field(
         1, ge=1, le=8, description="backend=vllm, vllm_runner=actor: engine actors sharing one GPU (each asks Ray "
-        "for 1/engines_per_gpu of it, its CPUs and GPU memory split the same way). A small target is bound by "
-        "each engine's host work per step, not by the GPU: on 4 H200s SmolLM2 ran 19-22k tok/s per engine "
-        "whatever max_num_seqs (docs/benchmarks.md). Needs num_workers / engines_per_gpu GPUs.")
+        "for 1/engines_per_gpu of it, its CPUs and GPU memory split the same way; they start one after another). "
+        "For a small target, bound by each engine's host work per step rather than by the GPU (docs/benchmarks.md, "
+        "regeneration on 1, 2 and 4 GPUs). Needs num_workers / engines_per_gpu GPUs.")
     seed: int = Field(0, description="Sampling seed.")
     vllm_runner: Literal["ray_data_llm", "actor"] = Field(
         "ray_data_llm", description="backend=vllm: Ray's ray.data.llm processor (one pass per assistant turn) or "
