@@ -204,14 +204,12 @@ def _rolls(lines: list[str], r: dict) -> None:
         lines += [r["note"], ""]
 
 
-SCALE_GPUS = (1, 2, 4)
-
-
 class StageRun(NamedTuple):
     """One run of a stage alone through ``bench/device/run_multi_gpu.sh stage STAGE multi_gpu_<stage>_<label>``."""
 
     name: str  # the result file's name
     gpus: int  # the GPUs the stage used (its placement)
+    device: str  # the GPU kind ("NVIDIA H200")
     machine: str  # the lease it ran on: "4x NVIDIA H200, 2026-11-28" (compare only within one)
     outputs: dict
     record: dict  # the whole result file
@@ -227,7 +225,7 @@ def stage_runs(stage: str) -> list[StageRun]:
             continue
         gpus = r.get("gpus") or [r["environment"]["device"]]
         machine = f"{len(gpus)}x {gpus[0]}, {r['environment']['date'][:10]}"
-        runs.append(StageRun(path.stem, (rec.get("placement") or {}).get("num_gpus") or 1, machine,
+        runs.append(StageRun(path.stem, (rec.get("placement") or {}).get("num_gpus") or 1, gpus[0], machine,
                              rec.get("outputs") or {}, r))
     return sorted(runs, key=lambda x: (x.machine, x.gpus, x.name))
 
@@ -239,7 +237,7 @@ def _baseline(run: StageRun, runs: list[StageRun], same=lambda a, b: True) -> tu
     here = [x for x in ones if x.machine == run.machine]
     if here:
         return here[0], True
-    kind = [x for x in ones if x.machine.split(",")[0].split("x ")[1] == run.machine.split(",")[0].split("x ")[1]]
+    kind = [x for x in ones if x.device == run.device]
     return (kind[0] if kind else None), False
 
 
@@ -352,6 +350,11 @@ def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
               ""]
 
 
+def _disk_mib_s(run: StageRun) -> float:
+    """MiB/s a capture run put on disk: its shards' bytes over the actor pool's wall time."""
+    return run.outputs.get("bytes_on_disk", 0) / run.outputs["profile"]["run_s"] / 2**20
+
+
 def capture_profile(lines: list[str], runs: list[StageRun]) -> None:
     """Where the capture stage's time went in each run with a profile (``capture_meta`` ``profile``)."""
     runs = [x for x in runs if x.outputs.get("profile")]
@@ -362,7 +365,7 @@ def capture_profile(lines: list[str], runs: list[StageRun]) -> None:
         o, prof = x.outputs, x.outputs["profile"]
         rows.append([x.gpus, x.machine, f"{o.get('num_tokens', 0):,}", f"{o.get('bytes_per_token', 0):,.0f}",
                      *[f(prof.get(k), 1) for k in ("actor_start_s", "wait_s", "forward_s", "write_s", "run_s")],
-                     f"{o.get('bytes_on_disk', 0) / prof['run_s'] / 2**20:,.0f}"])
+                     f"{_disk_mib_s(x):,.0f}"])
     lines += [("Where the capture time went (seconds summed over the actors; `run s` is the actor pool's wall "
                "time; MiB/s: the shards' bytes over it):"), ""]
     lines += table(["GPUs", "machine", "tokens", "bytes/token on disk", "actor start s", "waiting for input s",
@@ -386,13 +389,13 @@ def _capture_reading(runs: list[StageRun]) -> str:
                     "the actor writes one shard while it captures the next "
                     "(`CaptureShardActor.SHARDS_IN_FLIGHT`). Start-up "
                     f"({one.outputs['profile']['actor_start_s']:.0f} s) is apart.")
-    if wide is not one:
-        rates = {x.gpus: x.outputs.get("bytes_on_disk", 0) / x.outputs["profile"]["run_s"] / 2**20 for x in here}
+    if one is not None and wide is not one:  # the wider run against this machine's one GPU
+        rates = [_disk_mib_s(x) for x in here]
         text.append(f"On {wide.gpus} GPUs the stage ran {wide.outputs['tokens_per_s']:,.0f} tok/s, "
                     f"{wide.outputs['tokens_per_s'] / one.outputs['tokens_per_s']:.2f}x one GPU (goal "
                     f"{SCALE_GOAL * wide.gpus:.1f}x: not met), while its model step ran "
                     f"{_forward_tok_s(wide.outputs):,.0f} tok/s over {wide.gpus} actors: every run put "
-                    f"{min(rates.values()):,.0f}-{max(rates.values()):,.0f} MiB/s on the node's disk "
+                    f"{min(rates):,.0f}-{max(rates):,.0f} MiB/s on the node's disk "
                     f"({wide.outputs.get('bytes_per_token', 0):,.0f} bytes a token: three aux hidden states and the "
                     "final one), so materialized capture is bound by the disk, not by the GPUs, and more GPUs do "
                     "not help it." + _shard_write_note() + " Streaming capture into training "
@@ -433,12 +436,11 @@ def _recipe(config: str):
     return load_recipe(ROOT / config)
 
 
-def _batch(r: dict) -> tuple[int | None, int]:
-    """(workers, tokens per worker per step) of a train run: its recipe overrides, else its recipe's (workers:
+def _batch(run: StageRun) -> tuple[int | None, int]:
+    """(workers, tokens per worker per step) of a train run: its job's overrides, else its recipe's (workers:
     None)."""
-    sets = _sets(r)
-    workers, per = sets.get("training.num_workers"), sets.get("training.batch_tokens")
-    return (int(workers) if workers else None), int(per or _recipe(r["job"]["config"]).training.batch_tokens)
+    workers = _sets(run.record).get("training.num_workers")
+    return (int(workers) if workers else None), int(_setting(run, "batch_tokens"))
 
 
 def _setting(run: StageRun, key: str) -> str:
@@ -447,7 +449,7 @@ def _setting(run: StageRun, key: str) -> str:
 
 
 def _batch_cell(run: StageRun) -> str:
-    workers, per = _batch(run.record)
+    workers, per = _batch(run)
     return f"{workers or run.gpus} x {per:,}"
 
 
@@ -496,7 +498,7 @@ def training_reading(lines: list[str], runs: list[StageRun]) -> None:
         eff = _train_tok_s(_history(wide)) / wide.gpus / _train_tok_s(_history(base))
         last_eff = b[last]["tokens_per_s"] / wide.gpus / a[last]["tokens_per_s"]
         first = _history(wide)[1]["tokens_per_s"]  # the first window after compilation
-        equal = _batch(base.record)[1] == wide.gpus * _batch(wide.record)[1]
+        equal = _batch(base)[1] == wide.gpus * _batch(wide)[1]
         lines += [(f"Reading ({wide.machine}, P-EAGLE, DDP on {wide.gpus} GPUs against 1): "
                    f"{'at equal global batch ' if equal else 'at another global batch (the 1-GPU run has more tokens a worker) '}"
                    f"the losses agree within {gap:.1%} at every logged window. Per GPU, {wide.gpus} workers keep "
