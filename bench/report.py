@@ -11,8 +11,9 @@ DDP, GPU recipe, demo sweep), :mod:`bench.report_data` (warm-up, data path, the 
 :mod:`bench.report_scale` and :mod:`bench.report_scale_eval` (the scaling heads, their training and their vLLM
 evaluation), :mod:`bench.report_long_context` (acceptance after long histories, training on long sequences),
 :mod:`bench.report_depths` (deep positions), :mod:`bench.report_speculators` (peagle against speculators),
-:mod:`bench.report_gpu_vllm` (GPU vLLM), :mod:`bench.report_load` (speculation under load), :mod:`bench.report_multi_gpu` (one several-GPU node as a Ray cluster). A new
-section is one more entry in its question's list. Every figure comes
+:mod:`bench.report_gpu_vllm` (GPU vLLM), :mod:`bench.report_load` (speculation under load),
+:mod:`bench.report_multi_gpu` (one several-GPU node as a Ray cluster), :mod:`bench.report_per_gpu` (stages alone at
+1, 2 and 4 GPUs). A new section is one more entry in its question's list. Every figure comes
 from a result file (``bench.report_fmt.load``): rerunning a benchmark and this command updates every figure.
 """
 
@@ -30,6 +31,7 @@ from bench import (
     report_load,
     report_long_context,
     report_multi_gpu,
+    report_per_gpu,
     report_scale,
     report_scale_eval,
     report_speculators,
@@ -108,7 +110,7 @@ QUESTIONS = [
         report_data.pipeline_device,
         _gpu(report_gpu_vllm.main_job, "pipeline_device_vllm"),
         report_multi_gpu.pipeline,
-        report_multi_gpu.data_path,
+        report_per_gpu.data_path,
     ]),
     Question("How does training scale?", (
         "Step time and memory per method, compilation, data-parallel GPUs, heads trained on more conversations "
@@ -118,7 +120,7 @@ QUESTIONS = [
         report_decode.two_gpus,
         report_scale.heads_table,
         report_long_context.long_training,
-        report_multi_gpu.training,
+        report_per_gpu.training,
     ]),
     Question("What survives faults?", (
         "Killed Ray Train workers and capture actors, an MLflow outage, replica kills and hostile requests while "

@@ -1,6 +1,6 @@
 """The several-GPU benchmarks' own parts: a new champion from the champion's files (``bench.multi_gpu
 new-champion``, a real sqlite MLflow store and a tiny exported head), a stage's recipe, the load ramp's
-per-replica-count rows and text prompts (``bench.serve_autoscale``), the 1/2/4-GPU tables (``bench.report_multi_gpu``)."""
+per-replica-count rows and text prompts (``bench.serve_autoscale``), the 1/2/4-GPU tables (``bench.report_per_gpu``)."""
 
 import json
 import random
@@ -78,7 +78,7 @@ def test_a_stage_alone_takes_the_recipe_of_the_last_job_that_named_one():
 def test_the_per_gpu_table_scales_against_the_same_machines_one_gpu(monkeypatch, tmp_path):
     """Each run's efficiency is against the 1-GPU run of its own machine (lease), else one on the same kind of GPU,
     marked as such; the main job's stages are not rows of the series."""
-    from bench import report_multi_gpu as rmg
+    from bench import report_per_gpu as rmg
 
     def run(tok_s: float, gpus: int, machine_gpus: int, date: str) -> dict:
         history = [{"step": 10 * (i + 1), "loss": 5.0, "tokens_per_s": t} for i, t in enumerate((1.0, tok_s, tok_s))]
