@@ -7,6 +7,8 @@ integration tests reuse it; tests that need a private home use ``tmp_peagle_home
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,25 @@ def tmp_peagle_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "peagle-home"
     monkeypatch.setenv("PEAGLE_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="module")
+def module_mktemp(request, tmp_path_factory) -> Iterator[Callable[[str], Path]]:
+    """``mktemp(name)``: a new directory for files a test module's fixtures share, all removed after the module
+    unless one of its tests failed, as ``tmp_path`` is under ``tmp_path_retention_policy = "failed"``
+    (pyproject.toml). Integration modules write targets, heads and checkpoints of 100-600 MB each: a CI machine's
+    disk filled when every module kept them to the end of the session."""
+    failed = request.session.testsfailed
+    made: list[Path] = []
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

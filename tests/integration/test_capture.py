@@ -80,8 +80,8 @@ def cfgs(**kw):
 
 
 @pytest.fixture(scope="module")
-def reference(ray_local, convos, tmp_path_factory):
-    out = tmp_path_factory.mktemp("capture-ref")
+def reference(ray_local, convos, module_mktemp):
+    out = module_mktemp("capture-ref")
     t0 = time.perf_counter()
     res = capture.run_capture(convos, *cfgs(), out, num_cpus_per_worker=2)
     print(f"\ncapture (Ray, 1 actor x 2 CPUs): {res.num_tokens} tokens in {time.perf_counter() - t0:.1f} s wall, "

@@ -82,9 +82,9 @@ def traffic_log_set(tmp: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def base(head, tmp_path_factory):
+def base(head, module_mktemp):
     """The base recipe's job, once for the module: ``(tmp, serve port, rc, output, seconds)``."""
-    tmp = tmp_path_factory.mktemp("ci")
+    tmp = module_mktemp("ci")
     port = local_ray.free_port()
     rc, log, seconds = submit(head, tmp, port, sets=(traffic_log_set(tmp),))
     return tmp, port, rc, log, seconds

@@ -65,11 +65,11 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory, target):
+def registry(module_mktemp, target):
     from pipelines.registry import register as reg
     from pipelines.registry.promotion import maybe_promote
 
-    tmp = tmp_path_factory.mktemp("registry")
+    tmp = module_mktemp("registry")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     head = random_head(tmp / "head", target[1])
     mv = reg.register_head(head, model_name=REGISTERED, eval_al=1.0, K=3, eval_set="humaneval",
@@ -165,13 +165,13 @@ def test_incompatible_head_refused_before_serving(tmp_path, target, registry):
 
 
 @pytest.fixture(scope="module")
-def traffic_log(tmp_path_factory) -> Path:
+def traffic_log(module_mktemp) -> Path:
     """Where the endpoint's traffic log goes."""
-    return tmp_path_factory.mktemp("traffic") / "log"
+    return module_mktemp("traffic") / "log"
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, target, traffic_log):
+def deployment(module_mktemp, target, traffic_log):
     """The app on a local Ray cluster, its head registered in a live ``mlflow server``, the traffic log on;
     yields ``{"url", "server", "cache"}``. The driver's pre-flight copy of the head is deleted before
     deploying, so the first replica fetches it from the server."""
@@ -180,7 +180,7 @@ def deployment(tmp_path_factory, target, traffic_log):
 
     from pipelines.serve import build_app
 
-    tmp = tmp_path_factory.mktemp("serve")
+    tmp = module_mktemp("serve")
     server = MlflowServer(tmp)
     server.start()  # comes up while Ray and Serve start
     env = {KEY_ENV: KEY, **FAST_MLFLOW_FAILURE}

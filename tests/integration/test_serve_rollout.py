@@ -44,9 +44,9 @@ def register_and_promote(registry, head_dir: Path, target_config: dict) -> int: 
 
 
 @pytest.fixture(scope="module")
-def cluster(registry, tmp_path_factory):  # noqa: F811
+def cluster(registry, module_mktemp):  # noqa: F811
     with serve_cluster(key_env=KEY_ENV, key=KEY) as url:
-        yield url, tmp_path_factory.mktemp("traffic") / "log"
+        yield url, module_mktemp("traffic") / "log"
 
 
 def rollout_args(registry, log_dir):  # noqa: F811

@@ -45,10 +45,10 @@ def conversations(num: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory):
+def capture(module_mktemp):
     from pipelines.capture import run_capture
 
-    out = tmp_path_factory.mktemp("capture")
+    out = module_mktemp("capture")
     res = run_capture(conversations(16), TargetConfig(), CaptureConfig(batch_size=8, dtype="float16",
                                                                        shard_size_samples=8),
                       DataConfig(max_length_tokens=160), out, use_ray=False)
@@ -100,9 +100,9 @@ def sample_logs(run_dir: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(capture, ray_local, tmp_path_factory):
+def reference(capture, ray_local, module_mktemp):
     """The uninterrupted run every fault test compares with: ``(output, run dir, seconds)``."""
-    tmp = tmp_path_factory.mktemp("reference")
+    tmp = module_mktemp("reference")
     t0 = time.monotonic()
     out = run(capture, tmp, "reference")
     seconds = time.monotonic() - t0

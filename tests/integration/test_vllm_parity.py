@@ -56,8 +56,8 @@ def target_dir():
 
 
 @pytest.fixture(scope="module")
-def probe(target_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("parity")
+def probe(target_dir, module_mktemp):
+    tmp = module_mktemp("parity")
     hf = AutoConfig.from_pretrained(target_dir)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(DrafterConfig.from_target(hf, mask_token_id=MASK_ID)).eval()

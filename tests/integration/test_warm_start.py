@@ -33,10 +33,10 @@ OVERRIDES = ["drafter.num_layers=1", "drafter.draft_vocab_size=2048", "training.
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory):
+def capture(module_mktemp):
     from pipelines.capture import run_capture
 
-    out = tmp_path_factory.mktemp("capture")
+    out = module_mktemp("capture")
     run_capture(conversations(8), TargetConfig(), CaptureConfig(batch_size=8, dtype="float16", shard_size_samples=8),
                 DataConfig(max_length_tokens=160), out, use_ray=False)
     return out

@@ -104,11 +104,11 @@ def test_assets_takes_config_and_the_old_recipe_flag():
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(module_mktemp):
     """An empty local MLflow registry (sqlite); created once, outside the commands under test."""
     from pipelines.registry.register import get_client
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    uri = f"sqlite:///{module_mktemp('mlflow') / 'mlflow.db'}"
     get_client(uri).search_registered_models()
     return uri
 

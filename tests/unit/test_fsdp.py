@@ -108,11 +108,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
+def sharded(module_mktemp):
     """Rank 0's results of both methods from one 2-process gloo run."""
     import torch.multiprocessing as mp
 
-    out = tmp_path_factory.mktemp("fsdp")
+    out = module_mktemp("fsdp")
     mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     return torch.load(out / "result.pt", weights_only=True)
 

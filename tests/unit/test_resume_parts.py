@@ -64,9 +64,9 @@ def run(ckpt, **kw) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(module_mktemp):
     """``(losses of the uninterrupted run, checkpoint root of the run stopped at step STOP)``."""
-    root = tmp_path_factory.mktemp("runs")
+    root = module_mktemp("runs")
     full = run(root / "full")
     with pytest.raises(RuntimeError, match="stopped at"):
         run(root / "stopped", callbacks=[StopAt()])

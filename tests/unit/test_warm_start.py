@@ -28,11 +28,11 @@ DRAFT_VOCAB = 40
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory) -> TargetConfig:
+def target(module_mktemp) -> TargetConfig:
     """A saved tiny random Llama (untied lm_head) as the recipe's target."""
     from transformers import LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("target")
+    path = module_mktemp("target")
     torch.manual_seed(0)
     LlamaForCausalLM(tiny_target_config()).save_pretrained(path)
     return TargetConfig(model=str(path))
