@@ -1,8 +1,8 @@
 """Compact copies of a training checkpoint: the state a machine returns so that another one resumes the run.
 
-A checkpoint (:mod:`pipelines.train.checkpoint`) holds every drafter tensor in float32, frozen ones included,
-and AdamW's two moments per trainable parameter: ~360 MB for a 4-layer SmolLM2 head, more than a lent
-machine returns in one call. :func:`compact_checkpoint` writes a copy in one of the :data:`FORMS`;
+A checkpoint (:mod:`pipelines.train.checkpoint`) holds every trainable drafter tensor in float32 (FSDP2 ones and
+those written before 2026-11-28 the frozen ones too) and AdamW's two moments per trainable parameter: ~250 MB for
+a 4-layer SmolLM2 head, more than a lent machine returns in one call. :func:`compact_checkpoint` writes a copy in one of the :data:`FORMS`;
 :func:`expand_checkpoint` (on the machine that resumes) turns it back into a checkpoint directory that
 :meth:`~pipelines.train.checkpoint.Checkpointer.load` reads: frozen parameters the copy lacks keep the values
 the drafter was built with, bf16 weights and moments are cast to the parameters' dtype, a dropped ``exp_avg``
@@ -70,8 +70,8 @@ class CheckpointForm:
 
 _BF16 = torch.bfloat16
 FORMS: dict[str, CheckpointForm] = {f.name: f for f in (
-    CheckpointForm(name="full", keep_frozen=True, description="the checkpoint as written (fp32 weights incl. "
-                   "frozen ones, fp32 AdamW moments)"),
+    CheckpointForm(name="full", keep_frozen=True, description="the checkpoint as written (fp32 weights, frozen "
+                   "ones where it holds them, fp32 AdamW moments)"),
     CheckpointForm(name="trainable", description="fp32 trainable weights, fp32 moments (lossless)"),
     CheckpointForm(name="fp32-weights-bf16-moments", moments_dtype=_BF16,
                    description="fp32 trainable weights, both AdamW moments in bf16"),
