@@ -45,8 +45,8 @@ _REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE)
 
 __all__ = [
     "FROZEN_KEY", "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SCHEDULER_FILE", "STATE_FILE", "Checkpointer",
-    "Restored", "ShardedCheckpointer", "checkpoint_name", "frozen_parameters", "latest_checkpoint", "make_checkpointer", "optimizer_digest",
-    "rng_state", "save_checkpoint_dir", "set_rng_state",
+    "Restored", "ShardedCheckpointer", "checkpoint_name", "frozen_parameters", "latest_checkpoint",
+    "make_checkpointer", "optimizer_digest", "rng_state", "save_checkpoint_dir", "set_rng_state",
 ]
 
 

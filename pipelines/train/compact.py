@@ -1,15 +1,15 @@
 """Compact copies of a training checkpoint: the state a machine returns so that another one resumes the run.
 
-A checkpoint (:mod:`pipelines.train.checkpoint`) holds every trainable drafter tensor in float32 (FSDP2 ones and
-those written before 2026-11-28 the frozen ones too) and AdamW's two moments per trainable parameter: ~250 MB for
-a 4-layer SmolLM2 head, more than a lent machine returns in one call. :func:`compact_checkpoint` writes a copy in one of the :data:`FORMS`;
-:func:`expand_checkpoint` (on the machine that resumes) turns it back into a checkpoint directory that
-:meth:`~pipelines.train.checkpoint.Checkpointer.load` reads: frozen parameters the copy lacks keep the values
-the drafter was built with, bf16 weights and moments are cast to the parameters' dtype, a dropped ``exp_avg``
-restarts at zero and a factored ``exp_avg_sq`` is rebuilt from its row and column means (Adafactor's
-rank-1 estimate, Shazeer & Stern 2018). The scheduler, the data position, the RNG states and
-``trainer_state.json`` are copied whole in every form (kilobytes), so the resumed run trains the same samples
-in the same order at the same learning rates; only the weights and AdamW's moments are approximated.
+A checkpoint (:mod:`pipelines.train.checkpoint`) holds every trainable drafter tensor in float32 (FSDP2 ones
+and those written before 2026-11-28 the frozen ones too) and AdamW's two moments per trainable parameter: ~250
+MB for a 4-layer SmolLM2 head, more than a lent machine returns in one call. :func:`compact_checkpoint` writes
+a copy in one of the :data:`FORMS`; :func:`expand_checkpoint` (on the machine that resumes) turns it back into
+a checkpoint directory that :meth:`~pipelines.train.checkpoint.Checkpointer.load` reads: frozen parameters the
+copy lacks keep the values the drafter was built with, bf16 weights and moments are cast to the parameters'
+dtype, a dropped ``exp_avg`` restarts at zero and a factored ``exp_avg_sq`` is rebuilt from its row and column
+means (Adafactor's rank-1 estimate, Shazeer & Stern 2018). The scheduler, the data position, the RNG states
+and ``trainer_state.json`` are copied whole in every form (kilobytes), so the resumed run trains the same
+samples in the same order at the same learning rates; only the weights and AdamW's moments are approximated.
 
 Which form resumes without a loss spike is measured by ``bench/resume_state.py``
 (``bench/results/resume_state.json``).
