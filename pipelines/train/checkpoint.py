@@ -46,13 +46,31 @@ _REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE)
 __all__ = [
     "FROZEN_KEY", "MODEL_FILE", "OPTIMIZER_FILE", "RANK_FILE", "SCHEDULER_FILE", "STATE_FILE", "Checkpointer",
     "Restored", "ShardedCheckpointer", "checkpoint_name", "frozen_parameters", "latest_checkpoint",
-    "make_checkpointer", "optimizer_digest", "rng_state", "save_checkpoint_dir", "set_rng_state",
+    "load_model_state", "make_checkpointer", "optimizer_digest", "rng_state", "save_checkpoint_dir", "set_rng_state",
 ]
 
 
 def frozen_parameters(drafter: torch.nn.Module) -> set[str]:
     """Names of the drafter's parameters the optimizer does not update (listed under :data:`FROZEN_KEY`)."""
     return {n for n, p in drafter.named_parameters() if not p.requires_grad}
+
+
+def load_model_state(drafter: torch.nn.Module, state: dict[str, torch.Tensor], *, frozen: set[str],
+                     checkpoint_dir: str | os.PathLike) -> None:
+    """Load a checkpoint's ``model.safetensors`` ``state`` into ``drafter`` (cast to the parameters' dtype). The
+    ``frozen`` parameters may be missing (whole-drafter checkpoints and compact copies leave them out): they keep
+    the values the drafter was built with.
+
+    Raises:
+        ValueError: another parameter or buffer is missing, or a key is unknown (names them).
+    """
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    absent = [k for k in missing if k not in frozen]
+    if absent or unexpected:
+        raise ValueError(f"checkpoint {checkpoint_dir}: {MODEL_FILE} lacks {absent} / has unknown {unexpected}: it "
+                         "was written for another drafter (compare drafter.* and train_embed_tokens of the recipe)")
+    if missing:
+        log.info("checkpoint %s: frozen %s kept as built (not in the checkpoint)", checkpoint_dir, missing)
 
 
 def checkpoint_name(step: int) -> str:
@@ -171,19 +189,7 @@ class Checkpointer:
         self.optimizer.load_state_dict(torch.load(d / OPTIMIZER_FILE, map_location=self.device, weights_only=True))
 
     def _load_model(self, d: Path, state: dict[str, torch.Tensor]) -> None:
-        """Load ``state`` into the drafter (cast to the parameters' dtype). Frozen parameters may be missing (a
-        compact copy, ``pipelines.train.compact``): they keep the values the drafter was built with.
-
-        Raises:
-            ValueError: a trainable parameter or buffer is missing, or a key is unknown (names them).
-        """
-        missing, unexpected = self.drafter.load_state_dict(state, strict=False)
-        absent = [k for k in missing if k not in frozen_parameters(self.drafter)]
-        if absent or unexpected:
-            raise ValueError(f"checkpoint {d}: {MODEL_FILE} lacks {absent} / has unknown {unexpected}: it was "
-                             "written for another drafter (compare drafter.* and train_embed_tokens of the recipe)")
-        if missing:
-            log.info("checkpoint %s: frozen %s kept as built (not in the checkpoint)", d, missing)
+        load_model_state(self.drafter, state, frozen=frozen_parameters(self.drafter), checkpoint_dir=d)
 
     # -- the format -----------------------------------------------------------------------------
 

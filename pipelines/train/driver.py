@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from peagle_core.contract import export_head
 from peagle_core.drafter import Eagle3Drafter
 from pipelines import settings
-from pipelines.train.checkpoint import FROZEN_KEY, MODEL_FILE, STATE_FILE
+from pipelines.train.checkpoint import FROZEN_KEY, MODEL_FILE, STATE_FILE, load_model_state
 from pipelines.train.loop import TrainCallback
 from pipelines.train.order import SAMPLE_LOG_DIR, OrderedCapture
 from pipelines.train.plan import TrainPlan
@@ -136,15 +136,14 @@ def _export(plan: TrainPlan, checkpoint_dir: Path, head_dir: Path, *, run_name: 
 
     Raises:
         ValueError: the model file lacks a parameter the head exports (only the frozen ones listed under
-            ``FROZEN_KEY`` may be absent, and are not exported) or has one the drafter does not know.
+            ``FROZEN_KEY`` may be absent, and are not exported) or has one the drafter does not know
+            (:func:`~pipelines.train.checkpoint.load_model_state`).
     """
     drafter = Eagle3Drafter(plan.drafter)
     state = json.loads((checkpoint_dir / STATE_FILE).read_text())
-    missing, unexpected = drafter.load_state_dict(load_file(str(checkpoint_dir / MODEL_FILE)), strict=False)
-    frozen = set(state.get(FROZEN_KEY, ()))  # the target's embeddings: not exported (include_embed_tokens below)
-    if unexpected or set(missing) - frozen:
-        raise ValueError(f"checkpoint {checkpoint_dir}: {MODEL_FILE} lacks {sorted(set(missing) - frozen)} / has "
-                         f"unknown {unexpected}: it was not written for this recipe's drafter")
+    # the frozen ones are the target's embeddings: not exported (include_embed_tokens below)
+    load_model_state(drafter, load_file(str(checkpoint_dir / MODEL_FILE)), frozen=set(state.get(FROZEN_KEY, ())),
+                     checkpoint_dir=checkpoint_dir)
     spec, training = plan.drafter_spec, plan.training
     extra = {"method": training.method, "num_speculative_tokens": spec.num_speculative_tokens,
              "target": plan.target_name, "target_sha256": plan.target_sha256, "step": state["step"],
