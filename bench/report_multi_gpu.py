@@ -6,7 +6,7 @@ node lost in training. The stages alone at 1, 2 and 4 GPUs: :mod:`bench.report_p
 from __future__ import annotations
 
 from bench.report_fmt import f, load, section, stage_table, table
-from bench.report_per_gpu import REGEN_GOAL_TOK_S, _sets, _train_tok_s
+from bench.report_per_gpu import REGEN_GOAL_TOK_S, job_sets, train_tok_s
 
 PIPELINE_HEADING = "### The main job on one 4-GPU node: every stage through Ray, a real MLflow server"
 SERVING_HEADING = "### Autoscaled GPU vLLM replicas under a load ramp"
@@ -31,7 +31,7 @@ def _what(n_gpus: dict[str, int]) -> dict:
         "capture": lambda o: (f"{o.get('num_samples', 0):,} samples, {o.get('num_tokens', 0):,} tokens, "
                               f"{(o.get('bytes_on_disk') or 0) / 2**30:.1f} GiB, {o.get('tokens_per_s') or 0:,.0f} "
                               f"tok/s over the stage{per_gpu(o.get('tokens_per_s'), 'capture')}"),
-        "train": lambda o: (f"{o['step']} steps, {_train_tok_s(o.get('history') or []) or 0:,.0f} training tok/s "
+        "train": lambda o: (f"{o['step']} steps, {train_tok_s(o.get('history') or []) or 0:,.0f} training tok/s "
                             "(median logged window after the first, all workers)"),
         "evaluate": lambda o: "; ".join(f"{x['method']} K={x['K']} c={x['concurrency']}: AL "
                                         f"{x['acceptance_length']:.2f}, {x['tokens_per_s']:,.0f} tok/s"
@@ -203,7 +203,7 @@ def node_fault(lines: list[str]) -> None:
     for name, r in runs:
         job, kill, out = r.get("job") or {}, r.get("kill") or {}, ((r.get("stage_record") or {}).get("outputs") or {})
         env = r.get("environment") or {}
-        sets = _sets(r)
+        sets = job_sets(r)
         rows.append([f"`{name}.json`", f"{env.get('device', '')}, {env.get('date', '')[:10]}",
                      sets.get("training.num_workers", "-"), sets.get("training.max_steps", "-"),
                      f"step {kill.get('progress', '-')} at {f(kill.get('t_s'), 0)} s", f(r.get("rejoined_s"), 0),

@@ -20,7 +20,7 @@ REGEN_GOAL_TOK_S = 45_000  # output tokens/s per H100 for SmolLM2 (datatrove's t
 CAPTURE_STEADY_GOAL = 0.50  # issue goal: the capture stage's steady tokens/s against its model step on one GPU
 
 
-def _train_tok_s(history: list[dict]) -> float | None:
+def train_tok_s(history: list[dict]) -> float | None:
     """Median tokens/s of the logged training windows after the first (compilation and warm-up)."""
     vals = [h["tokens_per_s"] for h in history[1:] if h.get("tokens_per_s")]
     return statistics.median(vals) if vals else None
@@ -240,14 +240,14 @@ def _shard_write_note() -> str:
             + " and ".join(rates) + ".") if rates else ""
 
 
-def _sets(r: dict) -> dict[str, str]:
+def job_sets(r: dict) -> dict[str, str]:
     """The ``--set`` overrides of a run's job: field -> value."""
     return dict(s.split("=", 1) for s in (r.get("job") or {}).get("sets", []) if "=" in s)
 
 
 def _engines(run: StageRun) -> int:
     """The regenerate stage's vLLM engines in a run: its ``regenerate.num_workers`` override, else one per GPU."""
-    return int(_sets(run.record).get("regenerate.num_workers", run.gpus))
+    return int(job_sets(run.record).get("regenerate.num_workers", run.gpus))
 
 
 @functools.cache
@@ -261,13 +261,13 @@ def _recipe(config: str):
 def _batch(run: StageRun) -> tuple[int | None, int]:
     """(workers, tokens per worker per step) of a train run: its job's overrides, else its recipe's (workers:
     None)."""
-    workers = _sets(run.record).get("training.num_workers")
+    workers = job_sets(run.record).get("training.num_workers")
     return (int(workers) if workers else None), int(_setting(run, "batch_tokens"))
 
 
 def _setting(run: StageRun, key: str) -> str:
     """``training.<key>`` of the run: its job's override, else its recipe's."""
-    return _sets(run.record).get(f"training.{key}") or str(getattr(_recipe(run.record["job"]["config"]).training, key))
+    return job_sets(run.record).get(f"training.{key}") or str(getattr(_recipe(run.record["job"]["config"]).training, key))
 
 
 def _batch_cell(run: StageRun) -> str:
@@ -277,7 +277,7 @@ def _batch_cell(run: StageRun) -> str:
 
 def training(lines: list[str]) -> None:
     runs = _per_gpus(lines, "train", TRAIN_HEADING, [
-        ("training tok/s", lambda x: _train_tok_s(_history(x)))], "training tok/s",
+        ("training tok/s", lambda x: train_tok_s(_history(x)))], "training tok/s",
         extra=[("method, strategy", lambda x: f"{_setting(x, 'method')}, {_setting(x, 'parallel_strategy')}"),
                ("workers x tokens a step", _batch_cell)],
         same=lambda a, b: _setting(a, "method") == _setting(b, "method"))
@@ -317,7 +317,7 @@ def training_reading(lines: list[str], runs: list[StageRun]) -> None:
         b = {int(h["step"]): h for h in _history(wide)}
         gap = max(abs(b[k]["loss"] / a[k]["loss"] - 1) for k in a.keys() & b.keys())
         last = max(a.keys() & b.keys())
-        eff = _train_tok_s(_history(wide)) / wide.gpus / _train_tok_s(_history(base))
+        eff = train_tok_s(_history(wide)) / wide.gpus / train_tok_s(_history(base))
         last_eff = b[last]["tokens_per_s"] / wide.gpus / a[last]["tokens_per_s"]
         first = _history(wide)[1]["tokens_per_s"]  # the first window after compilation
         equal = _batch(base)[1] == wide.gpus * _batch(wide)[1]
@@ -334,7 +334,7 @@ def training_reading(lines: list[str], runs: list[StageRun]) -> None:
                      and _setting(x, "parallel_strategy") == "fsdp"), None)
         if fsdp is not None:
             c = {int(h["step"]): h for h in _history(fsdp)}
-            lines[-1] += (f" FSDP on the same {wide.gpus} GPUs ran {_train_tok_s(_history(fsdp)) / _train_tok_s(_history(wide)):.0%} "
+            lines[-1] += (f" FSDP on the same {wide.gpus} GPUs ran {train_tok_s(_history(fsdp)) / train_tok_s(_history(wide)):.0%} "
                           f"of DDP's tokens/s (a 4-layer head gains nothing from sharding) with the same losses "
                           f"(step {last}: {c[last]['loss']:.3f} against {b[last]['loss']:.3f}).")
         lines += [""]
