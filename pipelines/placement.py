@@ -18,6 +18,7 @@ Shape legend: not applicable (orchestration only).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,21 +132,22 @@ def placement_of(actors: list, tasks: list, pgs: list, node_names: dict[str, str
 
     GPUs: each new GPU actor on its node; each GPU bundle of a new placement group that no such actor sits in;
     and the most GPUs that the new non-actor GPU tasks outside those groups held at once on a node (tasks run one
-    after another on one GPU count once). Actors: every new actor on its node."""
+    after another on one GPU count once). Fractions add up per node and round up: two vLLM engines of 0.5 GPU on a
+    node (``regenerate.engines_per_gpu: 2``) hold 1 GPU there. Actors: every new actor on its node."""
     def name(node_id: str | None) -> str:
         return node_names.get(node_id or "", (node_id or "?")[:8])
 
     gpu_actors = [a for a in actors if _gpus(a.required_resources) and a.node_id]
     gpus: Counter = Counter()
     for a in gpu_actors:
-        gpus[name(a.node_id)] += round(_gpus(a.required_resources))
+        gpus[name(a.node_id)] += _gpus(a.required_resources)
     counted_pgs = {a.placement_group_id for a in gpu_actors if a.placement_group_id}
     for p in pgs:  # a group whose GPUs no actor of its own holds (a Serve replica running its engine in-process)
         if p.placement_group_id in counted_pgs:
             continue
         for b in p.bundles or []:
             if _gpus(b.get("unit_resources")) and b.get("node_id"):
-                gpus[name(b["node_id"])] += round(_gpus(b.get("unit_resources")))
+                gpus[name(b["node_id"])] += _gpus(b.get("unit_resources"))
     pg_ids = {p.placement_group_id for p in pgs}
     events: dict[str, list[tuple[float, float]]] = {}
     for t in tasks:
@@ -159,6 +161,7 @@ def placement_of(actors: list, tasks: list, pgs: list, node_names: dict[str, str
         for _, g in sorted(ev, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
             held += g
             peak = max(peak, held)
-        gpus[node] += round(peak)
+        gpus[node] += peak
     actors_by_node = Counter(name(a.node_id) for a in actors if a.node_id)
-    return Placement(gpus_by_node=dict(gpus), actors_by_node=dict(actors_by_node))
+    whole = {node: math.ceil(g - 1e-6) for node, g in gpus.items()}  # 3 x 0.333 GPU: 1 GPU
+    return Placement(gpus_by_node=whole, actors_by_node=dict(actors_by_node))

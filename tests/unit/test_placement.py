@@ -31,6 +31,14 @@ def test_actor_pool_one_gpu_each_on_two_nodes():
     assert Placement.describe(p.to_json()) == "4 GPUs: a 2, b 2"
 
 
+def test_engines_sharing_a_gpu_count_it_once():
+    """regenerate.engines_per_gpu: 2 on two nodes of one GPU: four actors of 0.5 GPU hold 2 GPUs (the 2x H200 run
+    of 2026-11-28 reported 0 while fractions were rounded one by one)."""
+    p = placement_of([actor("n-a", 0.5), actor("n-a", 0.5), actor("n-b", 0.5), actor("n-b", 0.5)], [], [], NAMES)
+    assert p.gpus_by_node == {"a": 1, "b": 1} and p.num_gpus == 2
+    assert placement_of([actor("n-a", 1 / 3)] * 3, [], [], NAMES).gpus_by_node == {"a": 1}
+
+
 def test_train_workers_in_a_group_count_once():
     """Ray Train: a placement group of 2 GPU bundles whose 2 worker actors hold the GPUs, plus a CPU controller."""
     group = pg("g1", ("n-a", {"GPU": 1, "CPU": 1}), ("n-b", {"GPU": 1, "CPU": 1}))
