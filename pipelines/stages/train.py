@@ -19,6 +19,7 @@ before Ray Train starts.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_wor
 from pipelines.stages.capture import CaptureOutput, backend_problems
 from pipelines.stages.regenerate import RegenerateOutput
 
+log = logging.getLogger(__name__)
 FLEX_ATTENTION = "torch.nn.attention.flex_attention"  # peagle_core.masks: the block-sparse P-EAGLE mask
 
 
@@ -74,9 +76,17 @@ class TrainStage(Stage):
 
     @staticmethod
     def num_gpus(recipe) -> tuple[int, str]:
+        """One GPU per Ray Train worker; with ``capture.streaming``, also one per capture actor: both pools run at
+        once, and on a cluster without the GPUs for both the capture actors wait forever while the workers wait
+        for their rows (2x H200, 2026-11-28: 2 + 2 on 2 GPUs, 0 steps in 5 minutes)."""
         t = recipe.training
-        return (t.num_workers, f"one per Ray Train worker, training.num_workers={t.num_workers}") if t.use_gpu \
-            else (0, "")
+        if not t.use_gpu:
+            return 0, ""
+        use = f"one per Ray Train worker, training.num_workers={t.num_workers}"
+        if recipe.capture.streaming:
+            n = recipe.capture.num_workers
+            return t.num_workers + n, f"{use}, and one per streaming capture actor beside them, capture.num_workers={n}"
+        return t.num_workers, use
 
     @classmethod
     def preflight(cls, recipe, machine: Machine) -> list[Problem]:
@@ -94,6 +104,19 @@ class TrainStage(Stage):
         if recipe.capture.streaming:  # the target forward of a streaming capture runs in this stage
             problems += backend_problems(cls, recipe, machine)
         return problems
+
+    def _warn_if_pools_do_not_fit(self) -> None:
+        """Inside ``ray job submit`` the pre-flight does not know the cluster's GPUs (:meth:`Machine.probe`):
+        say now, before the pools start, when the cluster has fewer than :meth:`num_gpus` (it may still autoscale
+        up; otherwise the stage waits, as Ray does for any actor it cannot place)."""
+        import ray
+
+        need, use = self.num_gpus(self.recipe)
+        have = int(ray.cluster_resources().get("GPU", 0))
+        if need and have < need:
+            log.warning("the train stage with capture.streaming needs %d GPUs (%s); the Ray cluster has %d now: "
+                        "unless it scales up, the stage waits for them. Lower capture.num_workers or "
+                        "training.num_workers, or set capture.streaming=false", need, use, have)
 
     def sections(self, recipe):
         # how many failures to recover from and how the (same) block mask is built do not change the head: not
@@ -121,6 +144,8 @@ class TrainStage(Stage):
             self.ctx.say(f"warm start from {init.describe()}")
         if cap.streaming:
             from pipelines.capture import capture_stream
+
+            self._warn_if_pools_do_not_fit()
 
             rows = self.ctx.upstream(RegenerateOutput).rows()
             items = [{"id": x["id"], "messages": x["messages"]} for x in rows]

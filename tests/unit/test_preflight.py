@@ -216,6 +216,19 @@ def test_engines_sharing_a_gpu():
         assert bad.severity is Severity.INVALID and f"(got {backend}, {runner})" in bad.message
 
 
+def test_streaming_capture_needs_gpus_beside_the_workers():
+    """capture.streaming on GPUs: the capture actors run beside the Ray Train workers, one GPU each (2 + 2 on two
+    GPUs waited forever on 2x H200, 2026-11-28); materialized capture runs before training and needs none more."""
+    sets = ["training.num_workers=2", "capture.num_workers=2"]
+    r = load_recipe(CONFIGS / "smollm2-135m-4gpu.yaml", [*sets, "capture.streaming=true"])
+    (need,) = [p for p in preflight(r, machine=Machine(num_gpus=2, absent=frozenset())) if p.stage == "train"]
+    assert need.severity is Severity.MACHINE and "needs 4 CUDA GPUs" in need.message
+    assert "capture.num_workers=2" in need.message
+    assert not [p for p in preflight(r, machine=Machine(num_gpus=4, absent=frozenset())) if p.stage == "train"]
+    r = load_recipe(CONFIGS / "smollm2-135m-4gpu.yaml", sets)
+    assert not [p for p in preflight(r, machine=Machine(num_gpus=2, absent=frozenset())) if p.stage == "train"]
+
+
 @pytest.mark.parametrize("streaming, stage", [(False, "capture"), (True, "train")])
 def test_vllm_capture_needs_vllm(streaming, stage):
     r = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["capture.backend=vllm", f"capture.streaming={streaming}"])
