@@ -37,8 +37,34 @@ class StageRun(NamedTuple):
     record: dict  # the whole result file
 
 
+LEASE_GAP_S = 45 * 60  # a lease holds its machine <= 30 minutes: records of one kind further apart are two machines
+
+
+def leases() -> dict[str, str]:
+    """``{result name: machine}`` for every ``multi_gpu_*.json`` of ``bench.multi_gpu record``, e.g. ``2x NVIDIA
+    H200, 2026-11-28 13:18`` (the lease's first record, UTC): records of one GPU count and kind belong to one
+    lease while each follows the one before within :data:`LEASE_GAP_S` (two 2x H200 leases fell on 2026-11-28)."""
+    from datetime import UTC, datetime
+
+    recs = []
+    for path in RESULTS.glob("multi_gpu_*.json"):
+        r = load(path.stem)
+        if r and r.get("stage_records") is not None:
+            gpus = r.get("gpus") or [r["environment"]["device"]]
+            t = datetime.fromisoformat(r["environment"]["date"])
+            recs.append((f"{len(gpus)}x {gpus[0]}", t if t.tzinfo else t.replace(tzinfo=UTC), path.stem))
+    out: dict[str, str] = {}
+    last: dict[str, tuple] = {}  # kind -> (time of its latest record, its lease's label)
+    for kind, t, name in sorted(recs, key=lambda x: x[1]):
+        prev = last.get(kind)
+        label = prev[1] if prev and (t - prev[0]).total_seconds() <= LEASE_GAP_S else f"{kind}, {t:%Y-%m-%d %H:%M}"
+        last[kind] = (t, label)
+        out[name] = label
+    return out
+
+
 def stage_runs(stage: str) -> list[StageRun]:
-    """Every ``multi_gpu_<stage>_*.json`` whose stage ran, by machine then GPUs."""
+    """Every ``multi_gpu_<stage>_*.json`` whose stage ran, by machine (:func:`leases`) then GPUs."""
     runs = []
     for path in RESULTS.glob(f"multi_gpu_{stage}_*.json"):
         r = load(path.stem)
@@ -46,9 +72,8 @@ def stage_runs(stage: str) -> list[StageRun]:
         if rec.get("status") != "ran":
             continue
         gpus = r.get("gpus") or [r["environment"]["device"]]
-        machine = f"{len(gpus)}x {gpus[0]}, {r['environment']['date'][:10]}"
-        runs.append(StageRun(path.stem, (rec.get("placement") or {}).get("num_gpus") or 1, gpus[0], machine,
-                             rec.get("outputs") or {}, r))
+        runs.append(StageRun(path.stem, (rec.get("placement") or {}).get("num_gpus") or 1, gpus[0],
+                             leases()[path.stem], rec.get("outputs") or {}, r))
     return sorted(runs, key=lambda x: (x.machine, x.gpus, x.name))
 
 
@@ -148,10 +173,10 @@ def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
         return
     tried = [x for x in sweep["vllm_sweep"] if x.get("tokens_per_s")]
     best = max(tried, key=lambda x: x["tokens_per_s"])
-    per = [x.outputs["tokens_per_s"] for x in runs if x.outputs.get("tokens_per_s")]
-    widest = max(runs, key=lambda x: x.gpus)
+    per = [x.outputs["tokens_per_s"] for x in runs if x.outputs.get("tokens_per_s") and _engines_per_gpu(x) == 1]
+    widest = max([x for x in runs if _engines_per_gpu(x) == 1], key=lambda x: x.gpus)
     start = statistics.median(x["engine_start_s"] for x in tried)
-    lines += [(f"Reading: each engine of the stage decodes {min(per):,.0f}-{max(per):,.0f} tok/s, as fast as vLLM "
+    lines += [(f"Reading: with one engine a GPU, each engine of the stage decodes {min(per):,.0f}-{max(per):,.0f} tok/s, as fast as vLLM "
                f"alone on these prompts ({min(x['tokens_per_s'] for x in tried):,.0f}-{best['tokens_per_s']:,.0f} "
                f"over the {len(tried)} scheduler settings, the best {best['scheduler_max_num_seqs']} sequences and "
                f"{best['scheduler_max_num_batched_tokens']:,} batched tokens; the public tuned setting, 512 and "
@@ -167,9 +192,34 @@ def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
                   "efficiency is against another machine's.")
                + " A run long enough for start-up to be a small share is issue 42's 300k-conversation regeneration."
                " Since tok/s per engine does not move with the scheduler's step size, each engine is bound by its "
-               "own host work per step, not by the GPU: `regenerate.engines_per_gpu` (2026-11-28) runs several "
-               "engines on one GPU; not yet run on a GPU."),
+               "own host work per step, not by the GPU: `regenerate.engines_per_gpu` runs several engines on one "
+               "GPU." + _shared_gpu_reading(runs)),
               ""]
+
+
+def _engines_per_gpu(run: StageRun) -> int:
+    return int(job_sets(run.record).get("regenerate.engines_per_gpu", 1))
+
+
+def _shared_gpu_reading(runs: list[StageRun]) -> str:
+    """What engines sharing a GPU gave, per GPU, against the best run of one engine per GPU."""
+    shared = [x for x in runs if _engines_per_gpu(x) > 1 and x.outputs.get("tokens_per_s")]
+    alone = [x for x in runs if _engines_per_gpu(x) == 1 and x.outputs.get("tokens_per_s")]
+    if not (shared and alone):
+        return " Not yet run on a GPU."
+    best = max(alone, key=lambda x: x.outputs["tokens_per_s"])
+    text = []
+    for x in shared:
+        per_gpu = x.outputs["tokens_per_s"] * _engines(x) / x.gpus
+        wall = x.record["stage_records"]["regenerate"]["seconds"]
+        text.append(f" With {_engines_per_gpu(x)} engines a GPU ({x.machine}, {_engines(x)} engines on {x.gpus} "
+                    f"GPUs) each engine decoded {x.outputs['tokens_per_s']:,.0f} tok/s, {per_gpu:,.0f} a GPU: "
+                    f"{per_gpu / best.outputs['tokens_per_s']:.2f}x the best one-engine GPU ({best.outputs['tokens_per_s']:,.0f}, "
+                    f"{best.machine}; goal {REGEN_GOAL_TOK_S:,}: {'met' if per_gpu >= REGEN_GOAL_TOK_S else 'not met'}). "
+                    f"The engines of one GPU start one after another, so start-up doubled: the stage ran "
+                    f"{x.outputs['wall_tokens_per_s']:,.0f} tok/s over its {wall:.0f} s, and shared GPUs pay off on "
+                    "runs long enough for decoding to dominate.")
+    return "".join(text)
 
 
 def _disk_mib_s(run: StageRun) -> float:
@@ -195,10 +245,14 @@ def capture_profile(lines: list[str], runs: list[StageRun]) -> None:
     lines += [_capture_reading(runs), ""]
 
 
+PRE_OVERLAP = ("multi_gpu_capture_2",)  # capture runs from before the actors overlapped shard writes (2026-11-28)
+
+
 def _capture_reading(runs: list[StageRun]) -> str:
-    """The reading of the newest machine's capture runs: the 1-GPU goal (steady state >= 50% of the model step),
-    then what bounds the wider runs (the disk)."""
-    machine = max(runs, key=lambda x: x.record["environment"]["date"]).machine
+    """The reading of the newest machine with a 1-GPU capture run: the 1-GPU goal (steady state >= 50% of the model
+    step), then what bounds the wider runs (the disk); then the newer machines' runs against it."""
+    with_one = [x for x in runs if x.gpus == 1] or runs
+    machine = max(with_one, key=lambda x: x.record["environment"]["date"]).machine
     here = [x for x in runs if x.machine == machine]
     one = next((x for x in here if x.gpus == 1), None)
     wide = max(here, key=lambda x: x.gpus)
@@ -221,10 +275,20 @@ def _capture_reading(runs: list[StageRun]) -> str:
                     f"({wide.outputs.get('bytes_per_token', 0):,.0f} bytes a token: three aux hidden states and the "
                     "final one), so materialized capture is bound by the disk, not by the GPUs, and more GPUs do "
                     "not help it." + _shard_write_note() + " Streaming capture into training "
-                    "(`capture.streaming`) writes no shards: its rate is the model step's.")
-    if any(x.machine != machine for x in runs):
-        text.append("The rows of other machines ran before the actors overlapped shard writes with forwards "
-                    "(2026-11-28): one call at a time per actor.")
+                    "(`capture.streaming`) writes no shards: its rate is the model step's (not yet measured on GPUs: "
+                    "a 2x H200 try of 2026-11-28 put 2 capture actors beside 2 Ray Train workers on 2 GPUs and the "
+                    "actors waited for GPUs; the pre-flight now counts both pools).")
+    date = here[0].record["environment"]["date"]
+    for x in runs:
+        if x.machine != machine and x.record["environment"]["date"] > date and one is not None:
+            text.append(f"Later, on {x.machine} (no 1-GPU run there), {x.gpus} actors with the overlap ran "
+                        f"{x.outputs['tokens_per_s']:,.0f} tok/s over the stage, {_steady(x.outputs):,.0f} once "
+                        f"started (per GPU {x.outputs['tokens_per_s'] / (x.gpus * one.outputs['tokens_per_s']):.2f} "
+                        f"of the 1-GPU row above), at {_disk_mib_s(x):,.0f} MiB/s to disk: the same bound.")
+    pre = [x.name for x in runs if x.name in PRE_OVERLAP]
+    if pre:
+        text.append(f"{', '.join(f'`{n}.json`' for n in pre)} ran before the actors overlapped shard writes with "
+                    "forwards (2026-11-28): one call at a time per actor.")
     return " ".join(text)
 
 
@@ -306,6 +370,15 @@ def loss_curves(lines: list[str], runs: list[StageRun]) -> None:
         lines += table(header, rows) + [""]
 
 
+LONG_RUN_STEPS = 100  # past this a run's windows are its steady state (60-step runs were still speeding up)
+
+
+def _window_effs(a: dict, b: dict, gpus: int) -> str:
+    """Per-GPU efficiency of the last three common windows of two runs (``{step: window}``)."""
+    steps = sorted(a.keys() & b.keys())[-3:]
+    return ", ".join(f"step {s}: {b[s]['tokens_per_s'] / gpus / a[s]['tokens_per_s']:.0%}" for s in steps)
+
+
 def training_reading(lines: list[str], runs: list[StageRun]) -> None:
     """The 4-GPU runs against the same machine's 1-GPU run at the same global batch."""
     peagle = [x for x in runs if _setting(x, "method") == "peagle" and _history(x)]
@@ -329,7 +402,8 @@ def training_reading(lines: list[str], runs: list[StageRun]) -> None:
                    f"window (step {last})" + (
                        f": the {wide.gpus}-worker run was still speeding up ({first:,.0f} -> "
                        f"{b[last]['tokens_per_s']:,.0f} tok/s) when its {last} steps ended; whether it settles at the "
-                       "goal needs a longer run." if b[last]["tokens_per_s"] > 1.05 * first else "."))]
+                       "goal needs a longer run." if b[last]["tokens_per_s"] > 1.05 * first and last <= LONG_RUN_STEPS
+                       else f"; the last windows {_window_effs(a, b, wide.gpus)}."))]
         fsdp = next((x for x in peagle if x.machine == wide.machine and x.gpus == wide.gpus
                      and _setting(x, "parallel_strategy") == "fsdp"), None)
         if fsdp is not None:

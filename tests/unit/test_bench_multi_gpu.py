@@ -97,9 +97,20 @@ def test_the_per_gpu_table_scales_against_the_same_machines_one_gpu(monkeypatch,
     rmg.training(lines)
     rows = [ln.split(" | ") for ln in lines if ln.startswith("| ") and not ln.startswith("| GPUs") and "`" in ln]
     assert [(r[0], r[1], r[2], r[-1]) for r in rows] == [
-        ("| 1", "`multi_gpu_train_1.json`", "2x NVIDIA H200, 2026-12-01", "1.00 |"),
-        ("| 2", "`multi_gpu_train_2.json`", "2x NVIDIA H200, 2026-12-01", "0.90 |"),
-        ("| 4", "`multi_gpu_train_4.json`", "4x NVIDIA H200, 2026-12-02", "0.85 (1 GPU: another machine) |")]
+        ("| 1", "`multi_gpu_train_1.json`", "2x NVIDIA H200, 2026-12-01 00:00", "1.00 |"),
+        ("| 2", "`multi_gpu_train_2.json`", "2x NVIDIA H200, 2026-12-01 00:00", "0.90 |"),
+        ("| 4", "`multi_gpu_train_4.json`", "4x NVIDIA H200, 2026-12-02 00:00", "0.85 (1 GPU: another machine) |")]
+
+    # a second 2-GPU lease the same day (a lease holds its machine <= 30 min): its own machine, its own 1-GPU row
+    files |= {"multi_gpu_train_1_late": run(50_000, 1, 2, "2026-12-01T13:00:00"),
+              "multi_gpu_train_2_late": run(95_000, 2, 2, "2026-12-01T13:20:00")}
+    for name in files:
+        (tmp_path / f"{name}.json").write_text("{}")
+    assert rmg.leases()["multi_gpu_train_2_late"] == "2x NVIDIA H200, 2026-12-01 13:00"
+    lines = []
+    rmg.training(lines)
+    late = [ln for ln in lines if "_2_late" in ln and ln.startswith("| ")]
+    assert late and late[0].endswith(" 0.95 |"), late
 
 
 def test_scale_down_is_counted_from_the_first_lower_level_after_the_peak():
