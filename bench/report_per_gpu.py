@@ -185,9 +185,8 @@ def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
                f"start (median {start:.0f} s: compilation and CUDA graphs) is paid once per GPU whatever the data "
                f"size, so on {widest.gpus} GPUs ({widest.outputs.get('num_conversations', 0):,} conversations, "
                f"~{widest.outputs.get('num_conversations', 0) // widest.gpus:,} an engine) the stage ran "
-               f"{widest.outputs['wall_tokens_per_s']:,.0f} tok/s over its {widest.record['stage_records']['regenerate']['seconds']:.0f} s, "
-               "and each engine spent the end of its share on a few long conversations whose turns are chained "
-               "(fewer sequences a step, lower tok/s per engine)."
+               f"{widest.outputs['wall_tokens_per_s']:,.0f} tok/s over its {widest.record['stage_records']['regenerate']['seconds']:.0f} s"
+               + _imbalance(widest) + "."
                + ("" if _baseline(widest, runs)[1] else f" The {widest.gpus}-GPU row's machine ran no 1-GPU row: its "
                   "efficiency is against another machine's.")
                + " A run long enough for start-up to be a small share is issue 42's 300k-conversation regeneration."
@@ -201,8 +200,22 @@ def _engines_per_gpu(run: StageRun) -> int:
     return int(job_sets(run.record).get("regenerate.engines_per_gpu", 1))
 
 
+def _imbalance(run: StageRun) -> str:
+    """``: N batches of B for E engines, ...`` when the run's batches were not a multiple of its engines (the pool
+    cut ``regenerate.batch_size`` batches before ``pipelines.data.engine_pool.pool_batch_size``), else ``""``."""
+    size = int(job_sets(run.record).get("regenerate.batch_size")
+               or _recipe(run.record["job"]["config"]).regenerate.batch_size)
+    batches, engines = -(-run.outputs.get("num_conversations", 0) // size), _engines(run)
+    if batches % engines == 0:
+        return ""
+    return (f": its conversations went out in {batches} batches of up to {size:,} for {engines} engines, so "
+            f"{batches % engines} engine{'s' if batches % engines > 1 else ''} ran the last batches alone (the pool "
+            "now cuts equal batches, a multiple of its engines: `pipelines.data.engine_pool.pool_batch_size`)")
+
+
 def _shared_gpu_reading(runs: list[StageRun]) -> str:
-    """What engines sharing a GPU gave, per GPU, against the best run of one engine per GPU."""
+    """What engines sharing a GPU gave, per GPU, against the best run of one engine per GPU: inside the engines'
+    calls, and from the job's progress lines where the record holds them (``progress``)."""
     shared = [x for x in runs if _engines_per_gpu(x) > 1 and x.outputs.get("tokens_per_s")]
     alone = [x for x in runs if _engines_per_gpu(x) == 1 and x.outputs.get("tokens_per_s")]
     if not (shared and alone):
@@ -213,12 +226,17 @@ def _shared_gpu_reading(runs: list[StageRun]) -> str:
         per_gpu = x.outputs["tokens_per_s"] * _engines(x) / x.gpus
         wall = x.record["stage_records"]["regenerate"]["seconds"]
         text.append(f" With {_engines_per_gpu(x)} engines a GPU ({x.machine}, {_engines(x)} engines on {x.gpus} "
-                    f"GPUs) each engine decoded {x.outputs['tokens_per_s']:,.0f} tok/s, {per_gpu:,.0f} a GPU: "
-                    f"{per_gpu / best.outputs['tokens_per_s']:.2f}x the best one-engine GPU ({best.outputs['tokens_per_s']:,.0f}, "
-                    f"{best.machine}; goal {REGEN_GOAL_TOK_S:,}: {'met' if per_gpu >= REGEN_GOAL_TOK_S else 'not met'}). "
-                    f"The engines of one GPU start one after another, so start-up doubled: the stage ran "
-                    f"{x.outputs['wall_tokens_per_s']:,.0f} tok/s over its {wall:.0f} s, and shared GPUs pay off on "
-                    "runs long enough for decoding to dominate.")
+                    f"GPUs) each engine decoded {x.outputs['tokens_per_s']:,.0f} tok/s inside its calls: "
+                    f"{per_gpu:,.0f} a GPU had all run at once, {per_gpu / best.outputs['tokens_per_s']:.2f}x the "
+                    f"best one-engine GPU ({best.outputs['tokens_per_s']:,.0f}, {best.machine}; goal "
+                    f"{REGEN_GOAL_TOK_S:,}: {'met' if per_gpu >= REGEN_GOAL_TOK_S else 'not met'}).")
+        lines = [ln for ln in (x.record.get("progress") or {}).get("lines", []) if ln[3]]
+        if lines:
+            rates = [ln[3] for ln in lines]
+            text.append(f" But together they decoded {min(rates):,.0f}-{max(rates):,.0f} tok/s from the first answers "
+                        f"to the end (the job's progress lines), ~{statistics.mean(rates) / x.gpus:,.0f} a GPU, and "
+                        f"the stage took {wall:.0f} s{_imbalance(x)}, while the engines of a GPU started one after "
+                        "another. Sharing a GPU is not yet shown to pay on the stage's wall clock.")
     return "".join(text)
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipelines.data.engine_pool import engine_share, gpu_start_lock, pool_batch_size
 from pipelines.data.engines import (
     ENGINES,
     Engine,
@@ -250,33 +251,6 @@ def _resume(parts_dir: str | Path, todo: list[dict[str, Any]],
     return [r for r in todo if r["id"] not in done_ids], kept_rows, resumed
 
 
-GPU_START_LOCK_DIR = Path("/tmp")  # node-local: one lock file per GPU (its CUDA_VISIBLE_DEVICES) of this host
-
-
-@contextmanager
-def gpu_start_lock(shared: bool) -> Iterator[None]:
-    """Held while an engine that shares its GPU starts (``regenerate.engines_per_gpu`` > 1): the engines of one GPU
-    start one after another. vLLM sizes its KV cache from the whole device's free memory while it profiles, so
-    an engine starting beside another charges the other's allocations to itself and may find no memory for its
-    cache (vllm-project/vllm#55827). An exclusive ``flock`` on ``GPU_START_LOCK_DIR /
-    peagle-engine-start-gpu<CUDA_VISIBLE_DEVICES>.lock``, released when the engine has started (or failed);
-    nothing when not ``shared`` or no GPU is assigned."""
-    import fcntl
-    import os
-
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    if not shared or not gpu:
-        yield
-        return
-    path = GPU_START_LOCK_DIR / f"peagle-engine-start-gpu{gpu.replace(',', '-')}.lock"
-    with open(path, "a") as f:
-        t0 = time.perf_counter()
-        fcntl.flock(f, fcntl.LOCK_EX)
-        log.info("engine start on GPU %s: waited %.1f s for the engines before it", gpu, time.perf_counter() - t0)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class RegenerateActor:
@@ -469,7 +443,7 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs, reports,
                              None if parts_dir is None else str(parts_dir)),
         compute=ray.data.ActorPoolStrategy(size=regen_cfg.num_workers),
-        batch_size=regen_cfg.batch_size,
+        batch_size=pool_batch_size(len(rows), regen_cfg.batch_size, regen_cfg.num_workers),
         batch_format="pyarrow",
         num_cpus=num_cpus,
         num_gpus=num_gpus,
@@ -483,18 +457,6 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
             if len(out) % max(1, regen_cfg.batch_size) == 0:
                 log.info("regenerated %d/%d conversations", len(out), len(rows))
     return out
-
-
-def engine_share(regen_cfg: RegenerateConfig, num_cpus_per_worker: float) -> tuple[float, float]:
-    """``(CPUs, GPUs)`` of one engine actor of the pool: where the Ray cluster has GPUs, one GPU (the capture
-    actors' rule, ``actor_num_gpus``) and ``num_cpus_per_worker`` (a GPU's share of its node's CPUs), both split
-    over ``regenerate.engines_per_gpu`` engines (at least 1 CPU each); without GPUs, ``num_cpus_per_worker``
-    and 0."""
-    from pipelines.capture.actors import actor_num_gpus
-
-    gpus = actor_num_gpus(None)
-    k = regen_cfg.engines_per_gpu if gpus else 1
-    return (max(1, int(num_cpus_per_worker // k)) if k > 1 else num_cpus_per_worker), gpus / k
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pipelines.data import engines, parts, regenerate
+from pipelines.data import engine_pool, engines, parts, regenerate
 from pipelines.recipe import RegenerateConfig
 from tests.unit.conftest import tiny_target_config
 from tests.unit.test_capture import tiny_tokenizer
@@ -201,7 +201,7 @@ def test_engines_sharing_a_gpu_split_its_share_of_cpus(monkeypatch):
     """regenerate.engines_per_gpu: each engine actor asks Ray for 1/k of a GPU and of that GPU's CPUs (at least
     one); on a cluster without GPUs the setting changes nothing."""
     import pipelines.capture.actors
-    from pipelines.data.regenerate import engine_share
+    from pipelines.data.engine_pool import engine_share
 
     monkeypatch.setattr(pipelines.capture.actors, "actor_num_gpus", lambda requested: 1.0)
     assert engine_share(RegenerateConfig(engines_per_gpu=2), 11) == (5, 0.5)
@@ -209,6 +209,20 @@ def test_engines_sharing_a_gpu_split_its_share_of_cpus(monkeypatch):
     assert engine_share(RegenerateConfig(), 11) == (11, 1.0)
     monkeypatch.setattr(pipelines.capture.actors, "actor_num_gpus", lambda requested: 0.0)
     assert engine_share(RegenerateConfig(engines_per_gpu=2), 2) == (2, 0.0)
+
+
+def test_pool_batches_are_a_multiple_of_the_engines():
+    """Every engine of the pool gets the same number of equal batches, none above regenerate.batch_size: 5,880
+    conversations in batches of 1,024 for 4 engines left 2 engines to run the last 2 batches alone (2x H200)."""
+    from pipelines.data.engine_pool import pool_batch_size
+
+    assert pool_batch_size(5880, 1024, 4) == 735  # 8 batches, 2 an engine
+    assert pool_batch_size(5880, 1024, 2) == 980  # 6 batches, 3 an engine
+    assert pool_batch_size(100, 1024, 1) == 1024 and pool_batch_size(100, 64, 1) == 64  # one engine: as set
+    assert pool_batch_size(3, 1024, 4) == 1 and pool_batch_size(0, 16, 4) == 16
+    for rows, size, n in ((5880, 1024, 4), (12345, 256, 3), (7, 2, 8), (1000, 1000, 1)):
+        assert 1 <= pool_batch_size(rows, size, n) <= size
+    assert -(-12345 // pool_batch_size(12345, 256, 3)) == 51  # 49 batches of <= 256 -> 51, 17 an engine
 
 
 def test_vllm_token_count_is_told_while_a_generate_call_runs(monkeypatch):
@@ -365,19 +379,19 @@ def test_engines_sharing_a_gpu_start_one_after_another(tmp_path, monkeypatch):
     import sys
 
     script = tmp_path / "start.py"
-    script.write_text("import sys\nfrom pathlib import Path\nfrom pipelines.data import regenerate\n"
-                      "regenerate.GPU_START_LOCK_DIR = Path(sys.argv[1])\n"
-                      "with regenerate.gpu_start_lock(sys.argv[2] == '1'):\n    print('started')\n")
+    script.write_text("import sys\nfrom pathlib import Path\nfrom pipelines.data import engine_pool\n"
+                      "engine_pool.GPU_START_LOCK_DIR = Path(sys.argv[1])\n"
+                      "with engine_pool.gpu_start_lock(sys.argv[2] == '1'):\n    print('started')\n")
     locks = tmp_path / "locks"
     locks.mkdir()
-    monkeypatch.setattr(regenerate, "GPU_START_LOCK_DIR", locks)
+    monkeypatch.setattr(engine_pool, "GPU_START_LOCK_DIR", locks)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
 
     def start(gpu: str, shared: bool) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(script), str(locks), "1" if shared else "0"], text=True,
                                 stdout=subprocess.PIPE, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})
 
-    with regenerate.gpu_start_lock(True):
+    with engine_pool.gpu_start_lock(True):
         waiting, other_gpu, alone = start("3", True), start("5", True), start("3", False)
         assert other_gpu.communicate(timeout=120)[0] == "started\n" and alone.communicate(timeout=120)[0] == "started\n"
         time.sleep(1.0)
