@@ -65,6 +65,7 @@ def leases() -> dict[str, str]:
 
 def stage_runs(stage: str) -> list[StageRun]:
     """Every ``multi_gpu_<stage>_*.json`` whose stage ran, by machine (:func:`leases`) then GPUs."""
+    machines = leases()
     runs = []
     for path in RESULTS.glob(f"multi_gpu_{stage}_*.json"):
         r = load(path.stem)
@@ -73,7 +74,7 @@ def stage_runs(stage: str) -> list[StageRun]:
             continue
         gpus = r.get("gpus") or [r["environment"]["device"]]
         runs.append(StageRun(path.stem, (rec.get("placement") or {}).get("num_gpus") or 1, gpus[0],
-                             leases()[path.stem], rec.get("outputs") or {}, r))
+                             machines[path.stem], rec.get("outputs") or {}, r))
     return sorted(runs, key=lambda x: (x.machine, x.gpus, x.name))
 
 
@@ -200,12 +201,21 @@ def _engines_per_gpu(run: StageRun) -> int:
     return int(job_sets(run.record).get("regenerate.engines_per_gpu", 1))
 
 
+EQUAL_BATCHES_SINCE = "2026-11-28T14:00"  # runs after this cut their batches with engine_pool.pool_batch_size
+
+
 def _imbalance(run: StageRun) -> str:
-    """``: N batches of B for E engines, ...`` when the run's batches were not a multiple of its engines (the pool
-    cut ``regenerate.batch_size`` batches before ``pipelines.data.engine_pool.pool_batch_size``), else ``""``."""
+    """``: N batches of B for E engines, ...`` when the run's batches were not a multiple of its engines, else
+    ``""``. Batches as the run's pool cut them: ``regenerate.batch_size`` each before :data:`EQUAL_BATCHES_SINCE`,
+    then ``pipelines.data.engine_pool.pool_batch_size``'s (counted on the kept conversations)."""
+    from pipelines.data.engine_pool import pool_batch_size
+
     size = int(job_sets(run.record).get("regenerate.batch_size")
                or _recipe(run.record["job"]["config"]).regenerate.batch_size)
-    batches, engines = -(-run.outputs.get("num_conversations", 0) // size), _engines(run)
+    rows, engines = run.outputs.get("num_conversations", 0), _engines(run)
+    if run.record["environment"]["date"] >= EQUAL_BATCHES_SINCE:
+        size = pool_batch_size(rows, size, engines)
+    batches = -(-rows // size)
     if batches % engines == 0:
         return ""
     return (f": its conversations went out in {batches} batches of up to {size:,} for {engines} engines, so "

@@ -251,8 +251,6 @@ def _resume(parts_dir: str | Path, todo: list[dict[str, Any]],
     return [r for r in todo if r["id"] not in done_ids], kept_rows, resumed
 
 
-
-
 class RegenerateActor:
     """Ray Data ``map_batches`` actor holding one engine: conversation rows -> regenerated rows. ``reports``: where
     it reports its progress (:func:`regenerate_conversations`' counts; ``live_tokens`` as its engine generates)."""
