@@ -31,6 +31,7 @@ generated ids at a few merge boundaries.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -226,6 +227,21 @@ def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
     return f"; {num_out} of {num_in} kept" + (": " + ", ".join(parts) if parts else "")
 
 
+def engines_summary(result: RegenerateResult) -> str:
+    """``"; 8 engines answered (on 4 GPUs), ready 96-215 s after they were asked for; 71,731 tokens/s from the first
+    ready to the last answer"``, or "" without engine reports (``ray.data.llm``)."""
+    if not result.engines:
+        return ""
+    starts = [e["start_s"] for e in result.engines]
+    gpus = {e["gpu"] for e in result.engines if e.get("gpu")}
+    n = len(result.engines)
+    text = (f"; {n} engine{'s' if n != 1 else ''} answered" + (f" (on {len(gpus)} GPUs)" if gpus else "")
+            + f", ready {min(starts):.0f}-{max(starts):.0f} s after they were asked for")
+    if result.decode_tokens_per_s:
+        text += f"; {result.decode_tokens_per_s:,.0f} tokens/s from the first ready to the last answer"
+    return text
+
+
 def regenerate_batch(rows: list[dict[str, Any]], engine: Engine, cfg: RegenerateConfig, *, stats: Counter,
                      report: Callable[..., None], parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """:func:`regenerate_conversations` of one engine batch, then (``parts_dir``) the batch kept as a part
@@ -258,9 +274,11 @@ class RegenerateActor:
     def __init__(self, backend: str, model_path: str, cfg: RegenerateConfig, engine_kwargs: dict[str, Any],
                  reports: Tally | None = None, parts_dir: str | None = None):
         self.reports = reports or Tally()
+        t0 = time.perf_counter()
         with gpu_start_lock(cfg.engines_per_gpu > 1):
             self.engine = make_engine(backend, model_path, on_tokens=self._live_tokens, **engine_kwargs)
         self.cfg, self.parts_dir = cfg, parts_dir
+        self.started: dict[str, Any] | None = engine_started(t0)  # reported with this engine's first batch
 
     def _live_tokens(self, n: int) -> None:
         self.reports.add(live_tokens=n)
@@ -272,17 +290,42 @@ class RegenerateActor:
                                parts_dir=self.parts_dir)
         keys = ("id", "messages", "source", "source_id", "regen_model", "sampling", "num_generated_tokens")
         cols: dict[str, list] = {k: [r[k] for r in out] for k in keys}
+        # a JSON string, not a struct: batches after an engine's first carry "" (one Arrow type for every block)
+        started, self.started = json.dumps(self.started) if self.started else "", None
         cols["_batch_stats"] = [dict(stats)] + [{}] * (len(out) - 1) if out else []
+        cols["_engine"] = [started] + [""] * (len(out) - 1) if out else []
         if not out:  # keep the stats of an all-dropped batch
-            cols = {k: [None] for k in keys} | {"_batch_stats": [dict(stats)]}
+            cols = {k: [None] for k in keys} | {"_batch_stats": [dict(stats)], "_engine": [started]}
         return cols
+
+
+def engine_started(t0: float) -> dict[str, Any]:
+    """What an engine reports of its start, ``t0`` (``time.perf_counter()``) taken before it: ``start_s`` (seconds,
+    the wait for the engines starting before it on its GPU included, ``gpu_start_lock``), ``ready_at`` (wall clock,
+    UNIX seconds) and ``gpu``: ``<Ray node id[:8]>/<CUDA_VISIBLE_DEVICES>`` in a Ray worker, else the devices
+    alone ("" without a GPU)."""
+    import os
+
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    try:
+        import ray
+
+        if gpu and ray.is_initialized():
+            gpu = f"{ray.get_runtime_context().get_node_id()[:8]}/{gpu}"
+    except ImportError:
+        pass
+    return {"start_s": round(time.perf_counter() - t0, 3), "ready_at": time.time(), "gpu": gpu}
 
 
 @dataclass
 class RegenerateResult:
     """Outcome of :func:`run_regenerate`. ``tokens_per_s`` = generated tokens / time inside the engines'
     generate calls summed over actors (per-engine throughput; with ``ray_data_llm`` each turn's pass
-    includes its engine start); ``wall_tokens_per_s`` = generated tokens / stage wall time."""
+    includes its engine start); ``wall_tokens_per_s`` = generated tokens / stage wall time. ``engines``: what each
+    engine that answered a batch reported of its start (:func:`engine_started`), in the order their first batches
+    finished; ``decode_tokens_per_s`` = generated tokens / seconds from the first engine ready to the last answer
+    (all engines together: the stage's rate once start-up is behind it, later engines' starts included), None
+    without engine reports."""
 
     rows: list[dict[str, Any]]
     num_conversations: int
@@ -293,6 +336,8 @@ class RegenerateResult:
     seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    engines: list[dict[str, Any]] = field(default_factory=list)
+    decode_tokens_per_s: float | None = None
 
     def to_dataset(self):
         """The regenerated conversations as a ``datasets.Dataset`` (input of the capture stage)."""
@@ -345,6 +390,8 @@ def run_regenerate(
     out = [served_row(r, regen_cfg) for r, k in zip(rows, keep) if k]
     totals["kept_served_answers"] = len(out)
     resumed: Counter = Counter()
+    engines: list[dict[str, Any]] = []
+    answered_at = None
     if parts_dir is not None and _ray_runner(regen_cfg, use_ray) == "ray_data_llm":
         log.info("regenerate: the ray_data_llm runner writes no parts (its passes span all rows)")
         parts_dir = None
@@ -359,7 +406,9 @@ def run_regenerate(
                       work_bound=True) as meter:
             with _progress_tally(meter, budget, use_ray=use_ray, regen_cfg=regen_cfg, model_path=model_path) as reports:
                 out += _generate(todo, model_path, regen_cfg, kwargs, num_cpus_per_worker=num_cpus_per_worker,
-                                 use_ray=use_ray, stats=totals, reports=reports, parts_dir=parts_dir)
+                                 use_ray=use_ray, stats=totals, reports=reports, engines=engines,
+                                 parts_dir=parts_dir)
+            answered_at = time.time()
             generated = int(totals["num_generated_tokens"])
             meter.update(done=len(todo), work_total=generated, work=generated)  # exact, whatever reports were lost
     order = {r["id"]: r["_order"] for r in rows}
@@ -371,8 +420,11 @@ def run_regenerate(
     result = RegenerateResult(
         rows=out, num_conversations=len(rows), num_turns=int(totals["num_turns"]), num_generated_tokens=num_tokens,
         tokens_per_s=new_tokens / totals["generate_s"] if totals["generate_s"] else 0.0,
-        wall_tokens_per_s=new_tokens / seconds, seconds=seconds, stats=dict(totals),
+        wall_tokens_per_s=new_tokens / seconds, seconds=seconds, stats=dict(totals), engines=engines,
     )
+    if engines and answered_at is not None:
+        decode_s = answered_at - min(e["ready_at"] for e in engines)
+        result.decode_tokens_per_s = new_tokens / decode_s if decode_s > 0 else None
     log.info("regenerate: %d conversations, %d turns, %d tokens, %.1f tokens/s (engine), %.1f tokens/s (wall)",
              len(out), result.num_turns, num_tokens, result.tokens_per_s, result.wall_tokens_per_s)
     if out_path is not None:
@@ -416,15 +468,19 @@ def _progress_tally(meter: Meter, budget: int, *, use_ray: bool, regen_cfg: Rege
 
 def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: RegenerateConfig, kwargs: dict[str, Any], *,
               num_cpus_per_worker: float, use_ray: bool, stats: Counter, reports: Tally,
-              parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
+              engines: list[dict[str, Any]], parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """The engine part of :func:`run_regenerate`: ``ray.data.llm`` passes, one in-process engine, or
-    an actor pool; regenerated rows in any order; progress reported into ``reports``."""
+    an actor pool; regenerated rows in any order; progress reported into ``reports``; each engine that answered a
+    batch appends what it reported of its start (:func:`engine_started`) to ``engines`` (none for
+    ``ray.data.llm``, whose engines start inside each pass)."""
     runner = _ray_runner(regen_cfg, use_ray)
     if runner == "ray_data_llm":
         engine = RayDataLLMEngine(model_path, regen_cfg, num_cpus=num_cpus_per_worker, **kwargs)
         return regenerate_conversations(rows, engine, regen_cfg, stats=stats, report=reports.add)
     if runner is None:
+        t0 = time.perf_counter()
         engine = make_engine(regen_cfg.backend, model_path, on_tokens=lambda n: reports.add(live_tokens=n), **kwargs)
+        engines.append(engine_started(t0))
         out: list[dict[str, Any]] = []
         for i in range(0, len(rows), regen_cfg.batch_size):
             out.extend(regenerate_batch(rows[i:i + regen_cfg.batch_size], engine, regen_cfg, stats=stats,
@@ -450,6 +506,8 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
     for r in res.iter_rows():
         # Arrow gives the other rows of a batch the first row's stats keys with None values: skip them
         stats.update({k: v for k, v in (r.pop("_batch_stats") or {}).items() if v is not None})
+        if started := r.pop("_engine", ""):
+            engines.append(json.loads(started))
         if r["id"] is not None:
             out.append(r)
             if len(out) % max(1, regen_cfg.batch_size) == 0:

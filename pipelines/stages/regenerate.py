@@ -35,6 +35,10 @@ class RegenerateOutput(StageOutput):
     num_generated_tokens: int | None = field(default=None, metadata=OMIT_IF_NONE)
     tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
     wall_tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    # the engines that answered (RegenerateResult.engines: start seconds, GPU) and all engines' tokens/s from the
+    # first engine ready to the last answer (RegenerateResult.decode_tokens_per_s)
+    engines: list[dict] | None = field(default=None, metadata=OMIT_IF_NONE)
+    decode_tokens_per_s: float | None = field(default=None, metadata=OMIT_IF_NONE)
     self_instruct: list[dict] | None = field(default=None, metadata=OMIT_IF_NONE)
     # tokens per conversation (pipelines.data.lengths), from a seeded sample of them
     length_distribution: dict | None = field(default=None, metadata=OMIT_IF_NONE)
@@ -87,7 +91,7 @@ class RegenerateStage(Stage):
     def run(self) -> RegenerateOutput:
         from pipelines.data.prompt_dataset import load_prompt_dataset
         from pipelines.data.prompts import train_eval_split
-        from pipelines.data.regenerate import drop_summary, run_regenerate
+        from pipelines.data.regenerate import drop_summary, engines_summary, run_regenerate
         from pipelines.data.selfinstruct import SelfInstructWriter, summary
 
         r = self.recipe
@@ -119,11 +123,13 @@ class RegenerateStage(Stage):
         shutil.rmtree(parts, ignore_errors=True)  # the output holds them now; a forced re-run regenerates all
         self.ctx.say(f"{len(res.rows)} conversations, {res.num_turns} turns, {res.num_generated_tokens} tokens, "
                      f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)"
+                     + engines_summary(res)
                      + drop_summary(res.num_conversations, len(res.rows), res.stats))
         return RegenerateOutput(path=str(out), num_conversations=len(res.rows), regenerated=True,
                                 num_turns=res.num_turns, num_generated_tokens=res.num_generated_tokens,
                                 tokens_per_s=res.tokens_per_s, wall_tokens_per_s=res.wall_tokens_per_s,
-                                self_instruct=written, length_distribution=self._lengths(res.rows))
+                                engines=[{k: e[k] for k in ("start_s", "gpu")} for e in res.engines] or None,
+                                decode_tokens_per_s=res.decode_tokens_per_s, self_instruct=written, length_distribution=self._lengths(res.rows))
 
     def _lengths(self, rows: list[dict]) -> dict | None:
         """:func:`~pipelines.data.lengths.length_distribution` of ``rows`` (a seeded sample), said on the console."""
