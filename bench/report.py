@@ -35,6 +35,7 @@ from bench import (
     report_scale,
     report_scale_eval,
     report_speculators,
+    report_streaming,
     report_summary,
 )
 from bench.report_fmt import DOC, anchor, link, load
@@ -111,6 +112,7 @@ QUESTIONS = [
         _gpu(report_gpu_vllm.main_job, "pipeline_device_vllm"),
         report_multi_gpu.pipeline,
         report_per_gpu.data_path,
+        report_streaming.streaming,
     ]),
     Question("How does training scale?", (
         "Step time and memory per method, compilation, data-parallel GPUs, heads trained on more conversations "

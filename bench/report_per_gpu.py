@@ -64,14 +64,15 @@ def leases() -> dict[str, str]:
 
 
 def stage_runs(stage: str) -> list[StageRun]:
-    """Every ``multi_gpu_<stage>_*.json`` whose stage ran, by machine (:func:`leases`) then GPUs."""
+    """Every ``multi_gpu_<stage>_*.json`` whose stage ran and did not stream its capture into training (those are
+    :mod:`bench.report_streaming`'s), by machine (:func:`leases`) then GPUs."""
     machines = leases()
     runs = []
     for path in RESULTS.glob(f"multi_gpu_{stage}_*.json"):
         r = load(path.stem)
         rec = r.get("stage_records", {}).get(stage) or {}
-        if rec.get("status") != "ran":
-            continue
+        if rec.get("status") != "ran" or (rec.get("outputs") or {}).get("streaming"):
+            continue  # streamed capture: bench.report_streaming
         gpus = r.get("gpus") or [r["environment"]["device"]]
         runs.append(StageRun(path.stem, (rec.get("placement") or {}).get("num_gpus") or 1, gpus[0],
                              machines[path.stem], rec.get("outputs") or {}, r))
@@ -235,19 +236,27 @@ def _shared_gpu_reading(runs: list[StageRun]) -> str:
     for x in shared:
         per_gpu = x.outputs["tokens_per_s"] * _engines(x) / x.gpus
         wall = x.record["stage_records"]["regenerate"]["seconds"]
+        placed = "" if _engines(x) == _asked(x) else (
+            f"; {_asked(x)} asked for, the placement found {_engines(x)}: the others never held a GPU")
         text.append(f" With {_engines_per_gpu(x)} engines a GPU ({x.machine}, {_engines(x)} engines on {x.gpus} "
-                    f"GPUs) each engine decoded {x.outputs['tokens_per_s']:,.0f} tok/s inside its calls: "
+                    f"GPUs{placed}) each engine decoded {x.outputs['tokens_per_s']:,.0f} tok/s inside its calls: "
                     f"{per_gpu:,.0f} a GPU had all run at once, {per_gpu / best.outputs['tokens_per_s']:.2f}x the "
                     f"best one-engine GPU ({best.outputs['tokens_per_s']:,.0f}, {best.machine}; goal "
                     f"{REGEN_GOAL_TOK_S:,}: {'met' if per_gpu >= REGEN_GOAL_TOK_S else 'not met'}).")
         lines = [ln for ln in (x.record.get("progress") or {}).get("lines", []) if ln[3]]
         if lines:
             rates = [ln[3] for ln in lines]
-            text.append(f" But together they decoded {min(rates):,.0f}-{max(rates):,.0f} tok/s from the first answers "
-                        f"to the end (the job's progress lines), ~{statistics.mean(rates) / x.gpus:,.0f} a GPU, and "
-                        f"the stage took {wall:.0f} s{_imbalance(x)}, while the engines of a GPU started one after "
-                        "another. Sharing a GPU is not yet shown to pay on the stage's wall clock.")
-    return "".join(text)
+            text.append(f" Together they decoded {min(rates):,.0f}-{max(rates):,.0f} tok/s from the first answers "
+                        f"to the end (the job's progress lines), ~{statistics.mean(rates) / x.gpus:,.0f} a GPU, "
+                        f"after {lines[0][0] - 30:.0f}-{lines[0][0]:.0f} s without an answer; the stage took "
+                        f"{wall:.0f} s{_imbalance(x)}.")
+    return "".join(text) + (
+        " The engines of a GPU start one after another (`pipelines.data.engine_pool.gpu_start_lock`: vLLM sizes "
+        "its KV cache from the GPU's free memory while it starts), each start ~100 s, and these jobs decoded for "
+        "only ~1-2 minutes, so a GPU's second engine joined late or not at all: sharing a GPU is not yet shown "
+        "to pay on the stage's wall clock. The stage now records each engine that answered, its start and its "
+        "GPU (`engines`), and all engines' tokens/s from the first ready to the last answer "
+        "(`decode_tokens_per_s`).")
 
 
 def _disk_mib_s(run: StageRun) -> float:
@@ -303,9 +312,7 @@ def _capture_reading(runs: list[StageRun]) -> str:
                     f"({wide.outputs.get('bytes_per_token', 0):,.0f} bytes a token: three aux hidden states and the "
                     "final one), so materialized capture is bound by the disk, not by the GPUs, and more GPUs do "
                     "not help it." + _shard_write_note() + " Streaming capture into training "
-                    "(`capture.streaming`) writes no shards: its rate is the model step's (not yet measured on GPUs: "
-                    "a 2x H200 try of 2026-11-28 put 2 capture actors beside 2 Ray Train workers on 2 GPUs and the "
-                    "actors waited for GPUs; the pre-flight now counts both pools).")
+                    "(`capture.streaming`) writes no shards: see the next table.")
     date = here[0].record["environment"]["date"]
     for x in runs:
         if x.machine != machine and x.record["environment"]["date"] > date and one is not None:
@@ -338,7 +345,18 @@ def job_sets(r: dict) -> dict[str, str]:
 
 
 def _engines(run: StageRun) -> int:
-    """The regenerate stage's vLLM engines in a run: its ``regenerate.num_workers`` override, else one per GPU."""
+    """The regenerate stage's vLLM engines that answered in a run: those it recorded (``engines``, since
+    2026-11-28 16:40), else its ``regenerate.num_workers`` override (one per GPU without it), at most as many as
+    its placement's GPUs hold at ``regenerate.engines_per_gpu`` a GPU (4 of 8 engines asked for were placed on
+    4x H200, 2026-11-28 16:11)."""
+    if run.outputs.get("engines"):
+        return len(run.outputs["engines"])
+    asked = int(job_sets(run.record).get("regenerate.num_workers", run.gpus))
+    return min(asked, run.gpus * _engines_per_gpu(run))
+
+
+def _asked(run: StageRun) -> int:
+    """The engines a regenerate run asked for: its ``regenerate.num_workers`` override, else one per GPU."""
     return int(job_sets(run.record).get("regenerate.num_workers", run.gpus))
 
 
