@@ -189,8 +189,10 @@ class PipelineRun:
             return self.records[name].output
         rec = self._cached(name)
         if rec is None:
+            off = (" (regenerate.enabled is false: that stage then only mixes, splits and writes the prompts, in "
+                   "seconds)" if name == "regenerate" and not self.recipe.regenerate.enabled else "")
             raise ValueError(f"stage {name!r} has no current outputs in {self.run_dir} for this recipe; run it "
-                             f"first: peagle run --config <recipe> --stage {name}")
+                             f"first: peagle run --config <recipe> --stage {name}{off}")
         return rec.output
 
     # ------------------------------------------------------------------------------------------ driver

@@ -421,3 +421,12 @@ def test_gpu_actor_cpus_gives_every_gpu_its_actor():
     assert gpu_actor_cpus([node(64, 4), node(8, 2)]) == 3
     assert gpu_actor_cpus([node(2, 4)]) == 1
     assert gpu_actor_cpus([node(16, 0)]) is None and gpu_actor_cpus([]) is None
+
+
+def test_a_missing_regenerate_record_with_regeneration_off_says_the_stage_takes_seconds(ci_recipe, tmp_path):
+    """A capture run alone with ``regenerate.enabled: false`` still needs the regenerate stage's mixed and split
+    prompts (4x H200, 2026-11-28: the capture job failed at once); the error says that stage is cheap then."""
+    recipe = ci_recipe.model_copy(update={"regenerate": ci_recipe.regenerate.model_copy(update={"enabled": False})})
+    run = PipelineRun(recipe, run_dir=tmp_path, stages=["capture"])
+    with pytest.raises(ValueError, match=r"--stage regenerate \(regenerate.enabled is false: .* in seconds\)"):
+        run.upstream(RegenerateOutput)
