@@ -227,15 +227,18 @@ def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
     return f"; {num_out} of {num_in} kept" + (": " + ", ".join(parts) if parts else "")
 
 
-def engines_summary(result: RegenerateResult) -> str:
+def engines_summary(result: RegenerateResult, asked: int = 0) -> str:
     """``"; 8 engines answered (on 4 GPUs), ready 96-215 s after they were asked for; 71,731 tokens/s from the first
-    ready to the last answer"``, or "" without engine reports (``ray.data.llm``)."""
+    ready to the last answer"``, or "" without engine reports (``ray.data.llm``). ``asked``
+    (``regenerate.num_workers``): more than answered adds ``" of 8 asked for"`` (the others never got their
+    resources or were still starting when the work ran out)."""
     if not result.engines:
         return ""
     starts = [e["start_s"] for e in result.engines]
     gpus = {e["gpu"] for e in result.engines if e.get("gpu")}
     n = len(result.engines)
-    text = (f"; {n} engine{'s' if n != 1 else ''} answered" + (f" (on {len(gpus)} GPUs)" if gpus else "")
+    text = (f"; {n} engine{'s' if n != 1 else ''}" + (f" of {asked} asked for" if asked > n else "") + " answered"
+            + (f" (on {len(gpus)} GPUs)" if gpus else "")
             + f", ready {min(starts):.0f}-{max(starts):.0f} s after they were asked for")
     if result.decode_tokens_per_s:
         text += f"; {result.decode_tokens_per_s:,.0f} tokens/s from the first ready to the last answer"

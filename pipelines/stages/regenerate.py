@@ -123,7 +123,7 @@ class RegenerateStage(Stage):
         shutil.rmtree(parts, ignore_errors=True)  # the output holds them now; a forced re-run regenerates all
         self.ctx.say(f"{len(res.rows)} conversations, {res.num_turns} turns, {res.num_generated_tokens} tokens, "
                      f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)"
-                     + engines_summary(res)
+                     + engines_summary(res, asked=r.regenerate.num_workers)
                      + drop_summary(res.num_conversations, len(res.rows), res.stats))
         return RegenerateOutput(path=str(out), num_conversations=len(res.rows), regenerated=True,
                                 num_turns=res.num_turns, num_generated_tokens=res.num_generated_tokens,
