@@ -251,12 +251,13 @@ def _shared_gpu_reading(runs: list[StageRun]) -> str:
                         f"after {lines[0][0] - 30:.0f}-{lines[0][0]:.0f} s without an answer; the stage took "
                         f"{wall:.0f} s{_imbalance(x)}.")
     return "".join(text) + (
-        " The engines of a GPU start one after another (`pipelines.data.engine_pool.gpu_start_lock`: vLLM sizes "
+        " The engines of a GPU started one after another (`pipelines.data.engine_pool.gpu_start_lock`: vLLM sizes "
         "its KV cache from the GPU's free memory while it starts), each start ~100 s, and these jobs decoded for "
         "only ~1-2 minutes, so a GPU's second engine joined late or not at all: sharing a GPU is not yet shown "
-        "to pay on the stage's wall clock. The stage now records each engine that answered, its start and its "
-        "GPU (`engines`), and all engines' tokens/s from the first ready to the last answer "
-        "(`decode_tokens_per_s`).")
+        "to pay on the stage's wall clock. Since these runs, engines sharing a CUDA GPU start side by side, each "
+        "with a fixed KV cache (`pipelines.data.engine_pool.start_engine`; not yet run on a GPU), and the stage "
+        "records each engine that answered, its start and its GPU (`engines`), and all engines' tokens/s from the "
+        "first ready to the last answer (`decode_tokens_per_s`).")
 
 
 def _disk_mib_s(run: StageRun) -> float:

@@ -1,7 +1,8 @@
 """The regenerate stage's pool of engine actors on a Ray cluster: what each engine asks Ray for
 (:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), how the conversations are cut into
 the batches the pool hands out (:func:`pool_batch_size`), and the lock under which engines of one GPU start
-(:func:`gpu_start_lock`). :mod:`pipelines.data.regenerate` runs the pool.
+(:func:`gpu_start_lock`), or, on CUDA, side by side with a KV cache of a fixed size each (:func:`start_engine`).
+:mod:`pipelines.data.regenerate` runs the pool.
 
 Shape legend: not applicable (orchestration only).
 """
@@ -11,10 +12,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from pipelines.recipe import RegenerateConfig
@@ -77,4 +78,58 @@ def gpu_start_lock(shared: bool) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-__all__ = ["GPU_START_LOCK_DIR", "engine_share", "gpu_start_lock", "pool_batch_size"]
+SHARED_ENGINE_RESERVE_BYTES = 8 * 2**30  # one engine's memory beside weights and KV cache: activations, graphs, sampler
+
+
+def shared_kv_cache_bytes(total_bytes: int, gpu_memory_utilization: float, weights_bytes: int) -> int:
+    """KV cache bytes of one vLLM engine sharing a GPU of ``total_bytes``: its ``gpu_memory_utilization`` share
+    (``pipelines.data.engines.SHARED_GPU_MEMORY`` over the engines of the GPU, ``engine_setup``) less its
+    weights and :data:`SHARED_ENGINE_RESERVE_BYTES`.
+
+    Raises:
+        ValueError: nothing is left for the KV cache (fewer engines a GPU: ``regenerate.engines_per_gpu``).
+    """
+    kv = int(total_bytes * gpu_memory_utilization) - weights_bytes - SHARED_ENGINE_RESERVE_BYTES
+    if kv <= 0:
+        raise ValueError(f"an engine's share of the GPU ({gpu_memory_utilization:.0%} of {total_bytes / 2**30:.0f} "
+                         f"GiB) does not hold its weights ({weights_bytes / 2**30:.1f} GiB) and "
+                         f"{SHARED_ENGINE_RESERVE_BYTES / 2**30:.0f} GiB of activations: lower "
+                         "regenerate.engines_per_gpu")
+    return kv
+
+
+E = TypeVar("E")
+
+
+def start_engine(make: Callable[..., E], model_path: str | Path, engines_per_gpu: int,
+                 engine_kwargs: Mapping[str, Any]) -> E:
+    """``make(**engine_kwargs)`` for one engine of a pool (``make``: e.g. ``make_engine`` with its backend and
+    model bound). Engines sharing a CUDA GPU (``engines_per_gpu`` > 1, vLLM keyword arguments) start side by side,
+    each with ``kv_cache_memory_bytes`` (vLLM's ``EngineArgs``; :func:`shared_kv_cache_bytes`), so that vLLM skips
+    the memory profiling that reads the GPU's free memory; without CUDA, or when that start fails, they start one
+    after another under :func:`gpu_start_lock` with vLLM's own sizing. Engines in the 2x2 and 4x2 runs of
+    2026-11-28 started one after another, ~100 s each, and a GPU's second engine joined late or not at all
+    (docs/benchmarks.md, regeneration on 1, 2 and 4 GPUs).
+
+    Raises:
+        ValueError: :func:`shared_kv_cache_bytes`'s; what ``make`` raises under the lock.
+    """
+    kwargs = dict(engine_kwargs)
+    shared = engines_per_gpu > 1
+    if shared and "gpu_memory_utilization" in kwargs and "kv_cache_memory_bytes" not in kwargs:
+        import torch
+
+        if torch.cuda.is_available():
+            weights = sum(p.stat().st_size for p in Path(model_path).glob("*.safetensors"))
+            kv = shared_kv_cache_bytes(torch.cuda.mem_get_info()[1], kwargs["gpu_memory_utilization"], weights)
+            try:
+                return make(**kwargs, kv_cache_memory_bytes=kv)
+            except Exception as e:  # noqa: BLE001 - vLLM raises several types while it starts; retried below
+                log.warning("engine start beside the other engines of its GPU failed (%s: %s); starting it again "
+                            "after them, with vLLM's own memory profiling", type(e).__name__, e)
+    with gpu_start_lock(shared):
+        return make(**kwargs)
+
+
+__all__ = ["GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "engine_share", "gpu_start_lock", "pool_batch_size",
+           "shared_kv_cache_bytes", "start_engine"]

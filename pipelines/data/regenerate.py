@@ -38,10 +38,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.data.engine_pool import engine_share, gpu_start_lock, pool_batch_size
+from pipelines.data.engine_pool import engine_share, pool_batch_size, start_engine
 from pipelines.data.engines import (
     ENGINES,
     Engine,
@@ -278,8 +279,8 @@ class RegenerateActor:
                  reports: Tally | None = None, parts_dir: str | None = None):
         self.reports = reports or Tally()
         t0 = time.perf_counter()
-        with gpu_start_lock(cfg.engines_per_gpu > 1):
-            self.engine = make_engine(backend, model_path, on_tokens=self._live_tokens, **engine_kwargs)
+        self.engine = start_engine(partial(make_engine, backend, model_path, on_tokens=self._live_tokens),
+                                   model_path, cfg.engines_per_gpu, engine_kwargs)
         self.cfg, self.parts_dir = cfg, parts_dir
         self.started: dict[str, Any] | None = engine_started(t0)  # reported with this engine's first batch
 
@@ -304,7 +305,8 @@ class RegenerateActor:
 
 def engine_started(t0: float) -> dict[str, Any]:
     """What an engine reports of its start, ``t0`` (``time.perf_counter()``) taken before it: ``start_s`` (seconds,
-    the wait for the engines starting before it on its GPU included, ``gpu_start_lock``), ``ready_at`` (wall clock,
+    the wait for the engines starting before it on its GPU included where they start one after another,
+    ``pipelines.data.engine_pool.start_engine``), ``ready_at`` (wall clock,
     UNIX seconds) and ``gpu``: ``<Ray node id[:8]>/<CUDA_VISIBLE_DEVICES>`` in a Ray worker, else the devices
     alone ("" without a GPU)."""
     import os

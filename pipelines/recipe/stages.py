@@ -33,7 +33,8 @@ class RegenerateConfig(Section):
     num_workers: int = Field(1, ge=1, description="Engine actors (one per GPU on clusters; see engines_per_gpu).")
     engines_per_gpu: int = Field(
         1, ge=1, le=8, description="backend=vllm, vllm_runner=actor: engine actors sharing one GPU (each asks Ray "
-        "for 1/engines_per_gpu of it, its CPUs and GPU memory split the same way; they start one after another). "
+        "for 1/engines_per_gpu of it, its CPUs and GPU memory split the same way; on CUDA they start side by side, each with a fixed "
+        "KV cache: pipelines.data.engine_pool.start_engine). "
         "For a small target, bound by each engine's host work per step rather than by the GPU (docs/benchmarks.md, "
         "regeneration on 1, 2 and 4 GPUs). Needs num_workers / engines_per_gpu GPUs.")
     seed: int = Field(0, description="Sampling seed.")

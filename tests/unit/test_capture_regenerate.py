@@ -4,6 +4,7 @@ the transformers engine."""
 import os
 import time
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -413,3 +414,48 @@ def test_engines_summary_names_the_engines_that_answered_and_those_that_did_not(
                                              "the last answer")
     assert engines_summary(res, asked=4).startswith("; 4 engines answered (on 2 GPUs)")
     assert engines_summary(RegenerateResult([], 0, 0, 0, 0.0, 0.0, 1.0)) == ""
+
+
+def test_engines_sharing_a_cuda_gpu_start_side_by_side_with_a_fixed_kv_cache(tmp_path, monkeypatch):
+    """start_engine: on CUDA, engines sharing a GPU get kv_cache_memory_bytes (their share less weights and reserve)
+    and take no start lock; a failed start is retried under the lock with vLLM's own sizing; without CUDA, or for an
+    engine alone on its GPU, nothing changes."""
+    import torch
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 1000)
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    monkeypatch.setattr(engine_pool, "GPU_START_LOCK_DIR", locks)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    calls = []
+
+    def make(fail_with_kv=False, **kw):
+        calls.append(kw)
+        if fail_with_kv and "kv_cache_memory_bytes" in kw:
+            raise RuntimeError("CUDA out of memory")
+        return "engine"
+
+    kwargs = {"gpu_memory_utilization": 0.4, "max_num_seqs": 256}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_pool.start_engine(make, model, 2, kwargs) == "engine" and calls == [kwargs]
+    assert [p.name for p in locks.iterdir()] == ["peagle-engine-start-gpu1.lock"]  # one after another
+    (locks / "peagle-engine-start-gpu1.lock").unlink()
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * gib, 140 * gib))
+    calls.clear()
+    assert engine_pool.start_engine(make, model, 2, kwargs) == "engine"
+    assert calls == [kwargs | {"kv_cache_memory_bytes": int(140 * gib * 0.4) - 1000 - 8 * gib}]
+    assert not list(locks.iterdir())  # side by side: no lock taken
+    calls.clear()
+    assert engine_pool.start_engine(partial(make, fail_with_kv=True), model, 2, kwargs) == "engine"
+    assert calls == [kwargs | {"kv_cache_memory_bytes": int(140 * gib * 0.4) - 1000 - 8 * gib}, kwargs]
+    assert [p.name for p in locks.iterdir()] == ["peagle-engine-start-gpu1.lock"]  # the retry waited its turn
+    calls.clear()
+    assert engine_pool.start_engine(make, model, 1, {"max_num_seqs": 256}) == "engine"
+    assert calls == [{"max_num_seqs": 256}]
+    with pytest.raises(ValueError, match="lower regenerate.engines_per_gpu"):
+        engine_pool.shared_kv_cache_bytes(16 * gib, 0.4, 2 * gib)
