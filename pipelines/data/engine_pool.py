@@ -1,7 +1,9 @@
 """The regenerate stage's pool of engine actors on a Ray cluster: what each engine asks Ray for
-(:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), how the conversations are cut into
-the batches the pool hands out (:func:`pool_batch_size`), and the lock under which engines of one GPU start
-(:func:`gpu_start_lock`). :mod:`pipelines.data.regenerate` runs the pool.
+(:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), whether the cluster can hold the
+pool at all (:func:`check_pool_fits`), how the conversations are cut into the batches the pool hands out
+(:func:`pool_batch_size`), and the lock under which engines of one GPU start (:func:`gpu_start_lock`).
+:mod:`pipelines.data.regenerate` runs the pool; :mod:`pipelines.data.selfinstruct` runs one of the same engines for
+the self-instruct prompts.
 
 Shape legend: not applicable (orchestration only).
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +34,33 @@ def engine_share(regen_cfg: RegenerateConfig, num_cpus_per_worker: float) -> tup
     gpus = actor_num_gpus(None)
     k = regen_cfg.engines_per_gpu if gpus else 1
     return (max(1, int(num_cpus_per_worker // k)) if k > 1 else num_cpus_per_worker), gpus / k
+
+
+def check_pool_fits(regen_cfg: RegenerateConfig, num_engines: int, share: tuple[float, float],
+                    cluster: Mapping[str, float]) -> None:
+    """Refuse, before any engine starts, a pool of ``num_engines`` engine actors of ``share`` = ``(CPUs, GPUs)``
+    each (:func:`engine_share`) that the Ray cluster's total resources ``cluster`` (``ray.cluster_resources()``)
+    can never hold: Ray would wait for them without end. With GPUs the pool needs ``ceil(num_engines /
+    regenerate.engines_per_gpu)`` GPUs; without, ``num_engines`` x the CPUs of one.
+
+    Raises:
+        ValueError: the cluster has fewer GPUs or CPUs than the pool needs (the numbers and the fix).
+    """
+    num_cpus, num_gpus = share
+    if num_gpus:
+        need = math.ceil(round(num_engines * num_gpus, 6))
+        have = int(cluster.get("GPU", 0))
+        if need > have:
+            raise ValueError(
+                f"regenerate.num_workers={regen_cfg.num_workers}, engines_per_gpu={regen_cfg.engines_per_gpu}: "
+                f"{num_engines} engine actors need {need} GPUs; the Ray cluster has {have}: lower "
+                f"regenerate.num_workers to {have * regen_cfg.engines_per_gpu} or less, or raise engines_per_gpu")
+    need_cpus, have_cpus = num_engines * num_cpus, cluster.get("CPU", 0)
+    if need_cpus > have_cpus:
+        raise ValueError(
+            f"regenerate.num_workers={regen_cfg.num_workers}: {num_engines} engine actors need {need_cpus:g} CPUs "
+            f"({num_cpus:g} each); the Ray cluster has {have_cpus:g}{'' if num_gpus else ' and no GPU'}: lower "
+            "regenerate.num_workers")
 
 
 def pool_batch_size(num_rows: int, batch_size: int, num_workers: int) -> int:
@@ -77,4 +106,4 @@ def gpu_start_lock(shared: bool) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-__all__ = ["GPU_START_LOCK_DIR", "engine_share", "gpu_start_lock", "pool_batch_size"]
+__all__ = ["GPU_START_LOCK_DIR", "check_pool_fits", "engine_share", "gpu_start_lock", "pool_batch_size"]
