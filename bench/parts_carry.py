@@ -1,19 +1,22 @@
 """Regeneration parts from one lent GPU machine to the next.
 
 A lent machine keeps nothing once it goes back, and each call carries at most 64 MiB in and returns at most 8 files
-of at most 16 MiB. The regenerate stage keeps every finished engine batch as a part file
-(``regenerate/parts-<key>/part-*.json``, :mod:`pipelines.data.parts`), and a run of the same recipe resumes from
-them. So a regeneration larger than one lease (issue 42: 300k conversations) goes on across leases:
+of at most 16 MiB. The regenerate stage keeps every finished engine batch as a part file in a parts directory
+under its ``regenerate/`` directory (:mod:`pipelines.data.parts`, which names both kinds): the regenerated
+conversations in ``parts-<key>/part-*.json`` and each self_instruct source's raw completions in
+``self_instruct-parts-<key>/part-*.json``; a run of the same recipe resumes from them. So a regeneration larger than
+one lease (issue 42: 780k self-instruct prompts, then 300k conversations) goes on across leases:
 
-* ``pack``, on the machine: bundle the parts no earlier bundle holds (``--sent`` lists those, in ``~/keep``) into
-  at most ``--max-files`` tar bundles of at most ``--max-bytes`` each, every part xz-compressed on its own, under
-  its parts directory's name;
+* ``pack``, on the machine: bundle the parts no earlier bundle holds (``--sent`` lists those as
+  ``<parts dir>/<part>``, in ``~/keep``) of the parts directories given, or of every one under ``--regenerate-dir``,
+  into at most ``--max-files`` tar bundles of at most ``--max-bytes`` each, every part xz-compressed on its own,
+  under its parts directory's name;
 * the call returns the bundles; they wait on this machine (e.g. ``.carry/regen/``, not in git);
 * ``unpack``, on the next machine: write each bundle's parts back under ``--regenerate-dir`` (the run's
-  ``regenerate/``; the bundle names its ``parts-<key>`` directory), atomically, keeping parts already there. The
-  regenerate stage then regenerates only the conversations no part holds.
+  ``regenerate/``; each member names its parts directory), atomically, keeping parts already there. The
+  regenerate stage then generates only what no part holds.
 
-    python -m bench.parts_carry pack ~/keep/peagle/runs/RUN/regenerate/parts-KEY $OUT/parts --sent ~/keep/sent.txt
+    python -m bench.parts_carry pack --regenerate-dir ~/keep/peagle/runs/RUN/regenerate $OUT/parts --sent ~/keep/sent.txt
     python -m bench.parts_carry unpack .carry/regen/*.tar --regenerate-dir ~/keep/peagle/runs/RUN/regenerate
 
 A part too large for one bundle is an error (lower ``regenerate.batch_size``).
@@ -26,10 +29,11 @@ import hashlib
 import io
 import lzma
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from peagle_core.atomic import atomic_write_bytes
-from pipelines.data.parts import PART_GLOB
+from pipelines.data.parts import PART_GLOB, is_parts_dir, parts_dirs
 
 MIB = 2**20
 TAR_MEMBER_OVERHEAD = 1024  # a member's header block plus the padding of its data to 512 bytes, at most
@@ -41,24 +45,30 @@ def _tar_bytes(content: int) -> int:
     return -(-content // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
 
-def pack(parts_dir: str | Path, out_dir: str | Path, *, sent: str | Path | None = None, max_bytes: int = 16 * MIB,
-         max_files: int = 8) -> tuple[list[Path], int]:
-    """Bundle the parts of ``parts_dir`` that ``sent`` does not list into ``out_dir``; ``(bundles written, parts
-    left for another call)``. The bundled parts are appended to ``sent``.
+def pack(parts_dir: str | Path | Sequence[str | Path], out_dir: str | Path, *, sent: str | Path | None = None,
+         max_bytes: int = 16 * MIB, max_files: int = 8) -> tuple[list[Path], int]:
+    """Bundle the parts of ``parts_dir`` (one parts directory or several) that ``sent`` does not list into
+    ``out_dir``; ``(bundles written, parts left for another call)``. The bundled parts are appended to ``sent``.
 
     Raises:
-        ValueError: one compressed part larger than ``max_bytes``.
+        ValueError: a directory not named as a parts directory (:func:`pipelines.data.parts.is_parts_dir`: unpack
+            would refuse it); one compressed part larger than ``max_bytes``.
     """
-    parts_dir, out_dir = Path(parts_dir), Path(out_dir)
+    dirs = [Path(parts_dir)] if isinstance(parts_dir, (str, Path)) else [Path(d) for d in parts_dir]
+    for d in dirs:
+        if not is_parts_dir(d.name):
+            raise ValueError(f"{d}: not a parts directory (parts-<key> or self_instruct-parts-<key>)")
+    out_dir = Path(out_dir)
     done = set(Path(sent).read_text().split()) if sent and Path(sent).is_file() else set()
-    todo = [p for p in sorted(parts_dir.glob(PART_GLOB)) if p.name not in done]
+    todo = [(f"{d.name}/{p.name}", p) for d in dirs for p in sorted(d.glob(PART_GLOB))
+            if f"{d.name}/{p.name}" not in done]
     bundles: list[list[tuple[str, bytes]]] = [[]]
     size = TAR_END
     left = 0
-    for i, p in enumerate(todo):
+    for i, (name, p) in enumerate(todo):
         blob = lzma.compress(p.read_bytes(), preset=6)
         if _tar_bytes(TAR_END + len(blob) + TAR_MEMBER_OVERHEAD) > max_bytes:
-            raise ValueError(f"{p.name}: {len(blob) / MIB:.1f} MiB compressed, more than a bundle's "
+            raise ValueError(f"{name}: {len(blob) / MIB:.1f} MiB compressed, more than a bundle's "
                              f"{max_bytes / MIB:.1f} MiB; lower regenerate.batch_size")
         if _tar_bytes(size + len(blob) + TAR_MEMBER_OVERHEAD) > max_bytes:
             if len(bundles) == max_files:
@@ -66,7 +76,7 @@ def pack(parts_dir: str | Path, out_dir: str | Path, *, sent: str | Path | None 
                 break
             bundles.append([])
             size = TAR_END
-        bundles[-1].append((p.name, blob))
+        bundles[-1].append((name, blob))
         size += len(blob) + TAR_MEMBER_OVERHEAD
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -75,11 +85,11 @@ def pack(parts_dir: str | Path, out_dir: str | Path, *, sent: str | Path | None 
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for name, blob in members:
-                info = tarfile.TarInfo(f"{parts_dir.name}/{name}.xz")
+                info = tarfile.TarInfo(f"{name}.xz")
                 info.size = len(blob)
                 tar.addfile(info, io.BytesIO(blob))
         digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
-        written.append(atomic_write_bytes(out_dir / f"{parts_dir.name}-{digest}.tar", buf.getvalue()))
+        written.append(atomic_write_bytes(out_dir / f"parts-bundle-{digest}.tar", buf.getvalue()))
         if sent:
             with open(sent, "a") as f:
                 f.write("".join(n + "\n" for n in names))
@@ -87,20 +97,22 @@ def pack(parts_dir: str | Path, out_dir: str | Path, *, sent: str | Path | None 
 
 
 def unpack(bundles: list[str | Path], regenerate_dir: str | Path) -> int:
-    """Write the parts of ``bundles`` under ``regenerate_dir`` (each in the ``parts-<key>`` directory its bundle
-    names); parts already there are kept. Returns the number of parts written.
+    """Write the parts of ``bundles`` under ``regenerate_dir`` (each in the parts directory its member names);
+    parts already there are kept. Returns the number of parts written.
 
     Raises:
-        ValueError: a member that is not ``parts-<key>/part-*.json.xz``.
+        ValueError: a member that is not ``<parts dir>/part-*.json.xz``, its directory named as a parts directory
+            (:func:`pipelines.data.parts.is_parts_dir`).
     """
     written = 0
     for bundle in bundles:
         with tarfile.open(bundle) as tar:
             for info in tar.getmembers():
                 directory, _, name = info.name.partition("/")
-                if not (directory.startswith("parts-") and name.startswith("part-") and name.endswith(".json.xz")
+                if not (is_parts_dir(directory) and name.startswith("part-") and name.endswith(".json.xz")
                         and "/" not in name):
-                    raise ValueError(f"{bundle}: member {info.name!r} is not parts-<key>/part-*.json.xz")
+                    raise ValueError(f"{bundle}: member {info.name!r} is not <parts dir>/part-*.json.xz (parts dir: "
+                                     "parts-<key> or self_instruct-parts-<key>)")
                 target = Path(regenerate_dir) / directory / name.removesuffix(".xz")
                 if target.exists():
                     continue
@@ -113,8 +125,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack")
-    p.add_argument("parts_dir")
+    p.add_argument("parts_dirs", nargs="*", help="parts directories (or --regenerate-dir)")
     p.add_argument("out_dir")
+    p.add_argument("--regenerate-dir", default=None, help="the run's regenerate/ directory: every parts directory in it")
     p.add_argument("--sent", default=None, help="file listing the parts earlier bundles hold (appended to)")
     p.add_argument("--max-bytes", type=int, default=16 * MIB)
     p.add_argument("--max-files", type=int, default=8)
@@ -123,8 +136,10 @@ def main() -> None:
     p.add_argument("--regenerate-dir", required=True, help="the run's regenerate/ directory")
     args = ap.parse_args()
     if args.cmd == "pack":
-        written, left = pack(args.parts_dir, args.out_dir, sent=args.sent, max_bytes=args.max_bytes,
-                             max_files=args.max_files)
+        dirs = args.parts_dirs + (parts_dirs(args.regenerate_dir) if args.regenerate_dir else [])
+        if not dirs:
+            ap.error("pack: give parts directories or a --regenerate-dir that holds some")
+        written, left = pack(dirs, args.out_dir, sent=args.sent, max_bytes=args.max_bytes, max_files=args.max_files)
         print(f"{len(written)} bundles, {sum(p.stat().st_size for p in written) / MIB:.1f} MiB; {left} parts left "
               "for another call")
     else:

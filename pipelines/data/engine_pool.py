@@ -1,8 +1,10 @@
 """The regenerate stage's pool of engine actors on a Ray cluster: what each engine asks Ray for
-(:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), how the conversations are cut into
-the batches the pool hands out (:func:`pool_batch_size`), and the lock under which engines of one GPU start
-(:func:`gpu_start_lock`), or, on CUDA, side by side with a KV cache of a fixed size each (:func:`start_engine`).
-:mod:`pipelines.data.regenerate` runs the pool.
+(:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), whether the cluster can hold the
+pool at all (:func:`check_pool_fits`), how the conversations are cut into the batches the pool hands out
+(:func:`pool_batch_size`), and how the engines of one GPU start: one after another (:func:`gpu_start_lock`) or, on
+CUDA, side by side with a KV cache of a fixed size each (:func:`start_engine`).
+:mod:`pipelines.data.regenerate` runs the pool; :mod:`pipelines.data.selfinstruct` runs a pool of the same engines for
+the self-instruct prompts.
 
 Shape legend: not applicable (orchestration only).
 """
@@ -33,6 +35,33 @@ def engine_share(regen_cfg: RegenerateConfig, num_cpus_per_worker: float) -> tup
     gpus = actor_num_gpus(None)
     k = regen_cfg.engines_per_gpu if gpus else 1
     return (max(1, int(num_cpus_per_worker // k)) if k > 1 else num_cpus_per_worker), gpus / k
+
+
+def check_pool_fits(regen_cfg: RegenerateConfig, num_engines: int, share: tuple[float, float],
+                    cluster: Mapping[str, float]) -> None:
+    """Refuse, before any engine starts, a pool of ``num_engines`` engine actors of ``share`` = ``(CPUs, GPUs)``
+    each (:func:`engine_share`) that the Ray cluster's total resources ``cluster`` (``ray.cluster_resources()``)
+    can never hold: Ray would wait for them without end. With GPUs the pool needs ``ceil(num_engines /
+    regenerate.engines_per_gpu)`` GPUs; without, ``num_engines`` x the CPUs of one.
+
+    Raises:
+        ValueError: the cluster has fewer GPUs or CPUs than the pool needs (the numbers and the fix).
+    """
+    num_cpus, num_gpus = share
+    if num_gpus:
+        need = math.ceil(round(num_engines * num_gpus, 6))
+        have = int(cluster.get("GPU", 0))
+        if need > have:
+            raise ValueError(
+                f"regenerate.num_workers={regen_cfg.num_workers}, engines_per_gpu={regen_cfg.engines_per_gpu}: "
+                f"{num_engines} engine actors need {need} GPUs; the Ray cluster has {have}: lower "
+                f"regenerate.num_workers to {have * regen_cfg.engines_per_gpu} or less, or raise engines_per_gpu")
+    need_cpus, have_cpus = num_engines * num_cpus, cluster.get("CPU", 0)
+    if need_cpus > have_cpus:
+        raise ValueError(
+            f"regenerate.num_workers={regen_cfg.num_workers}: {num_engines} engine actors need {need_cpus:g} CPUs "
+            f"({num_cpus:g} each); the Ray cluster has {have_cpus:g}{'' if num_gpus else ' and no GPU'}: lower "
+            "regenerate.num_workers")
 
 
 def pool_batch_size(num_rows: int, batch_size: int, num_workers: int) -> int:
@@ -131,5 +160,5 @@ def start_engine(make: Callable[..., E], model_path: str | Path, engines_per_gpu
         return make(**kwargs)
 
 
-__all__ = ["GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "engine_share", "gpu_start_lock", "pool_batch_size",
-           "shared_kv_cache_bytes", "start_engine"]
+__all__ = ["GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits", "engine_share", "gpu_start_lock",
+           "pool_batch_size", "shared_kv_cache_bytes", "start_engine"]

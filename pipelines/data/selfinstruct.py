@@ -6,8 +6,11 @@ template: render ``[system?, {"role": "user", "content": SENTINEL}]`` (no genera
 at the sentinel. For ChatML (SmolLM2) that is the template's system turn + ``"<|im_start|>user\\n"``;
 what follows the sentinel (``"<|im_end|>\\n"``) is the end of the user turn, whose first token (a
 special token) stops the completion besides the EOS ids. Sampling is seeded per request
-(``request_seed(seed, "self_instruct", i)``), so the same ``seed`` gives the same prompts on vLLM; the
-transformers engine seeds once per batch (same prompts for the same ``batch_size``).
+(``request_seed(seed, "self_instruct", i)``), so the same ``seed`` gives the same prompts on vLLM whatever the
+number of engines and however a run was interrupted (up to vLLM's own batch-dependent numerics); the
+transformers engine seeds once per batch (the seed of its first request), so it gives the same prompts for the
+same ``regenerate.batch_size``: requests are cut into ranges at its multiples (:func:`missing_ranges`) whatever
+the number of engines, unless a run resumes from parts written with another ``batch_size``.
 
 Filters, in order, each counted (:data:`COUNT_KEYS`): ``context_full`` (the pre-query leaves no
 room), ``unfinished`` (no end-of-turn within ``max_tokens``), ``empty``, ``too_short`` / ``too_long``
@@ -23,12 +26,21 @@ histories of the target's own answers, the data a head needs to keep its accepta
 Where it runs (design): self-instruct prompts are data that needs the target's engine, so they are
 written before the sources are mixed, not inside ``regenerate_conversations``:
 ``pipelines.data.prompt_dataset.load_prompt_dataset(data, write_prompts=SelfInstructWriter(target, regenerate,
-data, ...))`` calls the writer once per self_instruct source; the writer starts one engine of the
-recipe's ``regenerate.backend`` (:class:`~pipelines.data.engines.VLLMEngine` also for the
-``ray_data_llm`` runner; in a Ray actor when ``use_ray``), writes the prompts, releases the engine,
-and returns the rows, which then go through the same per-source steps (``filter_regex``,
+data, ...))`` calls the writer once per self_instruct source. The writer spreads the source's request indices,
+in ranges of ``regenerate.batch_size``, over the regenerate stage's engine pool: ``regenerate.num_workers``
+engine actors of ``regenerate.backend`` (:class:`~pipelines.data.engines.VLLMEngine` also for the
+``ray_data_llm`` runner; ``regenerate.engines_per_gpu`` of them a GPU, as :mod:`pipelines.data.engine_pool`
+places them; one in-process engine without Ray), each handed the next range as it finishes one, and releases
+them once the source is written. The rows then go through the same per-source steps (``filter_regex``,
 ``num_samples``), weighted mixing and train/held-out split as every other source. Without a writer
-``load_prompt_dataset`` raises ``ValueError`` naming this class. Cost: one extra engine start.
+``load_prompt_dataset`` raises ``ValueError`` naming this class. Cost: one extra engine start per engine.
+
+Parts (:func:`write_prompts`): every range's raw completions (before any filter) are kept as they come back,
+atomically, in a parts directory (the stage gives ``regenerate/self_instruct-parts-<key>``, keyed by what
+changes the completions: :data:`FILTER_FIELDS` are not; :mod:`pipelines.data.parts`). A rerun takes them and
+completes only the missing request indices; the filters and duplicate removal run once all completions are in,
+over the whole ordered list, so the kept prompts are those of an uninterrupted run. ``bench.parts_carry``
+carries the parts from one lent machine to the next.
 """
 
 from __future__ import annotations
@@ -36,11 +48,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from contextlib import closing
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.data.engines import CompletionParams, Engine, engine_setup, make_engine, request_seed
+from pipelines.data.engine_pool import check_pool_fits, engine_share, start_engine
+from pipelines.data.engines import (
+    CompletionParams,
+    Engine,
+    Generation,
+    engine_setup,
+    make_engine,
+    request_seed,
+)
+from pipelines.data.parts import read_range_parts, write_range_part
 
 if TYPE_CHECKING:
     from pipelines.recipe import DataConfig, RegenerateConfig, SelfInstructConfig, SourceConfig, TargetConfig
@@ -51,6 +75,9 @@ SENTINEL = "PEAGLE_SELF_INSTRUCT_QUERY_7F3A"
 SOURCE = "self_instruct"
 NUM_PERM = 128  # MinHash permutations (datasketch default)
 SHINGLE_WORDS = 3
+# SelfInstructConfig fields applied after the completions (their number, the filters, the packing): not in the key
+# of a parts directory, so changing them keeps the completions already written
+FILTER_FIELDS = frozenset({"num_prompts", "min_chars", "max_chars", "dedup_threshold", "turns"})
 COUNT_KEYS = ("generated", "context_full", "unfinished", "empty", "too_short", "too_long", "exact_duplicates",
               "near_duplicates", "kept")
 
@@ -171,35 +198,116 @@ def filter_prompts(gens: Sequence[Any], cfg: SelfInstructConfig, stop_text: str 
     return [passed[k] for k in kept]
 
 
+def completion_params(cfg: SelfInstructConfig, pq: PreQuery) -> CompletionParams:
+    """Sampling of the self-instruct completions: ``cfg``'s, stopped at the end of the user turn."""
+    return CompletionParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                            stop_token_ids=pq.stop_token_ids)
+
+
+def complete_range(engine: Engine, cfg: SelfInstructConfig, pq: PreQuery, start: int, stop: int,
+                   ) -> list[Generation | None]:
+    """The raw completions of request indices ``[start, stop)``: one ``engine.complete`` call of the pre-query,
+    each request seeded ``request_seed(cfg.seed, "self_instruct", i)``."""
+    seeds = [request_seed(cfg.seed, SOURCE, i) for i in range(start, stop)]
+    return engine.complete([pq.text] * len(seeds), completion_params(cfg, pq), seeds)
+
+
+def missing_ranges(num_prompts: int, done: Container[int], batch_size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of the request indices below ``num_prompts`` not in ``done``: contiguous runs, cut
+    at the multiples of ``batch_size``, in order. Without ``done`` the same cut for any number of engines:
+    ``(0, b), (b, 2b), ...``."""
+    out = []
+    for cell in range(0, num_prompts, batch_size):
+        i, stop = cell, min(cell + batch_size, num_prompts)
+        while i < stop:
+            if i in done:
+                i += 1
+                continue
+            j = i
+            while j < stop and j not in done:
+                j += 1
+            out.append((i, j))
+            i = j
+    return out
+
+
+# (start, raw completions of requests start.., engine seconds) per range, in any order: what a runner yields
+Completions = Iterator[tuple[int, list[Generation | None], float]]
+
+
+def write_prompts(complete: Callable[[list[tuple[int, int]]], Completions], cfg: SelfInstructConfig,
+                  pq: PreQuery, *, batch_size: int, parts_dir: str | Path | None = None,
+                  stats: Counter | None = None) -> list[dict[str, Any]]:
+    """``cfg.num_prompts`` prompts: the completions ``parts_dir`` holds (:func:`~pipelines.data.parts.read_range_parts`),
+    then the :func:`missing_ranges` of ``batch_size`` from ``complete(ranges)`` (a generator, e.g. an engine pool's;
+    each range kept in ``parts_dir`` as it comes back, :func:`~pipelines.data.parts.write_range_part`), then the
+    filters and duplicate removal over all of them in request order (module doc), as an uninterrupted run.
+
+    Progress: prompts written, their rate and ETA (``pipelines.console.progress``: a line every 30 s off a
+    terminal). ``stats``: the counts of :data:`COUNT_KEYS`, ``num_generated_tokens`` (parts' too),
+    ``generate_s`` (this run's engine seconds, summed over engines) and ``resumed_prompts``.
+
+    Returns:
+        the rows of :func:`pack_turns`.
+
+    Raises:
+        RuntimeError: ``complete`` ended without every range (nothing is filtered; the parts stay).
+    """
+    from pipelines.console import progress
+
+    stats = stats if stats is not None else Counter()
+    gens: dict[int, Generation | None] = {}
+    if parts_dir is not None:
+        gens = {i: None if g is None else Generation(**g)
+                for i, g in read_range_parts(parts_dir, cfg.num_prompts).items()}
+        if gens:
+            log.info("self_instruct (seed %d): %d of %d completions taken from the parts in %s", cfg.seed, len(gens),
+                     cfg.num_prompts, parts_dir)
+    stats["resumed_prompts"] += len(gens)
+    todo = missing_ranges(cfg.num_prompts, gens, batch_size)
+    with (progress(f"self_instruct (seed {cfg.seed})", total=sum(b - a for a, b in todo), unit="prompts") as meter,
+          closing(complete(todo)) as results):
+        for start, out, seconds in results:
+            if parts_dir is not None:
+                write_range_part(parts_dir, start, [None if g is None else asdict(g) for g in out])
+            gens.update(enumerate(out, start))
+            stats["generate_s"] += seconds
+            meter(len(out))
+            log.info("self_instruct (seed %d): %d/%d prompts written", cfg.seed, len(gens), cfg.num_prompts)
+    if len(gens) != cfg.num_prompts:  # a runner that dropped a range: never filter a partial list
+        raise RuntimeError(f"self_instruct (seed {cfg.seed}): {cfg.num_prompts - len(gens)} of {cfg.num_prompts} "
+                           "requests came back from no engine")
+    ordered = [gens[i] for i in range(cfg.num_prompts)]
+    stats["num_generated_tokens"] += sum(g.num_tokens for g in ordered if g is not None)
+    kept = filter_prompts(ordered, cfg, pq.stop_text, stats)
+    log.info("self_instruct (seed %d): %s", cfg.seed, summary(stats))
+    return pack_turns(kept, cfg, pq.system)
+
+
+def in_process(engine: Engine, cfg: SelfInstructConfig, pq: PreQuery, ranges: list[tuple[int, int]]) -> Completions:
+    """The runner of one engine in this process: :func:`complete_range` of each range, in order."""
+    for start, stop in ranges:
+        t0 = time.perf_counter()
+        out = complete_range(engine, cfg, pq, start, stop)
+        yield start, out, time.perf_counter() - t0
+
+
 def generate_prompts(engine: Engine, cfg: SelfInstructConfig, *, batch_size: int = 256,
-                     stats: Counter | None = None) -> list[dict[str, Any]]:
+                     stats: Counter | None = None, parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """Let ``engine`` (with ``complete`` and ``tokenizer``) write ``cfg.num_prompts`` user prompts,
-    filter and deduplicate them (module doc), in batches of ``batch_size`` completions.
+    filter and deduplicate them (module doc), in calls of ``batch_size`` completions (:func:`write_prompts`;
+    ``parts_dir``: keep each call's completions there and take those an earlier run kept).
 
     Returns:
         conversation rows ``{id, messages: [system?, user], source: "self_instruct"}`` in request
-        order; ``stats`` receives the counts of :data:`COUNT_KEYS`, ``num_generated_tokens`` and
-        ``generate_s`` (also logged).
+        order; ``stats`` receives the counts of :func:`write_prompts` (also logged).
 
     Raises:
         ValueError: the target's chat template gives no pre-query string (:func:`pre_query`).
     """
-    stats = stats if stats is not None else Counter()
     pq = pre_query(engine.tokenizer, cfg.system_prompt)
-    params = CompletionParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-                              stop_token_ids=pq.stop_token_ids)
-    seeds = [request_seed(cfg.seed, SOURCE, i) for i in range(cfg.num_prompts)]
-    gens: list[Any] = []
-    t0 = time.perf_counter()
-    for start in range(0, cfg.num_prompts, batch_size):
-        chunk = seeds[start:start + batch_size]
-        gens.extend(engine.complete([pq.text] * len(chunk), params, chunk))
-        log.info("self_instruct: %d/%d prompts written", len(gens), cfg.num_prompts)
-    stats["generate_s"] += time.perf_counter() - t0
-    stats["num_generated_tokens"] += sum(g.num_tokens for g in gens if g is not None)
-    kept = filter_prompts(gens, cfg, pq.stop_text, stats)
-    log.info("self_instruct (seed %d): %s", cfg.seed, summary(stats))
-    return pack_turns(kept, cfg, pq.system)
+    return write_prompts(lambda ranges: in_process(engine, cfg, pq, ranges), cfg, pq, batch_size=batch_size,
+                         parts_dir=parts_dir, stats=stats)
 
 
 # the assistant turns between packed user turns: replaced by the target's answers in the regenerate stage (a recipe
@@ -232,63 +340,101 @@ def summary(stats: Mapping[str, Any]) -> str:
 
 
 class SelfInstructActor:
-    """Ray actor holding one engine that writes self-instruct prompts."""
+    """Ray actor of the engine pool holding one engine (``make(backend, model_path, **engine_kwargs)``, started by
+    :func:`~pipelines.data.engine_pool.start_engine` beside the other ``engines_per_gpu - 1`` engines of its GPU)
+    that completes ranges of self-instruct requests."""
 
-    def __init__(self, backend: str, model_path: str, engine_kwargs: Mapping[str, Any]):
-        self.engine = make_engine(backend, model_path, **dict(engine_kwargs))
+    def __init__(self, backend: str, model_path: str, engine_kwargs: Mapping[str, Any], engines_per_gpu: int = 1,
+                 make: Callable[..., Engine] = make_engine):
+        self.engine = start_engine(partial(make, backend, model_path), model_path, engines_per_gpu, engine_kwargs)
 
-    def write(self, cfg: SelfInstructConfig, batch_size: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        stats: Counter = Counter()
-        rows = generate_prompts(self.engine, cfg, batch_size=batch_size, stats=stats)
-        return rows, dict(stats)
+    def complete(self, cfg: SelfInstructConfig, pq: PreQuery, start: int, stop: int,
+                 ) -> tuple[int, list[Generation | None], float]:
+        """``(start, completions of [start, stop), engine seconds)``: :func:`complete_range`."""
+        return next(in_process(self.engine, cfg, pq, [(start, stop)]))
 
 
 class SelfInstructWriter:
     """The ``write_prompts`` callable of :func:`pipelines.data.prompt_dataset.load_prompt_dataset`: for each
-    self_instruct source, start one engine of ``regenerate.backend`` (``make_engine`` with
-    :func:`pipelines.data.engines.engine_setup`'s arguments; a Ray actor of ``num_cpus_per_worker`` CPUs
-    and one GPU when the cluster has one, or in-process when ``use_ray`` is false), write the prompts,
-    release the engine. ``stats``: the counts of every call, in call order.
+    self_instruct source, the completions of :func:`write_prompts` from engines of ``regenerate.backend``
+    (``make_engine`` with :func:`pipelines.data.engines.engine_setup`'s arguments), started only when requests
+    are left: with ``use_ray``, a pool of ``regenerate.num_workers`` engine actors (at most one per range) with
+    the regenerate pool's resources (:func:`~pipelines.data.engine_pool.engine_share` of ``num_cpus_per_worker``,
+    ``regenerate.engines_per_gpu`` engines a GPU), each handed the next range as it finishes one; else one
+    engine in-process. The engines end with the source.
+
+    ``parts_dir(cfg)``: the directory that keeps the completions of the source of self_instruct config ``cfg``
+    (the stage gives ``regenerate/self_instruct-parts-<key>``); None: none kept. ``make``: the engine factory
+    (tests). ``stats``: the counts of every call, in call order; ``parts_dirs``: the parts directories used.
     """
 
     def __init__(self, target_cfg: TargetConfig, regen_cfg: RegenerateConfig, data_cfg: DataConfig, *,
                  use_ray: bool = True, num_cpus_per_worker: float = 1,
-                 engine_kwargs: Mapping[str, Any] | None = None):
+                 engine_kwargs: Mapping[str, Any] | None = None,
+                 parts_dir: Callable[[SelfInstructConfig], Path] | None = None,
+                 make: Callable[..., Engine] = make_engine):
         self.target_cfg, self.regen_cfg, self.data_cfg = target_cfg, regen_cfg, data_cfg
         self.use_ray, self.num_cpus_per_worker = use_ray, num_cpus_per_worker
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.parts_dir, self.make = parts_dir, make
         self.stats: list[dict[str, Any]] = []
+        self.parts_dirs: list[Path] = []
 
     def __call__(self, source_cfg: SourceConfig) -> list[dict[str, Any]]:
         """Rows of the kept prompts of ``source_cfg`` (kind self_instruct).
 
         Raises:
-            ValueError: ``source_cfg`` is not a self_instruct source.
+            ValueError: ``source_cfg`` is not a self_instruct source; the Ray cluster cannot hold the engine pool
+                (:func:`~pipelines.data.engine_pool.check_pool_fits`, before any engine starts); the target's
+                chat template gives no pre-query string (:func:`pre_query`).
         """
+        from transformers import AutoTokenizer
+
         if source_cfg.kind != "self_instruct" or source_cfg.self_instruct is None:
             raise ValueError(f"SelfInstructWriter writes self_instruct sources, got kind {source_cfg.kind!r}")
-        cfg, batch_size = source_cfg.self_instruct, self.regen_cfg.batch_size
+        cfg = source_cfg.self_instruct
         model_path, kwargs = engine_setup(self.target_cfg, self.regen_cfg, self.data_cfg,
                                           num_cpus_per_worker=self.num_cpus_per_worker,
                                           engine_kwargs=self.engine_kwargs)
-        if not self.use_ray:
-            engine = make_engine(self.regen_cfg.backend, model_path, **kwargs)
-            stats: Counter = Counter()
-            rows = generate_prompts(engine, cfg, batch_size=batch_size, stats=stats)
-            del engine
-            self.stats.append(dict(stats))
-            return rows
+        pq = pre_query(AutoTokenizer.from_pretrained(str(model_path)), cfg.system_prompt)
+        parts = None if self.parts_dir is None else Path(self.parts_dir(cfg))
+        if parts is not None:
+            self.parts_dirs.append(parts)
+        stats: Counter = Counter()
+        runner = self._pool if self.use_ray else self._in_process
+        rows = write_prompts(lambda ranges: runner(model_path, kwargs, cfg, pq, ranges, stats), cfg, pq,
+                             batch_size=self.regen_cfg.batch_size, parts_dir=parts, stats=stats)
+        self.stats.append(dict(stats))
+        return rows
+
+    def _in_process(self, model_path: Path, kwargs: dict[str, Any], cfg: SelfInstructConfig, pq: PreQuery,
+                    ranges: list[tuple[int, int]], stats: Counter) -> Completions:
+        if not ranges:
+            return
+        if self.regen_cfg.num_workers > 1:
+            log.warning("self_instruct in-process (use_ray=False): one engine; regenerate.num_workers=%d ignored",
+                        self.regen_cfg.num_workers)
+        stats["num_engines"] = 1
+        yield from in_process(self.make(self.regen_cfg.backend, model_path, **kwargs), cfg, pq, ranges)
+
+    def _pool(self, model_path: Path, kwargs: dict[str, Any], cfg: SelfInstructConfig, pq: PreQuery,
+              ranges: list[tuple[int, int]], stats: Counter) -> Completions:
+        if not ranges:
+            return
         import ray
+        from ray.util import ActorPool
 
         if not ray.is_initialized():
             ray.init()  # as ray.data does on first use
-        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        actor = ray.remote(num_cpus=self.num_cpus_per_worker, num_gpus=num_gpus)(SelfInstructActor).remote(
-            self.regen_cfg.backend, str(model_path), kwargs)
+        num_cpus, num_gpus = share = engine_share(self.regen_cfg, self.num_cpus_per_worker)
+        num_engines = min(self.regen_cfg.num_workers, len(ranges))
+        check_pool_fits(self.regen_cfg, num_engines, share, ray.cluster_resources())
+        actor = ray.remote(SelfInstructActor).options(num_cpus=num_cpus, num_gpus=num_gpus)
+        actors = [actor.remote(self.regen_cfg.backend, str(model_path), kwargs, self.regen_cfg.engines_per_gpu,
+                               self.make) for _ in range(num_engines)]
+        stats["num_engines"] = num_engines
         try:
-            rows, stats = ray.get(actor.write.remote(cfg, batch_size))
+            yield from ActorPool(actors).map_unordered(lambda a, r: a.complete.remote(cfg, pq, *r), ranges)
         finally:
-            ray.kill(actor)
-        log.info("self_instruct (seed %d, in a Ray actor): %s", cfg.seed, summary(stats))
-        self.stats.append(stats)
-        return rows
+            for a in actors:
+                ray.kill(a)

@@ -1,10 +1,15 @@
 """Stage ``regenerate``: the recipe's prompt sources -> the target's own answers (``pipelines.data.regenerate``).
 
 Loads and mixes the prompt sources (``pipelines.data.prompt_dataset``; a self_instruct source's prompts are
-written first by the target, ``pipelines.data.selfinstruct.SelfInstructWriter``), then writes
-``regenerate/conversations.jsonl`` (train split) and ``regenerate/heldout_ids.json`` (the held-out
+written first by the target, ``pipelines.data.selfinstruct.SelfInstructWriter``, on the stage's engine pool),
+then writes ``regenerate/conversations.jsonl`` (train split) and ``regenerate/heldout_ids.json`` (the held-out
 prompt ids). With ``regenerate.enabled: false`` the sources' own answers are written as is.
 Key: target (minus ``aux_layer_ids``, which do not change the text), data, regenerate.
+
+Parts (``pipelines.data.parts``): a killed run resumes from what the one before it finished, kept under the stage's
+directory until its output is written: each self_instruct source's raw completions in
+``self_instruct-parts-<key>`` (:meth:`RegenerateStage.self_instruct_parts`) and the regenerated batches in
+``parts-<stage key>``.
 """
 
 from __future__ import annotations
@@ -16,10 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle_core.atomic import atomic_write_text
+from pipelines.data.parts import REGENERATE_PARTS, SELF_INSTRUCT_PARTS
 from pipelines.preflight import Machine, Problem, Severity
-from pipelines.stages.base import OMIT_IF_NONE, Stage, StageOutput, cpus_per_worker, key_dump, write_json
+from pipelines.stages.base import (
+    OMIT_IF_NONE,
+    Stage,
+    StageOutput,
+    cpus_per_worker,
+    digest,
+    key_dump,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
+# regenerate fields that only shape the answers (or where the engines run), not the self-instruct completions
+ANSWER_ONLY_FIELDS = frozenset({"enabled", "temperature", "top_p", "max_tokens_per_turn", "max_turns", "num_workers",
+                                "engines_per_gpu", "vllm_runner"})
 
 
 @dataclass
@@ -95,13 +112,16 @@ class RegenerateStage(Stage):
         from pipelines.data.selfinstruct import SelfInstructWriter, summary
 
         r = self.recipe
-        # the writer starts an engine only for a self_instruct source (one per such source)
+        # the writer starts engines only for a self_instruct source with requests left (a pool per such source)
         writer = SelfInstructWriter(r.target, r.regenerate, r.data,
                                     num_cpus_per_worker=cpus_per_worker(r.regenerate.num_workers),
-                                    engine_kwargs=dict(self.ctx.engine.vllm_kwargs))
+                                    engine_kwargs=dict(self.ctx.engine.vllm_kwargs),
+                                    parts_dir=self.self_instruct_parts)
         prompts = load_prompt_dataset(r.data, write_prompts=writer)
-        for stats in writer.stats:
-            self.ctx.say(f"self_instruct prompts: {summary(stats)}")
+        for stats, parts_dir in zip(writer.stats, writer.parts_dirs, strict=True):
+            resumed = stats.get("resumed_prompts", 0)
+            self.ctx.say(f"self_instruct prompts: {summary(stats)}"
+                         + (f" ({resumed} completions taken from the parts in {parts_dir})" if resumed else ""))
         written = [dict(s) for s in writer.stats] or None
         train, heldout = train_eval_split(prompts, r.data.eval_fraction, r.data.seed)
         out = self.dir / "conversations.jsonl"
@@ -110,17 +130,18 @@ class RegenerateStage(Stage):
             rows = train.to_list()
             atomic_write_text(out, "".join(json.dumps({k: x[k] for k in ("id", "messages", "source")}) + "\n"
                                            for x in rows))
+            self._remove(writer.parts_dirs)
             return RegenerateOutput(path=str(out), num_conversations=len(rows), regenerated=False,
                                     self_instruct=written, length_distribution=self._lengths(rows))
         # finished batches are kept under the stage key: a killed job or a lost machine resumes from them
-        parts = self.dir / f"parts-{self.ctx.key(self.name)[:12]}"
+        parts = self.dir / f"{REGENERATE_PARTS}{self.ctx.key(self.name)[:12]}"
         res = run_regenerate(train, r.target, r.regenerate, r.data, out_path=out,
                              num_cpus_per_worker=cpus_per_worker(r.regenerate.num_workers),
                              engine_kwargs=dict(self.ctx.engine.vllm_kwargs), parts_dir=parts)
         if res.stats.get("resumed_conversations"):
             self.ctx.say(f"{res.stats['resumed_conversations']} conversations taken from the parts an earlier run "
                          f"wrote ({parts})")
-        shutil.rmtree(parts, ignore_errors=True)  # the output holds them now; a forced re-run regenerates all
+        self._remove([parts, *writer.parts_dirs])  # the output holds them now; a forced re-run regenerates all
         self.ctx.say(f"{len(res.rows)} conversations, {res.num_turns} turns, {res.num_generated_tokens} tokens, "
                      f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)"
                      + engines_summary(res, asked=r.regenerate.num_workers)
@@ -129,7 +150,26 @@ class RegenerateStage(Stage):
                                 num_turns=res.num_turns, num_generated_tokens=res.num_generated_tokens,
                                 tokens_per_s=res.tokens_per_s, wall_tokens_per_s=res.wall_tokens_per_s,
                                 engines=[{k: e[k] for k in ("start_s", "gpu")} for e in res.engines] or None,
-                                decode_tokens_per_s=res.decode_tokens_per_s, self_instruct=written, length_distribution=self._lengths(res.rows))
+                                decode_tokens_per_s=res.decode_tokens_per_s, self_instruct=written,
+                                length_distribution=self._lengths(res.rows))
+
+    def self_instruct_parts(self, cfg) -> Path:
+        """``regenerate/self_instruct-parts-<key>``: where the raw completions of the self_instruct source of config
+        ``cfg`` are kept (``pipelines.data.selfinstruct.write_prompts``). Key: what changes them: the target (minus
+        ``aux_layer_ids``), ``data.max_length_tokens``, the engine settings of ``regenerate`` (not
+        :data:`ANSWER_ONLY_FIELDS`) and ``cfg`` minus its ``FILTER_FIELDS``: a recipe that changes only the
+        filters, the number of prompts, the answers or the number of engines keeps the completions written."""
+        from pipelines.data.selfinstruct import FILTER_FIELDS
+
+        r = self.recipe
+        key = digest("self_instruct", key_dump(r.target, exclude={"aux_layer_ids"}), r.data.max_length_tokens,
+                     key_dump(r.regenerate, exclude=ANSWER_ONLY_FIELDS), key_dump(cfg, exclude=FILTER_FIELDS))
+        return self.dir / f"{SELF_INSTRUCT_PARTS}{key[:12]}"
+
+    @staticmethod
+    def _remove(parts_dirs) -> None:
+        for d in parts_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
     def _lengths(self, rows: list[dict]) -> dict | None:
         """:func:`~pipelines.data.lengths.length_distribution` of ``rows`` (a seeded sample), said on the console."""
