@@ -352,8 +352,7 @@ def _engines(run: StageRun) -> int:
     4x H200, 2026-11-28 16:11)."""
     if run.outputs.get("engines"):
         return len(run.outputs["engines"])
-    asked = int(job_sets(run.record).get("regenerate.num_workers", run.gpus))
-    return min(asked, run.gpus * _engines_per_gpu(run))
+    return min(_asked(run), run.gpus * _engines_per_gpu(run))
 
 
 def _asked(run: StageRun) -> int:

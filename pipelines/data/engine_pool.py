@@ -160,5 +160,52 @@ def start_engine(make: Callable[..., E], model_path: str | Path, engines_per_gpu
         return make(**kwargs)
 
 
-__all__ = ["GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits", "engine_share", "gpu_start_lock",
-           "pool_batch_size", "shared_kv_cache_bytes", "start_engine"]
+def engine_started(t0: float) -> dict[str, Any]:
+    """What an engine reports of its start, ``t0`` (``time.perf_counter()``) taken before it: ``start_s`` (seconds,
+    the wait for the engines starting before it on its GPU included where they start one after another,
+    :func:`start_engine`), ``ready_at`` (wall clock, UNIX seconds) and ``gpu``: ``<Ray node id[:8]>/
+    <CUDA_VISIBLE_DEVICES>`` in a Ray worker, else the devices alone ("" without a GPU)."""
+    import os
+
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    try:
+        import ray
+
+        if gpu and ray.is_initialized():
+            gpu = f"{ray.get_runtime_context().get_node_id()[:8]}/{gpu}"
+    except ImportError:
+        pass
+    return {"start_s": round(time.perf_counter() - t0, 3), "ready_at": time.time(), "gpu": gpu}
+
+
+def decode_tokens_per_s(engines: list[dict[str, Any]], tokens: int, answered_at: float | None) -> float | None:
+    """All engines' ``tokens`` over the seconds from the first engine ready (:func:`engine_started`'s
+    ``ready_at``) to ``answered_at`` (UNIX seconds, the last answer); None without engine reports or time."""
+    if not engines or answered_at is None:
+        return None
+    seconds = answered_at - min(e["ready_at"] for e in engines)
+    return tokens / seconds if seconds > 0 else None
+
+
+def engines_summary(engines: list[dict[str, Any]], decode_rate: float | None, asked: int = 0) -> str:
+    """``"; 8 engines answered (on 4 GPUs), ready 96-215 s after they were asked for; 71,731 tokens/s from the first
+    ready to the last answer"``, or "" without engine reports (``ray.data.llm``). ``engines``: their
+    :func:`engine_started` reports; ``decode_rate``: :func:`decode_tokens_per_s`; ``asked``
+    (``regenerate.num_workers``): more than answered adds ``" of 8 asked for"`` (the others never got their
+    resources or were still starting when the work ran out)."""
+    if not engines:
+        return ""
+    starts = [e["start_s"] for e in engines]
+    gpus = {e["gpu"] for e in engines if e.get("gpu")}
+    n = len(engines)
+    text = (f"; {n} engine{'s' if n != 1 else ''}" + (f" of {asked} asked for" if asked > n else "") + " answered"
+            + (f" (on {len(gpus)} GPUs)" if gpus else "")
+            + f", ready {min(starts):.0f}-{max(starts):.0f} s after they were asked for")
+    if decode_rate:
+        text += f"; {decode_rate:,.0f} tokens/s from the first ready to the last answer"
+    return text
+
+
+__all__ = ["GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits", "decode_tokens_per_s",
+           "engine_share", "engine_started", "engines_summary", "gpu_start_lock", "pool_batch_size",
+           "shared_kv_cache_bytes", "start_engine"]

@@ -42,7 +42,13 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.data.engine_pool import engine_share, pool_batch_size, start_engine
+from pipelines.data.engine_pool import (
+    decode_tokens_per_s,
+    engine_share,
+    engine_started,
+    pool_batch_size,
+    start_engine,
+)
 from pipelines.data.engines import (
     ENGINES,
     Engine,
@@ -228,23 +234,6 @@ def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
     return f"; {num_out} of {num_in} kept" + (": " + ", ".join(parts) if parts else "")
 
 
-def engines_summary(result: RegenerateResult, asked: int = 0) -> str:
-    """``"; 8 engines answered (on 4 GPUs), ready 96-215 s after they were asked for; 71,731 tokens/s from the first
-    ready to the last answer"``, or "" without engine reports (``ray.data.llm``). ``asked``
-    (``regenerate.num_workers``): more than answered adds ``" of 8 asked for"`` (the others never got their
-    resources or were still starting when the work ran out)."""
-    if not result.engines:
-        return ""
-    starts = [e["start_s"] for e in result.engines]
-    gpus = {e["gpu"] for e in result.engines if e.get("gpu")}
-    n = len(result.engines)
-    text = (f"; {n} engine{'s' if n != 1 else ''}" + (f" of {asked} asked for" if asked > n else "") + " answered"
-            + (f" (on {len(gpus)} GPUs)" if gpus else "")
-            + f", ready {min(starts):.0f}-{max(starts):.0f} s after they were asked for")
-    if result.decode_tokens_per_s:
-        text += f"; {result.decode_tokens_per_s:,.0f} tokens/s from the first ready to the last answer"
-    return text
-
 
 def regenerate_batch(rows: list[dict[str, Any]], engine: Engine, cfg: RegenerateConfig, *, stats: Counter,
                      report: Callable[..., None], parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
@@ -302,24 +291,6 @@ class RegenerateActor:
             cols = {k: [None] for k in keys} | {"_batch_stats": [dict(stats)], "_engine": [started]}
         return cols
 
-
-def engine_started(t0: float) -> dict[str, Any]:
-    """What an engine reports of its start, ``t0`` (``time.perf_counter()``) taken before it: ``start_s`` (seconds,
-    the wait for the engines starting before it on its GPU included where they start one after another,
-    ``pipelines.data.engine_pool.start_engine``), ``ready_at`` (wall clock,
-    UNIX seconds) and ``gpu``: ``<Ray node id[:8]>/<CUDA_VISIBLE_DEVICES>`` in a Ray worker, else the devices
-    alone ("" without a GPU)."""
-    import os
-
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    try:
-        import ray
-
-        if gpu and ray.is_initialized():
-            gpu = f"{ray.get_runtime_context().get_node_id()[:8]}/{gpu}"
-    except ImportError:
-        pass
-    return {"start_s": round(time.perf_counter() - t0, 3), "ready_at": time.time(), "gpu": gpu}
 
 
 @dataclass
@@ -427,9 +398,7 @@ def run_regenerate(
         tokens_per_s=new_tokens / totals["generate_s"] if totals["generate_s"] else 0.0,
         wall_tokens_per_s=new_tokens / seconds, seconds=seconds, stats=dict(totals), engines=engines,
     )
-    if engines and answered_at is not None:
-        decode_s = answered_at - min(e["ready_at"] for e in engines)
-        result.decode_tokens_per_s = new_tokens / decode_s if decode_s > 0 else None
+    result.decode_tokens_per_s = decode_tokens_per_s(engines, new_tokens, answered_at)
     log.info("regenerate: %d conversations, %d turns, %d tokens, %.1f tokens/s (engine), %.1f tokens/s (wall)",
              len(out), result.num_turns, num_tokens, result.tokens_per_s, result.wall_tokens_per_s)
     if out_path is not None:

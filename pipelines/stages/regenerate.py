@@ -106,9 +106,10 @@ class RegenerateStage(Stage):
                 key_dump(recipe.regenerate, exclude={"num_workers", "engines_per_gpu"}))
 
     def run(self) -> RegenerateOutput:
+        from pipelines.data.engine_pool import engines_summary
         from pipelines.data.prompt_dataset import load_prompt_dataset
         from pipelines.data.prompts import train_eval_split
-        from pipelines.data.regenerate import drop_summary, engines_summary, run_regenerate
+        from pipelines.data.regenerate import drop_summary, run_regenerate
         from pipelines.data.selfinstruct import SelfInstructWriter, summary
 
         r = self.recipe
@@ -144,7 +145,7 @@ class RegenerateStage(Stage):
         self._remove([parts, *writer.parts_dirs])  # the output holds them now; a forced re-run regenerates all
         self.ctx.say(f"{len(res.rows)} conversations, {res.num_turns} turns, {res.num_generated_tokens} tokens, "
                      f"{res.tokens_per_s:.1f} tokens/s (engine), {res.wall_tokens_per_s:.1f} tokens/s (wall)"
-                     + engines_summary(res, asked=r.regenerate.num_workers)
+                     + engines_summary(res.engines, res.decode_tokens_per_s, asked=r.regenerate.num_workers)
                      + drop_summary(res.num_conversations, len(res.rows), res.stats))
         return RegenerateOutput(path=str(out), num_conversations=len(res.rows), regenerated=True,
                                 num_turns=res.num_turns, num_generated_tokens=res.num_generated_tokens,

@@ -10,10 +10,11 @@ import time
 import pytest
 
 from pipelines import tally
+from pipelines.data.engine_pool import engines_summary
 from pipelines.data.parts import PART_GLOB
 from pipelines.data.prompt_dataset import load_prompt_dataset
 from pipelines.data.prompts import load_conversations
-from pipelines.data.regenerate import engines_summary, run_regenerate
+from pipelines.data.regenerate import run_regenerate
 from pipelines.data.selfinstruct import COUNT_KEYS, SelfInstructWriter
 from pipelines.recipe import (
     DataConfig,
@@ -135,4 +136,4 @@ def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_lo
     (engine,) = res.engines  # the pool's one engine reported its start once, with its first batch
     assert 0 < engine["start_s"] < res.seconds and engine["gpu"] == ""  # no GPU here
     assert res.decode_tokens_per_s > res.wall_tokens_per_s  # the engine's start is outside the decode window
-    assert engines_summary(res).startswith("; 1 engine answered, ready ")
+    assert engines_summary(res.engines, res.decode_tokens_per_s).startswith("; 1 engine answered, ready ")

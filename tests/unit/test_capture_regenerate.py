@@ -403,17 +403,16 @@ def test_engines_sharing_a_gpu_start_one_after_another(tmp_path, monkeypatch):
 
 def test_engines_summary_names_the_engines_that_answered_and_those_that_did_not():
     """4x H200, 2026-11-28: 8 engines asked for, 4 placed; the stage says so instead of leaving it to a probe."""
-    from pipelines.data.regenerate import RegenerateResult, engines_summary
-
-    res = RegenerateResult(rows=[], num_conversations=0, num_turns=0, num_generated_tokens=0, tokens_per_s=0.0,
-                           wall_tokens_per_s=0.0, seconds=1.0, decode_tokens_per_s=71731.0,
-                           engines=[{"start_s": s, "ready_at": 0.0, "gpu": g}
-                                    for s, g in ((96.0, "a/0"), (97.2, "a/0"), (101.0, "b/2"), (215.4, "b/2"))])
-    assert engines_summary(res, asked=8) == ("; 4 engines of 8 asked for answered (on 2 GPUs), ready 96-215 s "
-                                             "after they were asked for; 71,731 tokens/s from the first ready to "
-                                             "the last answer")
-    assert engines_summary(res, asked=4).startswith("; 4 engines answered (on 2 GPUs)")
-    assert engines_summary(RegenerateResult([], 0, 0, 0, 0.0, 0.0, 1.0)) == ""
+    engines = [{"start_s": s, "ready_at": 1000.0 + s, "gpu": g}
+               for s, g in ((96.0, "a/0"), (97.2, "a/0"), (101.0, "b/2"), (215.4, "b/2"))]
+    rate = engine_pool.decode_tokens_per_s(engines, 7_173_100, answered_at=1196.0)  # 100 s after the first ready
+    assert rate == 71731.0
+    assert engine_pool.engines_summary(engines, rate, asked=8) == (
+        "; 4 engines of 8 asked for answered (on 2 GPUs), ready 96-215 s after they were asked for; 71,731 tokens/s "
+        "from the first ready to the last answer")
+    assert engine_pool.engines_summary(engines, rate, asked=4).startswith("; 4 engines answered (on 2 GPUs)")
+    assert engine_pool.engines_summary([], None) == ""
+    assert engine_pool.decode_tokens_per_s([], 10, answered_at=5.0) is None
 
 
 def test_engines_sharing_a_cuda_gpu_start_side_by_side_with_a_fixed_kv_cache(tmp_path, monkeypatch):
