@@ -6,6 +6,7 @@ run of its own machine."""
 from __future__ import annotations
 
 import functools
+import re
 import statistics
 from typing import Any, NamedTuple
 
@@ -226,7 +227,8 @@ def _imbalance(run: StageRun) -> str:
 
 def _shared_gpu_reading(runs: list[StageRun]) -> str:
     """What engines sharing a GPU gave, per GPU, against the best run of one engine per GPU: inside the engines'
-    calls, and from the job's progress lines where the record holds them (``progress``)."""
+    calls, from the job's progress lines where the record holds them (``progress``), and on the stage's wall
+    clock against one engine a GPU on the same machine where both ran (:func:`_side_by_side`)."""
     shared = [x for x in runs if _engines_per_gpu(x) > 1 and x.outputs.get("tokens_per_s")]
     alone = [x for x in runs if _engines_per_gpu(x) == 1 and x.outputs.get("tokens_per_s")]
     if not (shared and alone):
@@ -234,11 +236,11 @@ def _shared_gpu_reading(runs: list[StageRun]) -> str:
     best = max(alone, key=lambda x: x.outputs["tokens_per_s"])
     text = []
     for x in shared:
-        per_gpu = x.outputs["tokens_per_s"] * _engines(x) / x.gpus
+        gpus = len({e["gpu"] for e in x.outputs.get("engines") or []}) or x.gpus  # where the engines answered
+        per_gpu = x.outputs["tokens_per_s"] * _engines(x) / gpus
         wall = x.record["stage_records"]["regenerate"]["seconds"]
-        placed = "" if _engines(x) == _asked(x) else (
-            f"; {_asked(x)} asked for, the placement found {_engines(x)}: the others never held a GPU")
-        text.append(f" With {_engines_per_gpu(x)} engines a GPU ({x.machine}, {_engines(x)} engines on {x.gpus} "
+        placed = "" if _engines(x) == _asked(x) else f"; {_asked(x)} asked for, {_engines(x)} answered"
+        text.append(f" With {_engines_per_gpu(x)} engines a GPU ({x.machine}, {_engines(x)} engines on {gpus} "
                     f"GPUs{placed}) each engine decoded {x.outputs['tokens_per_s']:,.0f} tok/s inside its calls: "
                     f"{per_gpu:,.0f} a GPU had all run at once, {per_gpu / best.outputs['tokens_per_s']:.2f}x the "
                     f"best one-engine GPU ({best.outputs['tokens_per_s']:,.0f}, {best.machine}; goal "
@@ -247,17 +249,36 @@ def _shared_gpu_reading(runs: list[StageRun]) -> str:
         if lines:
             rates = [ln[3] for ln in lines]
             text.append(f" Together they decoded {min(rates):,.0f}-{max(rates):,.0f} tok/s from the first answers "
-                        f"to the end (the job's progress lines), ~{statistics.mean(rates) / x.gpus:,.0f} a GPU, "
+                        f"to the end (the job's progress lines), ~{statistics.mean(rates) / gpus:,.0f} a GPU, "
                         f"after {lines[0][0] - 30:.0f}-{lines[0][0]:.0f} s without an answer; the stage took "
                         f"{wall:.0f} s{_imbalance(x)}.")
+        text.append(_side_by_side(x, alone))
     return "".join(text) + (
-        " The engines of a GPU started one after another (`pipelines.data.engine_pool.gpu_start_lock`: vLLM sizes "
-        "its KV cache from the GPU's free memory while it starts), each start ~100 s, and these jobs decoded for "
-        "only ~1-2 minutes, so a GPU's second engine joined late or not at all: sharing a GPU is not yet shown "
-        "to pay on the stage's wall clock. Since these runs, engines sharing a CUDA GPU start side by side, each "
-        "with a fixed KV cache (`pipelines.data.engine_pool.start_engine`; not yet run on a GPU), and the stage "
-        "records each engine that answered, its start and its GPU (`engines`), and all engines' tokens/s from the "
-        "first ready to the last answer (`decode_tokens_per_s`).")
+        " Where fewer engines answered than were asked for, the first engines ready took every batch: Ray Data "
+        "hands an actor 2 batches at a time by default, and these pools cut as many batches as engines (8 batches "
+        "for 8 engines: the 4 ready first took 2 each). The pool now hands each engine one batch at a time (`pipelines.data.engine_pool."
+        "pool_strategy`; not yet run on a GPU), so whether sharing a GPU pays with every engine working is still "
+        "open; until then one engine a GPU is the measured choice.")
+
+
+def _side_by_side(shared: StageRun, alone: list[StageRun]) -> str:
+    """`` On M the engines ... started side by side ... the stage took S s against T s ...`` for a run of engines
+    sharing a GPU that recorded its engines' starts (``engines``, since 2026-11-28 16:40) and a run of one engine
+    a GPU on the same machine; ``""`` otherwise."""
+    twin = next((x for x in alone if x.machine == shared.machine and x.gpus == shared.gpus), None)
+    if not (shared.outputs.get("engines") and twin and twin.outputs.get("engines")):
+        return ""
+    def starts(run: StageRun) -> str:
+        s = [e["start_s"] for e in run.outputs["engines"]]
+        return f"{min(s):.0f}-{max(s):.0f} s"
+    def stage_s(run: StageRun) -> float:
+        return run.record["stage_records"]["regenerate"]["seconds"]
+    gpus = {e["gpu"] for e in shared.outputs["engines"]}
+    return (f" On that machine its engines started side by side ({len(shared.outputs['engines'])} ready on "
+            f"{len(gpus)} GPUs {starts(shared)} after they were asked for, against {starts(twin)} for one engine a "
+            f"GPU, `{twin.name}.json`), and the stage took {stage_s(shared):.0f} s against {stage_s(twin):.0f} s "
+            f"({shared.outputs['wall_tokens_per_s']:,.0f} against {twin.outputs['wall_tokens_per_s']:,.0f} tok/s over "
+            f"the stage): sharing a GPU did not pay there.")
 
 
 def _disk_mib_s(run: StageRun) -> float:
@@ -393,6 +414,7 @@ def training(lines: list[str]) -> None:
         same=lambda a, b: _setting(a, "method") == _setting(b, "method"))
     loss_curves(lines, runs)
     training_reading(lines, runs)
+    progress_reading(lines, runs)
 
 
 def _history(run: StageRun) -> list[dict]:
@@ -458,3 +480,44 @@ def training_reading(lines: list[str], runs: list[StageRun]) -> None:
                           f"of DDP's tokens/s (a 4-layer head gains nothing from sharding) with the same losses "
                           f"(step {last}: {c[last]['loss']:.3f} against {b[last]['loss']:.3f}).")
         lines += [""]
+
+
+# A 300-step run on 4 GPUs and the same machine's 1-GPU run, whose record was lost (its device call ended after the
+# job SUCCEEDED and before `record`): their console logs, as the device returned them.
+PROGRESS_PAIR = ("multi_gpu_train_4_long", "multi_gpu_train_1_long4")
+PROGRESS_LINE = re.compile(r"^\[train\] (\d+)/\d+ steps, .* (\d+)m(\d+)s$")
+WARM_STEP = 10  # progress lines from this step on: past the first step's compilation
+
+
+def progress_steps_per_s(log: str) -> float | None:
+    """Steps a second from a train stage's console progress lines (``[train] 98/300 steps, ..., 2m00s``): from the
+    first line at or past :data:`WARM_STEP` to the last line before the final one (which closes a shorter
+    interval); None with fewer than two such lines."""
+    points = [(int(m[1]), 60 * int(m[2]) + int(m[3])) for m in map(PROGRESS_LINE.match, log.splitlines()) if m]
+    points = [pt for pt in points[:-1] if pt[0] >= WARM_STEP]
+    if len(points) < 2 or points[-1][1] == points[0][1]:
+        return None
+    return (points[-1][0] - points[0][0]) / (points[-1][1] - points[0][1])
+
+
+def progress_reading(lines: list[str], runs: list[StageRun]) -> None:
+    """The :data:`PROGRESS_PAIR`'s scaling from their console logs: steps/s x tokens a step, per GPU."""
+    wide = next((x for x in runs if x.name == PROGRESS_PAIR[0]), None)
+    logs = [RESULTS / f"{name}.log" for name in PROGRESS_PAIR]
+    if wide is None or not all(p.exists() for p in logs):
+        return
+    rates = [progress_steps_per_s(p.read_text()) for p in logs]
+    if None in rates:
+        return
+    workers, per = _batch(wide)
+    tok = [rates[0] * (workers or wide.gpus) * per, rates[1] * (workers or wide.gpus) * per]  # equal global batch
+    eff = tok[0] / wide.gpus / tok[1]
+    warm = [h["tokens_per_s"] for h in _history(wide)[1:]]
+    lines += [(f"Reading ({wide.machine}, P-EAGLE, DDP, 300 steps on {wide.gpus} GPUs against 1 at equal global batch, "
+               f"from the console's progress lines: `{PROGRESS_PAIR[0]}.log`, `{PROGRESS_PAIR[1]}.log`; the 1-GPU "
+               "run's record was lost, its device call having ended after the job SUCCEEDED and before `record`): "
+               f"{wide.gpus} workers ran {rates[0]:.2f} steps/s ({tok[0]:,.0f} tok/s), one worker {rates[1]:.2f} "
+               f"({tok[1]:,.0f} tok/s): per GPU {eff:.0%} (goal {SCALE_GOAL:.0%}: "
+               f"{'met' if eff >= SCALE_GOAL else 'not met'}). The {wide.gpus}-GPU run's logged windows after the first ran "
+               f"{min(warm):,.0f}-{max(warm):,.0f} tok/s up to step {int(_history(wide)[-1]['step'])}: it was not "
+               "still warming up."), ""]

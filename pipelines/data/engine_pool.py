@@ -1,7 +1,7 @@
 """The regenerate stage's pool of engine actors on a Ray cluster: what each engine asks Ray for
 (:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), whether the cluster can hold the
 pool at all (:func:`check_pool_fits`), how the conversations are cut into the batches the pool hands out
-(:func:`pool_batch_size`), and how the engines of one GPU start: one after another (:func:`gpu_start_lock`) or, on
+(:func:`pool_batch_size`) and handed out one at a time an engine (:func:`pool_strategy`), and how the engines of one GPU start: one after another (:func:`gpu_start_lock`) or, on
 CUDA, side by side with a KV cache of a fixed size each (:func:`start_engine`).
 :mod:`pipelines.data.regenerate` runs the pool; :mod:`pipelines.data.selfinstruct` runs a pool of the same engines for
 the self-instruct prompts.
@@ -76,6 +76,23 @@ def pool_batch_size(num_rows: int, batch_size: int, num_workers: int) -> int:
     batches = math.ceil(num_rows / max(1, batch_size))
     batches = math.ceil(batches / num_workers) * num_workers
     return max(1, math.ceil(num_rows / batches))
+
+
+# Batches an engine actor holds at once (running and queued). Ray Data's default (2: DataContext's
+# max_tasks_in_flight_per_actor, from the actor's max concurrency) queues the batches on the engines ready first:
+# 8 engines asked for, 8 batches, and the first 4 ready took 2 each (4x H200, 2026-11-28, twice: "4 engines of 8
+# asked for answered"; the stage ran 200 s against 150 s with one engine a GPU).
+ENGINE_BATCHES_IN_FLIGHT = 1
+
+
+def pool_strategy(num_engines: int):
+    """Ray Data's ``ActorPoolStrategy`` for the pool of ``num_engines`` engine actors: a fixed size, each actor
+    handed the next batch only when it has finished the last (:data:`ENGINE_BATCHES_IN_FLIGHT`), so that an engine
+    ready late still gets work while batches are left. Ray Data starts the actors without waiting for them
+    (``wait_for_min_actors_s`` -1) and hands batches to the ones ready."""
+    import ray
+
+    return ray.data.ActorPoolStrategy(size=num_engines, max_tasks_in_flight_per_actor=ENGINE_BATCHES_IN_FLIGHT)
 
 
 GPU_START_LOCK_DIR = Path("/tmp")  # node-local: one lock file per GPU (its CUDA_VISIBLE_DEVICES) of this host
@@ -206,6 +223,6 @@ def engines_summary(engines: list[dict[str, Any]], decode_rate: float | None, as
     return text
 
 
-__all__ = ["GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits", "decode_tokens_per_s",
-           "engine_share", "engine_started", "engines_summary", "gpu_start_lock", "pool_batch_size",
+__all__ = ["ENGINE_BATCHES_IN_FLIGHT", "GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits", "decode_tokens_per_s",
+           "engine_share", "engine_started", "engines_summary", "gpu_start_lock", "pool_batch_size", "pool_strategy",
            "shared_kv_cache_bytes", "start_engine"]

@@ -43,10 +43,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelines.data.engine_pool import (
+    check_pool_fits,
     decode_tokens_per_s,
     engine_share,
     engine_started,
     pool_batch_size,
+    pool_strategy,
     start_engine,
 )
 from pipelines.data.engines import (
@@ -345,8 +347,8 @@ def run_regenerate(
     Tokens/s count this run's tokens only.
 
     Raises:
-        ValueError: ``regen_cfg.enabled`` is false, an unknown backend, or no conversations (before any
-            engine starts).
+        ValueError: ``regen_cfg.enabled`` is false, an unknown backend, no conversations, or an actor pool the
+            Ray cluster can never hold (before any engine starts).
     """
     if not regen_cfg.enabled:
         raise ValueError("regenerate.enabled is false; skip this stage and capture the dataset's own responses")
@@ -446,7 +448,11 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
     """The engine part of :func:`run_regenerate`: ``ray.data.llm`` passes, one in-process engine, or
     an actor pool; regenerated rows in any order; progress reported into ``reports``; each engine that answered a
     batch appends what it reported of its start (:func:`engine_started`) to ``engines`` (none for
-    ``ray.data.llm``, whose engines start inside each pass)."""
+    ``ray.data.llm``, whose engines start inside each pass).
+
+    Raises:
+        ValueError: an actor pool the Ray cluster can never hold (:func:`check_pool_fits`), before any engine starts.
+    """
     runner = _ray_runner(regen_cfg, use_ray)
     if runner == "ray_data_llm":
         engine = RayDataLLMEngine(model_path, regen_cfg, num_cpus=num_cpus_per_worker, **kwargs)
@@ -464,13 +470,14 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         return out
     import ray
 
-    num_cpus, num_gpus = engine_share(regen_cfg, num_cpus_per_worker)
+    num_cpus, num_gpus = share = engine_share(regen_cfg, num_cpus_per_worker)
+    check_pool_fits(regen_cfg, regen_cfg.num_workers, share, ray.cluster_resources())
     ds = ray.data.from_items(rows)
     res = ds.map_batches(
         RegenerateActor,
         fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs, reports,
                              None if parts_dir is None else str(parts_dir)),
-        compute=ray.data.ActorPoolStrategy(size=regen_cfg.num_workers),
+        compute=pool_strategy(regen_cfg.num_workers),
         batch_size=pool_batch_size(len(rows), regen_cfg.batch_size, regen_cfg.num_workers),
         batch_format="pyarrow",
         num_cpus=num_cpus,

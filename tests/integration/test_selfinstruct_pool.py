@@ -1,7 +1,11 @@
 """Self-instruct prompts on a real Ray actor pool (``ray.init(address="local")``) of fake engines (no model: the
 completions depend on the request seeds only, as vLLM's do): one engine actor, three, and one engine in-process
 keep the same prompts and write the same parts; a pool resumed from its parts starts engines only for the ranges
-left; a pool the cluster cannot hold is refused before any engine starts."""
+left; a pool the cluster cannot hold is refused before any engine starts. The regenerate stage's pool
+(:func:`pipelines.data.engine_pool.pool_strategy`) hands a batch to an engine ready late while batches are left."""
+
+import os
+import time
 
 import pytest
 
@@ -54,3 +58,33 @@ def test_a_pool_the_cluster_cannot_hold_is_refused_before_an_engine_starts(ray_l
     with pytest.raises(ValueError, match="5 engine actors need 5 CPUs \\(1 each\\); the Ray cluster has 4"):
         write(tmp_path, "big", 8)
     assert not list((tmp_path / "big").glob(parts.PART_GLOB))
+
+
+class LateEngine:
+    """A Ray Data engine actor whose start takes 0 s for the first actor to claim ``flag`` and ``LATE_S`` for the
+    others; a batch takes ``BATCH_S``. Returns the pid of the actor that answered each row."""
+
+    LATE_S, BATCH_S = 3.0, 6.0
+
+    def __init__(self, flag: str):
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            time.sleep(self.LATE_S)
+
+    def __call__(self, batch: dict) -> dict:
+        time.sleep(self.BATCH_S)
+        return {"pid": [os.getpid()] * len(batch["id"])}
+
+
+def test_an_engine_ready_late_gets_a_batch_while_batches_are_left(ray_local, tmp_path):
+    """Two engines, two batches, one engine ready 3 s after the other: each answers one batch (Ray Data's default,
+    two batches in flight an actor, gave both to the first: on 4 GPUs 4 of 8 engines answered)."""
+    import ray
+
+    from pipelines.data.engine_pool import pool_strategy
+
+    ds = ray.data.from_items([{"id": i} for i in range(4)]).map_batches(
+        LateEngine, fn_constructor_args=(str(tmp_path / "first"),), compute=pool_strategy(2), batch_size=2,
+        num_cpus=1)
+    assert len({r["pid"] for r in ds.iter_rows()}) == 2
