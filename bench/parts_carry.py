@@ -17,7 +17,7 @@ one lease (issue 42: 780k self-instruct prompts, then 300k conversations) goes o
   regenerate stage then generates only what no part holds.
 
     python -m bench.parts_carry pack --regenerate-dir ~/keep/peagle/runs/RUN/regenerate $OUT/parts --sent ~/keep/sent.txt
-    python -m bench.parts_carry unpack .carry/regen/*.tar --regenerate-dir ~/keep/peagle/runs/RUN/regenerate
+    python -m bench.parts_carry unpack .carry/regen/*.tar --regenerate-dir ~/keep/peagle/runs/RUN/regenerate --sent ~/keep/sent.txt
 
 A part too large for one bundle is an error (lower ``regenerate.batch_size``).
 """
@@ -96,15 +96,19 @@ def pack(parts_dir: str | Path | Sequence[str | Path], out_dir: str | Path, *, s
     return written, left
 
 
-def unpack(bundles: list[str | Path], regenerate_dir: str | Path) -> int:
+def unpack(bundles: list[str | Path], regenerate_dir: str | Path, *, sent: str | Path | None = None) -> int:
     """Write the parts of ``bundles`` under ``regenerate_dir`` (each in the parts directory its member names);
-    parts already there are kept. Returns the number of parts written.
+    parts already there are kept. Every part of the bundles is appended to ``sent`` (the list :func:`pack` skips)
+    unless it lists it already: a machine does not send back what it was given. Returns the number of parts
+    written.
 
     Raises:
         ValueError: a member that is not ``<parts dir>/part-*.json.xz``, its directory named as a parts directory
             (:func:`pipelines.data.parts.is_parts_dir`).
     """
     written = 0
+    done = set(Path(sent).read_text().split()) if sent and Path(sent).is_file() else set()
+    given: list[str] = []
     for bundle in bundles:
         with tarfile.open(bundle) as tar:
             for info in tar.getmembers():
@@ -114,10 +118,16 @@ def unpack(bundles: list[str | Path], regenerate_dir: str | Path) -> int:
                     raise ValueError(f"{bundle}: member {info.name!r} is not <parts dir>/part-*.json.xz (parts dir: "
                                      "parts-<key> or self_instruct-parts-<key>)")
                 target = Path(regenerate_dir) / directory / name.removesuffix(".xz")
+                if f"{directory}/{target.name}" not in done:
+                    given.append(f"{directory}/{target.name}")
+                    done.add(given[-1])
                 if target.exists():
                     continue
                 atomic_write_bytes(target, lzma.decompress(tar.extractfile(info).read()))
                 written += 1
+    if sent and given:
+        with open(sent, "a") as f:
+            f.write("".join(n + "\n" for n in given))
     return written
 
 
@@ -134,6 +144,7 @@ def main() -> None:
     p = sub.add_parser("unpack")
     p.add_argument("bundles", nargs="+")
     p.add_argument("--regenerate-dir", required=True, help="the run's regenerate/ directory")
+    p.add_argument("--sent", default=None, help="file listing the parts pack skips: the bundles' parts are appended")
     args = ap.parse_args()
     if args.cmd == "pack":
         dirs = args.parts_dirs + (parts_dirs(args.regenerate_dir) if args.regenerate_dir else [])
@@ -143,7 +154,7 @@ def main() -> None:
         print(f"{len(written)} bundles, {sum(p.stat().st_size for p in written) / MIB:.1f} MiB; {left} parts left "
               "for another call")
     else:
-        print(f"{unpack(args.bundles, args.regenerate_dir)} parts written under {args.regenerate_dir}")
+        print(f"{unpack(args.bundles, args.regenerate_dir, sent=args.sent)} parts written under {args.regenerate_dir}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 #                          ARGS" that command first takes a GPU of its own (as in `roll`), the job the others;
 #                          MODULE=ray_jobs.STAGE submits that stage alone (e.g. regenerate) instead of the pipeline
 #   record [NOTE]          (NAME=multi_gpu_pipeline) the job's summary and stage records -> $OUT/r/NAME.json
-#   wait [SECONDS]         follow the job (<= 540 s a call); prints "job ... SUCCEEDED" when done
+#   wait [SECONDS]         follow the job (default: until 60 s before the call's end); "job ... SUCCEEDED" when done
 #   load [LEVELS [FLAGS]]  the load ramp against the endpoint (bench.serve_autoscale) -> $OUT/r/serve_autoscale.json,
 #                          its output -> $OUT/load.log, then what `logs` collects; default 1 -> 32 -> 64 clients,
 #                          one replica SIGKILLed at 64 once 4 run, 45 s idle watch; ROLL_AT=C adds `roll`'s roll
@@ -24,6 +24,15 @@
 #   nodekill [FLAGS]       a stage alone (default train) while node b's raylet is SIGKILLed and joins again
 #                          (bench.node_fault; e.g. --kill-at 40 --down-s 60 --set training.max_steps=150)
 #                          -> $OUT/r/multi_gpu_node_fault.json, its output in $OUT/nodekill.log
+#   parts                  issue 42's regeneration across calls and leases (RECIPE, default
+#                          configs/smollm2-135m-300k.yaml, its ShareGPT source read from the carried file): the
+#                          cluster started if this machine has none, earlier machines' bundles (.carry/regen/*.tar
+#                          carried with this call, ~/keep/regen/*.tar kept by earlier calls: `mkdir -p ~/keep/regen
+#                          && cp .carry/regen/*.tar ~/keep/regen/`, <= 50 MiB a call) unpacked under the run's
+#                          regenerate/, the regenerate stage submitted unless this
+#                          machine's last job still runs (a new job resumes from the parts), followed until PACK_S
+#                          (90) s before the call's end, then the parts no earlier call returned -> $OUT/parts
+#                          (<= 8 bundles of <= 16 MiB: keep them here under .carry/regen/ for the next machine)
 #   logs                   what a stuck or failed replica left: `ray status`, `serve status`, nvidia-smi's processes
 #                          -> $OUT/state.txt; Serve's controller and replica logs, the workers' logs that name vLLM
 #                          -> $OUT/logs.tar.xz
@@ -39,7 +48,9 @@
 # device's checkout copy has no .git).
 set -u
 T0=$SECONDS
-STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|roll|stage|nodekill|logs|down}
+CALL_S=${CALL_S:-600}  # the device call's limit (the run's timeout_s): every step's waits end before it
+left() { echo $((CALL_S - $1 - (SECONDS - T0))); }  # seconds to the call's end less $1
+STEP=${1:?usage: run_multi_gpu.sh up|wait|record|load|roll|stage|nodekill|parts|logs|down}
 shift
 . bench/device/env.sh
 . bench/device/install_ray.sh
@@ -61,7 +72,7 @@ ROLL_CMD="$M new-champion --run-dir $RUN && $M submit --module ray_jobs.serve --
 ${GIT_SHA:-unknown} && $M wait --timeout-s 400"
 also() {  # ALSO="CMD ARGS": a one-GPU command as a Ray job holding a GPU nothing else may take, in the background
   [ -n "${ALSO:-}" ] || return 0
-  $M gpu-run --timeout-s $((560 - (SECONDS - T0))) -- $ALSO > "$OUT/also.log" 2>&1 &
+  $M gpu-run --timeout-s $(left 40) -- $ALSO > "$OUT/also.log" 2>&1 &
   sleep 5
 }
 logs() {  # what a stuck or failed replica left -> $OUT/state.txt, $OUT/logs.tar.xz
@@ -84,11 +95,11 @@ case "$STEP" in
       --git-sha "${GIT_SHA:-unknown}" \
       --set "data.sources=[{kind: openai_jsonl, path: $HOME/keep/sharegpt.jsonl}]" \
       --set "evaluation.sources=[{kind: openai_jsonl, path: $HOME/keep/humaneval.jsonl}]" "${@:2}" || exit 1
-    $M wait --timeout-s $((560 - (SECONDS - T0)))
+    $M wait --timeout-s $(left 40)
     [ -f "$OUT/also.log" ] && tail -30 "$OUT/also.log"
     ;;
   wait)
-    $M wait --timeout-s "${1:-540}"
+    $M wait --timeout-s "${1:-$(left 60)}"
     ;;
   record)
     $M record --run-dir $RUN --name "${NAME:-multi_gpu_pipeline}" --note "${1:-}" && save
@@ -105,7 +116,7 @@ case "$STEP" in
       ARGS=(--levels "$L" --idle-s 5 --name serve_rollout --roll-at "${L%%:*}" --roll-cmd "$ROLL_CMD" "${@:2}")
       also
     fi
-    RAY_ADDRESS=$GCS timeout $((570 - (SECONDS - T0))) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
+    RAY_ADDRESS=$GCS timeout $(left 30) python3 -m bench.serve_autoscale --url http://127.0.0.1:8000 \
       --model smollm2-135m-instruct --max-replicas 4 "${ARGS[@]}" > "$OUT/$STEP.log" 2>&1
     tail -40 "$OUT/$STEP.log"
     [ "$STEP" = load ] && logs
@@ -116,15 +127,39 @@ case "$STEP" in
   stage)
     S=${1:?stage}; NAME=${2:?result name}; shift 2
     $M submit --module "ray_jobs.$S" --id "$S-$(date +%s)" --git-sha "${GIT_SHA:-unknown}" "$@" || exit 1
-    $M wait --timeout-s $((540 - (SECONDS - T0))) > "$OUT/$NAME.log" 2>&1; RC=$?
+    $M wait --timeout-s $(left 60) > "$OUT/$NAME.log" 2>&1; RC=$?
     tail -25 "$OUT/$NAME.log"
+    [ $RC = 3 ] && echo "still running at the call's end: the next call \`wait\` then \`NAME=$NAME record\`"
     [ $RC = 0 ] && $M record --run-dir $RUN --name "$NAME" --note "ray_jobs.$S $*" && save
     ;;
   nodekill)
-    python3 -m bench.node_fault --temp-dir $TEMP --git-sha "${GIT_SHA:-unknown}" --timeout-s ${TIMEOUT_S:-$((560 - (SECONDS - T0)))} \
+    python3 -m bench.node_fault --temp-dir $TEMP --git-sha "${GIT_SHA:-unknown}" --timeout-s ${TIMEOUT_S:-$(left 40)} \
       --name multi_gpu_node_fault "$@" > "$OUT/nodekill.log" 2>&1
     grep -v "^\s" "$OUT/nodekill.log" | tail -30
     save
+    ;;
+  parts)
+    RECIPE=${RECIPE:-configs/smollm2-135m-300k.yaml}
+    REGEN=$(python3 -c "from pipelines import settings; from pipelines.recipe import load_recipe
+print(settings.run_dir(load_recipe('$RECIPE').name) / 'regenerate')") || exit 1
+    if [ ! -f $TEMP/multi_gpu.json ]; then
+      nvidia-smi -L
+      setsid -w $M up --nodes "${NODES:-2}" --gpus-per-node "${GPUS_PER_NODE:-2}" --cpus-per-node 24 || exit 1
+    fi
+    BUNDLES=$(ls .carry/regen/*.tar ~/keep/regen/*.tar 2> /dev/null)  # this call's, and earlier calls' kept ones
+    if [ -n "$BUNDLES" ]; then
+      python3 -m bench.parts_carry unpack $BUNDLES --regenerate-dir "$REGEN" --sent ~/keep/parts_sent.txt || exit 1
+    fi
+    $M wait --timeout-s 0 > /dev/null 2>&1; RC=$?  # 3: this machine's last job still runs
+    if [ $RC != 3 ]; then
+      $M submit --config "$RECIPE" --module ray_jobs.regenerate --id "regenerate-$(date +%s)" \
+        --git-sha "${GIT_SHA:-unknown}" --set data.sources.0.kind=openai_jsonl \
+        --set "data.sources.0.path=$HOME/keep/sharegpt.jsonl" "$@" || exit 1
+    fi
+    $M wait --timeout-s $(left "${PACK_S:-90}"); RC=$?
+    python3 -m bench.parts_carry pack --regenerate-dir "$REGEN" "$OUT/parts" --sent ~/keep/parts_sent.txt
+    ls -la "$OUT/parts"; du -sh "$REGEN"
+    [ $RC = 0 ] && echo "regenerate SUCCEEDED: every part is written"
     ;;
   logs)
     logs

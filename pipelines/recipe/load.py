@@ -3,6 +3,7 @@ YAML, a mapping, and ``section.field=value`` overrides."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +88,30 @@ class Recipe(Section):
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    """Set ``dotted`` (``training.lr``; a number names an item of a list: ``data.sources.0.path``) in ``data``.
+
+    Raises:
+        ValueError: a key through a value that is neither a section nor a list, or a list index out of range.
+    """
     keys = dotted.split(".")
-    node = data
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"override {dotted!r}: {k!r} is not a section")  # noqa: TRY004 (config mistake)
-    node[keys[-1]] = value
+    node: Any = data
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not (k.isdigit() and int(k) < len(node)):
+                raise ValueError(f"override {dotted!r}: {k!r} is not an item of the {len(node)} in "
+                                 f"{'.'.join(keys[:i])} (0..{len(node) - 1})")
+            if last:
+                node[int(k)] = value
+            else:
+                node = node[int(k)]
+        elif isinstance(node, dict):
+            if last:
+                node[k] = value
+            else:
+                node = node.setdefault(k, {})
+        else:
+            raise ValueError(f"override {dotted!r}: {keys[i - 1]!r} is not a section")  # noqa: TRY004 (config mistake)
 
 
 def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
@@ -115,7 +133,7 @@ def recipe_from_dict(data: dict[str, Any], overrides: list[str] | None = None, s
     """
     if not isinstance(data, dict):
         raise ValueError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")  # noqa: TRY004
-    data = dict(data)
+    data = copy.deepcopy(data)  # overrides into its lists must not reach the caller's mapping
     for key, value in parse_overrides(overrides):
         _set_dotted(data, key, value)
     try:

@@ -172,10 +172,13 @@ def test_submit_gives_the_job_its_own_variables(monkeypatch, tmp_path):
 def test_progress_rate_skips_the_compiling_steps_and_the_last_short_interval():
     from bench.report_per_gpu import progress_steps_per_s
 
-    log = "\n".join(["[train] running", "[train] 0/300 steps, - steps/s, 0m30s", "[train] 1/300 steps, - steps/s, 1m00s",
-                     "[train] 29/300 steps, 0.87 steps/s, ETA 5m11s, 1m30s",
-                     "[train] 98/300 steps, 1.56 steps/s, ETA 2m09s, 2m00s",
-                     "[train] 298/300 steps, 1.95 steps/s, ETA 0m01s, 3m30s",
-                     "[train] 300/300 steps, 1.86 steps/s, ETA 0m00s, 3m39s", "[train] done in 219.2s"])
+    log = """[train] running
+[train] 0/300 steps, - steps/s, 0m30s
+[train] 1/300 steps, - steps/s, 1m00s
+[train] 29/300 steps, 0.87 steps/s, ETA 5m11s, 1m30s
+[train] 98/300 steps, 1.56 steps/s, ETA 2m09s, 2m00s
+[train] 298/300 steps, 1.95 steps/s, ETA 0m01s, 3m30s
+[train] 300/300 steps, 1.86 steps/s, ETA 0m00s, 3m39s
+[train] done in 219.2s"""
     assert progress_steps_per_s(log) == (298 - 29) / 120
     assert progress_steps_per_s("[train] 5/9 steps, - steps/s, 0m30s\n[train] 9/9 steps, 1 steps/s, 0m40s") is None

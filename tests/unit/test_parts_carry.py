@@ -80,8 +80,11 @@ def test_self_instruct_parts_go_with_the_regenerate_parts_and_resume_on_the_next
     assert len(sent.read_text().split()) == 3 + 2 * 5  # the two sources' part-0000000000-0000000005.json both sent
     assert parts_carry.pack(parts.parts_dirs(regen), tmp_path / "out2", sent=sent) == ([], 0)
 
-    new = tmp_path / "b" / "regenerate"
-    assert parts_carry.unpack(sorted(out.glob("*.tar")), new) == 13
+    new, sent_b = tmp_path / "b" / "regenerate", tmp_path / "sent_b.txt"
+    assert parts_carry.unpack(sorted(out.glob("*.tar")), new, sent=sent_b) == 13
+    assert parts_carry.unpack(sorted(out.glob("*.tar")), new, sent=sent_b) == 0  # kept parts are not rewritten
+    assert sorted(sent_b.read_text().split()) == sorted(sent.read_text().split())  # each listed once
+    assert parts_carry.pack(parts.parts_dirs(new), tmp_path / "out4", sent=sent_b) == ([], 0)  # nothing sent back
     assert read_parts(new / f"{parts.REGENERATE_PARTS}0123456789ab", ids)[0] == set(ids)
 
     class NoEngine(FakeEngine):

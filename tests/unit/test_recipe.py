@@ -242,3 +242,19 @@ def test_provenance_git_sha_from_env_wins_over_git(monkeypatch, tmp_path):
     monkeypatch.setenv("PEAGLE_GIT_DIRTY", "1")
     p = provenance(repo_dir=tmp_path)
     assert (p["git_sha"], p["git_dirty"]) == ("abc123", True)
+
+
+def test_an_override_names_a_list_item_by_its_index():
+    """``--set data.sources.1.path=...`` changes one source of a recipe's list and leaves the others and the
+    caller's mapping as they were (the device runs the 300k recipe with its ShareGPT source read from a file)."""
+    data = yaml.safe_load((CONFIGS / "smollm2-135m-300k.yaml").read_text())
+    r = recipe_from_dict(data, ["data.sources.0.kind=openai_jsonl", "data.sources.0.path=/x/sharegpt.jsonl"])
+    kinds = [s.kind for s in r.data.sources]
+    assert kinds == ["openai_jsonl", "self_instruct", "self_instruct", "self_instruct"]
+    assert r.data.sources[0].path == "/x/sharegpt.jsonl" and r.data.sources[0].weight == 1
+    assert r.data.sources[1].self_instruct.num_prompts == 200000
+    assert data["data"]["sources"][0] == {"kind": "sharegpt", "weight": 1}
+    with pytest.raises(ValueError, match=r"'4' is not an item of the 4 in data.sources \(0..3\)"):
+        recipe_from_dict(data, ["data.sources.4.path=/x"])
+    with pytest.raises(ValueError, match="'lr' is not a section"):
+        recipe_from_dict({"name": "t", "training": {"lr": 1.0}}, ["training.lr.x=2"])
