@@ -45,6 +45,18 @@ def _tar_bytes(content: int) -> int:
     return -(-content // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
 
+def _read_sent(sent: str | Path | None) -> set[str]:
+    """The ``<parts dir>/<part>`` names the ``sent`` list holds (none without the file)."""
+    return set(Path(sent).read_text().split()) if sent and Path(sent).is_file() else set()
+
+
+def _add_sent(sent: str | Path | None, names: list[str]) -> None:
+    """Append ``names`` to the ``sent`` list (nothing without ``sent``)."""
+    if sent and names:
+        with open(sent, "a") as f:
+            f.write("".join(n + "\n" for n in names))
+
+
 def pack(parts_dir: str | Path | Sequence[str | Path], out_dir: str | Path, *, sent: str | Path | None = None,
          max_bytes: int = 16 * MIB, max_files: int = 8) -> tuple[list[Path], int]:
     """Bundle the parts of ``parts_dir`` (one parts directory or several) that ``sent`` does not list into
@@ -59,7 +71,7 @@ def pack(parts_dir: str | Path | Sequence[str | Path], out_dir: str | Path, *, s
         if not is_parts_dir(d.name):
             raise ValueError(f"{d}: not a parts directory (parts-<key> or self_instruct-parts-<key>)")
     out_dir = Path(out_dir)
-    done = set(Path(sent).read_text().split()) if sent and Path(sent).is_file() else set()
+    done = _read_sent(sent)
     todo = [(f"{d.name}/{p.name}", p) for d in dirs for p in sorted(d.glob(PART_GLOB))
             if f"{d.name}/{p.name}" not in done]
     bundles: list[list[tuple[str, bytes]]] = [[]]
@@ -90,9 +102,7 @@ def pack(parts_dir: str | Path | Sequence[str | Path], out_dir: str | Path, *, s
                 tar.addfile(info, io.BytesIO(blob))
         digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
         written.append(atomic_write_bytes(out_dir / f"parts-bundle-{digest}.tar", buf.getvalue()))
-        if sent:
-            with open(sent, "a") as f:
-                f.write("".join(n + "\n" for n in names))
+        _add_sent(sent, names)
     return written, left
 
 
@@ -107,7 +117,7 @@ def unpack(bundles: list[str | Path], regenerate_dir: str | Path, *, sent: str |
             (:func:`pipelines.data.parts.is_parts_dir`).
     """
     written = 0
-    done = set(Path(sent).read_text().split()) if sent and Path(sent).is_file() else set()
+    done = _read_sent(sent)
     given: list[str] = []
     for bundle in bundles:
         with tarfile.open(bundle) as tar:
@@ -118,16 +128,14 @@ def unpack(bundles: list[str | Path], regenerate_dir: str | Path, *, sent: str |
                     raise ValueError(f"{bundle}: member {info.name!r} is not <parts dir>/part-*.json.xz (parts dir: "
                                      "parts-<key> or self_instruct-parts-<key>)")
                 target = Path(regenerate_dir) / directory / name.removesuffix(".xz")
-                if f"{directory}/{target.name}" not in done:
-                    given.append(f"{directory}/{target.name}")
-                    done.add(given[-1])
+                if (part := f"{directory}/{target.name}") not in done:
+                    given.append(part)
+                    done.add(part)
                 if target.exists():
                     continue
                 atomic_write_bytes(target, lzma.decompress(tar.extractfile(info).read()))
                 written += 1
-    if sent and given:
-        with open(sent, "a") as f:
-            f.write("".join(n + "\n" for n in given))
+    _add_sent(sent, given)
     return written
 
 

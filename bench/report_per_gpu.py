@@ -188,7 +188,7 @@ def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
                f"start (median {start:.0f} s: compilation and CUDA graphs) is paid once per GPU whatever the data "
                f"size, so on {widest.gpus} GPUs ({widest.outputs.get('num_conversations', 0):,} conversations, "
                f"~{widest.outputs.get('num_conversations', 0) // widest.gpus:,} an engine) the stage ran "
-               f"{widest.outputs['wall_tokens_per_s']:,.0f} tok/s over its {widest.record['stage_records']['regenerate']['seconds']:.0f} s"
+               f"{widest.outputs['wall_tokens_per_s']:,.0f} tok/s over its {_regen_s(widest):.0f} s"
                + _imbalance(widest) + "."
                + ("" if _baseline(widest, runs)[1] else f" The {widest.gpus}-GPU row's machine ran no 1-GPU row: its "
                   "efficiency is against another machine's.")
@@ -225,6 +225,22 @@ def _imbalance(run: StageRun) -> str:
             "now cuts equal batches, a multiple of its engines: `pipelines.data.engine_pool.pool_batch_size`)")
 
 
+def _regen_s(run: StageRun) -> float:
+    """The regenerate stage's seconds in a run."""
+    return run.record["stage_records"]["regenerate"]["seconds"]
+
+
+def _engine_gpus(run: StageRun) -> set[str]:
+    """The GPUs (``<node>/<device>``) the run's engines answered on (its ``engines`` reports; empty without)."""
+    return {e["gpu"] for e in run.outputs.get("engines") or []}
+
+
+def _start_range(run: StageRun) -> str:
+    """``"68-76 s"``: the fastest and slowest of the run's engine starts (its ``engines`` reports)."""
+    starts = [e["start_s"] for e in run.outputs["engines"]]
+    return f"{min(starts):.0f}-{max(starts):.0f} s"
+
+
 def _shared_gpu_reading(runs: list[StageRun]) -> str:
     """What engines sharing a GPU gave, per GPU, against the best run of one engine per GPU: inside the engines'
     calls, from the job's progress lines where the record holds them (``progress``), and on the stage's wall
@@ -236,9 +252,8 @@ def _shared_gpu_reading(runs: list[StageRun]) -> str:
     best = max(alone, key=lambda x: x.outputs["tokens_per_s"])
     text = []
     for x in shared:
-        gpus = len({e["gpu"] for e in x.outputs.get("engines") or []}) or x.gpus  # where the engines answered
+        gpus = len(_engine_gpus(x)) or x.gpus  # where the engines answered
         per_gpu = x.outputs["tokens_per_s"] * _engines(x) / gpus
-        wall = x.record["stage_records"]["regenerate"]["seconds"]
         placed = "" if _engines(x) == _asked(x) else f"; {_asked(x)} asked for, {_engines(x)} answered"
         text.append(f" With {_engines_per_gpu(x)} engines a GPU ({x.machine}, {_engines(x)} engines on {gpus} "
                     f"GPUs{placed}) each engine decoded {x.outputs['tokens_per_s']:,.0f} tok/s inside its calls: "
@@ -251,14 +266,14 @@ def _shared_gpu_reading(runs: list[StageRun]) -> str:
             text.append(f" Together they decoded {min(rates):,.0f}-{max(rates):,.0f} tok/s from the first answers "
                         f"to the end (the job's progress lines), ~{statistics.mean(rates) / gpus:,.0f} a GPU, "
                         f"after {lines[0][0] - 30:.0f}-{lines[0][0]:.0f} s without an answer; the stage took "
-                        f"{wall:.0f} s{_imbalance(x)}.")
+                        f"{_regen_s(x):.0f} s{_imbalance(x)}.")
         text.append(_side_by_side(x, alone))
     return "".join(text) + (
         " Where fewer engines answered than were asked for, the first engines ready took every batch: Ray Data "
         "hands an actor 2 batches at a time by default, and these pools cut as many batches as engines (8 batches "
-        "for 8 engines: the 4 ready first took 2 each). The pool now hands each engine one batch at a time (`pipelines.data.engine_pool."
-        "pool_strategy`; not yet run on a GPU), so whether sharing a GPU pays with every engine working is still "
-        "open; until then one engine a GPU is the measured choice.")
+        "for 8 engines: the 4 ready first took 2 each). The pool now hands each engine one batch at a time "
+        "(`pipelines.data.engine_pool.pool_strategy`; not yet run on a GPU), so whether sharing a GPU pays with "
+        "every engine working is still open; until then one engine a GPU is the measured choice.")
 
 
 def _side_by_side(shared: StageRun, alone: list[StageRun]) -> str:
@@ -268,15 +283,10 @@ def _side_by_side(shared: StageRun, alone: list[StageRun]) -> str:
     twin = next((x for x in alone if x.machine == shared.machine and x.gpus == shared.gpus), None)
     if not (shared.outputs.get("engines") and twin and twin.outputs.get("engines")):
         return ""
-    def starts(run: StageRun) -> str:
-        s = [e["start_s"] for e in run.outputs["engines"]]
-        return f"{min(s):.0f}-{max(s):.0f} s"
-    def stage_s(run: StageRun) -> float:
-        return run.record["stage_records"]["regenerate"]["seconds"]
-    gpus = {e["gpu"] for e in shared.outputs["engines"]}
     return (f" On that machine its engines started side by side ({len(shared.outputs['engines'])} ready on "
-            f"{len(gpus)} GPUs {starts(shared)} after they were asked for, against {starts(twin)} for one engine a "
-            f"GPU, `{twin.name}.json`), and the stage took {stage_s(shared):.0f} s against {stage_s(twin):.0f} s "
+            f"{len(_engine_gpus(shared))} GPUs {_start_range(shared)} after they were asked for, against "
+            f"{_start_range(twin)} for one engine a GPU, `{twin.name}.json`), "
+            f"and the stage took {_regen_s(shared):.0f} s against {_regen_s(twin):.0f} s "
             f"({shared.outputs['wall_tokens_per_s']:,.0f} against {twin.outputs['wall_tokens_per_s']:,.0f} tok/s over "
             f"the stage): sharing a GPU did not pay there.")
 
@@ -510,7 +520,7 @@ def progress_reading(lines: list[str], runs: list[StageRun]) -> None:
     if None in rates:
         return
     workers, per = _batch(wide)
-    tok = [rates[0] * (workers or wide.gpus) * per, rates[1] * (workers or wide.gpus) * per]  # equal global batch
+    tok = [rate * (workers or wide.gpus) * per for rate in rates]  # both at the same global batch
     eff = tok[0] / wide.gpus / tok[1]
     warm = [h["tokens_per_s"] for h in _history(wide)[1:]]
     lines += [(f"Reading ({wide.machine}, P-EAGLE, DDP, 300 steps on {wide.gpus} GPUs against 1 at equal global batch, "

@@ -1,8 +1,9 @@
 """The regenerate stage's pool of engine actors on a Ray cluster: what each engine asks Ray for
 (:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), whether the cluster can hold the
 pool at all (:func:`check_pool_fits`), how the conversations are cut into the batches the pool hands out
-(:func:`pool_batch_size`) and handed out one at a time an engine (:func:`pool_strategy`), and how the engines of one GPU start: one after another (:func:`gpu_start_lock`) or, on
-CUDA, side by side with a KV cache of a fixed size each (:func:`start_engine`).
+(:func:`pool_batch_size`) and handed out, one at a time an engine (:func:`pool_strategy`), how the engines of one
+GPU start: one after another (:func:`gpu_start_lock`) or, on CUDA, side by side with a KV cache of a fixed size each
+(:func:`start_engine`), and what they report of their start (:func:`engine_started`, :func:`engines_summary`).
 :mod:`pipelines.data.regenerate` runs the pool; :mod:`pipelines.data.selfinstruct` runs a pool of the same engines for
 the self-instruct prompts.
 
@@ -223,6 +224,6 @@ def engines_summary(engines: list[dict[str, Any]], decode_rate: float | None, as
     return text
 
 
-__all__ = ["ENGINE_BATCHES_IN_FLIGHT", "GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits", "decode_tokens_per_s",
-           "engine_share", "engine_started", "engines_summary", "gpu_start_lock", "pool_batch_size", "pool_strategy",
-           "shared_kv_cache_bytes", "start_engine"]
+__all__ = ["ENGINE_BATCHES_IN_FLIGHT", "GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits",
+           "decode_tokens_per_s", "engine_share", "engine_started", "engines_summary", "gpu_start_lock",
+           "pool_batch_size", "pool_strategy", "shared_kv_cache_bytes", "start_engine"]

@@ -236,7 +236,6 @@ def drop_summary(num_in: int, num_out: int, stats: dict[str, Any]) -> str:
     return f"; {num_out} of {num_in} kept" + (": " + ", ".join(parts) if parts else "")
 
 
-
 def regenerate_batch(rows: list[dict[str, Any]], engine: Engine, cfg: RegenerateConfig, *, stats: Counter,
                      report: Callable[..., None], parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
     """:func:`regenerate_conversations` of one engine batch, then (``parts_dir``) the batch kept as a part
@@ -292,7 +291,6 @@ class RegenerateActor:
         if not out:  # keep the stats of an all-dropped batch
             cols = {k: [None] for k in keys} | {"_batch_stats": [dict(stats)], "_engine": [started]}
         return cols
-
 
 
 @dataclass
