@@ -318,7 +318,9 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
                 and not r.get("engine_env")]
         cases += [(f"{target}, paper profile", rows, m) for m in ("peagle", "eagle3")]
     for target in sorted({r["target"] for r in (load_data or {}).get("rows", [])}):
-        for warm, label in ((0, "first waves"), (1, "after one warm-up wave"), (WARM, f"after {WARM} warm-up waves")):
+        many = sorted({r.get("warmup_waves", 0) for r in load_data["rows"]} - set(range(WARM)))
+        for warm, label in ((0, "first waves"), (1, "after one warm-up wave"),
+                            *((w, f"after {w} warm-up waves") for w in many)):
             rows = [r for r in load_data["rows"] if r["target"] == target and not changed_settings(r)
                     and r.get("warmup_waves", 0) == warm]
             profiles = sorted({r["profile"] for r in rows if r["method"] != "none"})
@@ -342,6 +344,8 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
     lines += _table(["rows", "method", "schedule [(batch_min, batch_max, K)]", "best measured tok/s"], table)
     lines += ["", ("Each range takes the K (0 = no speculation) with the highest measured tokens/s at the nearest "
                    "measured concurrency, so the schedule is 1.0x the best fixed K at every measured concurrency by "
-                   "construction; P-EAGLE keeps one K (vLLM's parallel drafting sizes its slots once). Not done: "
+                   "construction; P-EAGLE keeps one K: a schedule with several K runs with peagle's fix of vLLM's parallel "
+                   "drafting (pipelines.evaluate.dynamic_k), but vLLM's V1 runner then captures the target's CUDA "
+                   "graphs PIECEWISE and the schedule ran slower than one K (the k_schedule row above). Not done: "
                    "interpolating between concurrencies from the per-step split instead of the nearest measured one."),
               ""]

@@ -18,16 +18,17 @@ LOAD_GOALS = {1: 1.9, 16: 1.3, 64: 1.0}  # issue 41: P-EAGLE / none on the 8B sh
 
 
 def _load_settings(row: dict, env: bool = False) -> str:
-    """A row's engine settings beyond the defaults (extra engine and speculative kwargs; with ``env``, the engine
-    worker's environment too), '-' for none."""
-    extra = {**row.get("engine_kwargs", {}), **row.get("spec_kwargs", {}), **(row.get("engine_env", {}) if env else {})}
+    """A row's engine settings beyond the defaults (extra engine and speculative kwargs, a K schedule; with ``env``,
+    the engine worker's environment too), '-' for none."""
+    extra = {**row.get("engine_kwargs", {}), **row.get("spec_kwargs", {}), **(row.get("engine_env", {}) if env else {}),
+             **({"k_schedule": row["k_schedule"]} if row.get("k_schedule") else {})}
     return ", ".join(f"{k}={v}" for k, v in extra.items()) or "-"
 
 
 def changed_settings(row: dict) -> bool:
-    """Whether a row ran with settings other than the defaults: engine or speculative kwargs, or an engine
-    environment (e.g. EAGLE-3 forced onto the V1 runner)."""
-    return bool(row.get("engine_kwargs") or row.get("spec_kwargs") or row.get("engine_env"))
+    """Whether a row ran with settings other than the defaults: engine or speculative kwargs, an engine
+    environment (e.g. EAGLE-3 forced onto the V1 runner), or a K schedule."""
+    return bool(row.get("engine_kwargs") or row.get("spec_kwargs") or row.get("engine_env") or row.get("k_schedule"))
 
 
 def under_load(lines: list[str], data: dict | None) -> None:
@@ -43,7 +44,7 @@ def under_load(lines: list[str], data: dict | None) -> None:
     lines += [(f"{_env(data)}; `NAME=gpu_synthetic_load bash bench/device/run_synthetic_serving.sh FLAGS` ("
                + "; ".join(f"`{c}`" for c in commands) + "). *runner*: vLLM's model runner (v1 forced with "
                "`VLLM_USE_V2_MODEL_RUNNER=0` in the rows of up to one warm-up wave; the rows of "
-               f"{WARM} warm-up waves run each method on its default: no speculation and EAGLE-3 on V2, P-EAGLE on "
+               f"{WARM} or more warm-up waves run each method on its default: no speculation and EAGLE-3 on V2, P-EAGLE on "
                "V1, the only one with parallel drafting), random-weight targets, synthetic acceptance at the profile of the head named in the table (its per-position acceptance in GPU vLLM, "
                f"{rows[-1].get('profile_source', '-')}). *warm-up*: untimed waves of c requests before c is timed "
                "(0: the first waves at a new concurrency, as the rows before this table were measured). *later "
@@ -74,17 +75,20 @@ def under_load(lines: list[str], data: dict | None) -> None:
                      "later wave tok/s", "x none", "later step ms", "device busy", "host ms draft / forward", "graphs / kernels"],
                     table) + [""]
     for target in sorted({r["target"] for r in rows}):
-        lines += _load_readings(target, rows) + _warm_readings(target, rows)
+        lines += _load_readings(target, rows)
+        for waves in sorted({r.get("warmup_waves", 0) for r in rows if r["target"] == target} - set(range(WARM))):
+            lines += _warm_readings(target, rows, waves)
 
 
-WARM = 3  # the warm-up waves of the rows taken each method on its default runner
+WARM = 3  # the fewest warm-up waves of the rows taken each method on its default runner (a group per count)
 
 
-def _warm_readings(target: str, rows: list[dict]) -> list[str]:
-    """The sentences on the rows of :data:`WARM` warm-up waves of one target: each speculative cell against no
-    speculation per concurrency, P-EAGLE / EAGLE-3, the goals on the 8B shape with the best K per concurrency, and
-    what the warm-up waves compiled (``compiles``, ``pipelines.evaluate.step_profile.compile_counts``)."""
-    warm = [r for r in rows if r["target"] == target and r.get("warmup_waves", 0) == WARM]
+def _warm_readings(target: str, rows: list[dict], waves: int) -> list[str]:
+    """The sentences on the rows of ``waves`` (>= :data:`WARM`) warm-up waves of one target: each speculative cell
+    against no speculation per concurrency, P-EAGLE / EAGLE-3 (at K=5, and each at its best measured K), the goals
+    on the 8B shape with the best K per concurrency and with one K, and what the warm-up waves compiled
+    (``compiles``, ``pipelines.evaluate.step_profile.compile_counts``)."""
+    warm = [r for r in rows if r["target"] == target and r.get("warmup_waves", 0) == waves]
     cell = {(r["method"], r["K"], r["concurrency"]): r for r in warm if not changed_settings(r)}
     cs = sorted(c for m, _, c in cell if m == "none")
     if not cs:
@@ -101,12 +105,19 @@ def _warm_readings(target: str, rows: list[dict]) -> list[str]:
                 r["tokens_per_s"] / cell[("none", 0, r["concurrency"])]["tokens_per_s"])
     parts += [f"{m} K={k} ({runner}, {settings}): " + ", ".join(f"c={c} {_f(v)}x" for c, v in sorted(by_c.items()))
               for (m, k, runner, settings), by_c in sorted(changed.items())]
-    lines = [(f"**{target}**, after {WARM} warm-up waves, against no speculation on its default runner: "
+    lines = [(f"**{target}**, after {waves} warm-up waves, against no speculation on its default runner: "
               + "; ".join(parts) + ".")]
     vs = [f"c={c} {_f(x[('peagle', 5, c)] / x[('eagle3', 5, c)])}x" for c in cs
           if ('peagle', 5, c) in x and ('eagle3', 5, c) in x]
     if vs:
         lines[-1] += f" P-EAGLE / EAGLE-3 at K=5: {', '.join(vs)}."
+    top = {m: {c: max((v, k) for (mm, k, cc), v in x.items() if mm == m and cc == c) for c in cs
+               if any(mm == m and cc == c for mm, _, cc in x)} for m in ("peagle", "eagle3")}
+    both = [c for c in cs if c in top["peagle"] and c in top["eagle3"]]
+    if both:
+        lines[-1] += (" P-EAGLE / EAGLE-3, each at its best measured K: " + ", ".join(
+            f"c={c} {_f(top['peagle'][c][0] / top['eagle3'][c][0])}x (K={top['peagle'][c][1]} / "
+            f"K={top['eagle3'][c][1]})" for c in both) + ".")
     best = {c: max((v, k) for (m, k, cc), v in x.items() if m == "peagle" and cc == c) for c in cs
             if any(m == "peagle" and cc == c for m, _, cc in x)}
     if target == "llama-3.1-8b" and best:
@@ -115,8 +126,11 @@ def _warm_readings(target: str, rows: list[dict]) -> list[str]:
             for c, g in LOAD_GOALS.items() if c in best) + ".")
         one_k = {k: [c for c, g in LOAD_GOALS.items() if ("peagle", k, c) in x and x[("peagle", k, c)] < g]
                  for m, k in spec if m == "peagle" and all(("peagle", k, c) in x for c in LOAD_GOALS)}
-        lines[-1] += (" A P-EAGLE server drafts at one K for every concurrency (vLLM sizes its parallel-drafting "
-                      "slots once); " + ("no single K meets all three" if all(one_k.values()) else "per K") + ": "
+        sched = sorted({r.get("warmup_waves", 0) for r in rows if r["target"] == target and r.get("k_schedule")})
+        lines[-1] += (" A P-EAGLE server drafts at one K for every concurrency (a per-batch-size K schedule runs "
+                      "with peagle's fix, pipelines.evaluate.dynamic_k, but vLLM's V1 runner then captures the "
+                      "target's CUDA graphs PIECEWISE" + (f": the k_schedule row of {sched[0]} warm-up waves" if sched
+                                                          else "") + "); " + ("no single K meets all three" if all(one_k.values()) else "per K") + ": "
                       + "; ".join(
                           f"K={k} misses c={', c='.join(map(str, miss))}" if miss else f"K={k} meets them"
                           for k, miss in sorted(one_k.items())) + ".")

@@ -132,7 +132,7 @@ def _ours(path: str | None, head: str | None = None) -> tuple[list[float], str]:
 def _settings_key(row: dict) -> str:
     """A cell's engine settings (environment, extra engine kwargs, extra speculative kwargs) as one key."""
     return json.dumps({k: row.get(k, {}) for k in ("engine_env", "engine_kwargs", "spec_kwargs")}
-                      | ({"warmup_waves": row["warmup_waves"]} if row.get("warmup_waves") else {}), sort_keys=True)
+                      | {k: row[k] for k in ("warmup_waves", "k_schedule") if row.get(k)}, sort_keys=True)
 
 
 def _brief(profile: dict | None) -> dict | None:
@@ -168,6 +168,10 @@ def _args() -> argparse.Namespace:
                     "defaults, e.g. '{\"compilation_config\": {\"cudagraph_mode\": \"FULL\"}}' (part of a cell's key)")
     ap.add_argument("--spec-kwargs", default="{}", metavar="JSON",
                     help="merged into speculative_config, e.g. '{\"disable_padded_drafter_batch\": true}' (cell key)")
+    ap.add_argument("--k-schedule", default=None, metavar="JSON",
+                    help="P-EAGLE/EAGLE-3 cells under this K schedule [[batch_min, batch_max, K], ...] (the evaluate "
+                         "and serve stages' num_speculative_tokens_per_batch_size; --k is then its largest K; part "
+                         "of a cell's key)")
     ap.add_argument("--step-profile", action="store_true",
                     help="one more wave per c under pipelines.evaluate.step_profile (host phases, device busy)")
     ap.add_argument("--step-costs", action=argparse.BooleanOptionalAction, default=True,
@@ -178,7 +182,7 @@ def _args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _command(args: argparse.Namespace, extra_kwargs: dict, spec_kwargs: dict) -> str:
+def _command(args: argparse.Namespace, extra_kwargs: dict, spec_kwargs: dict, schedule: list | None) -> str:
     """The command line of a cell (what is not about where results go or the call's budget)."""
     def flag(k: str, v) -> str:
         name = k.replace("_", "-")
@@ -188,9 +192,11 @@ def _command(args: argparse.Namespace, extra_kwargs: dict, spec_kwargs: dict) ->
 
     return "python -m bench.synthetic_serving " + " ".join(filter(None, (
         flag(k, v) for k, v in vars(args).items() if v is not None
-        and k not in ("out", "engine_env", "ours_from", "budget_s", "engine_kwargs", "spec_kwargs")))) + "".join(
+        and k not in ("out", "engine_env", "ours_from", "budget_s", "engine_kwargs", "spec_kwargs",
+                      "k_schedule")))) + "".join(
         f" --{k.replace('_', '-')} '{json.dumps(v)}'" for k, v in (("engine_kwargs", extra_kwargs),
-                                                                ("spec_kwargs", spec_kwargs)) if v)
+                                                                ("spec_kwargs", spec_kwargs),
+                                                                ("k_schedule", schedule)) if v)
 
 
 def main() -> None:
@@ -202,6 +208,14 @@ def main() -> None:
     settings = {"engine_env": engine_env, "engine_kwargs": extra_kwargs, "spec_kwargs": spec_kwargs}
     if args.warmup_waves:
         settings["warmup_waves"] = args.warmup_waves
+    schedule = None
+    if args.k_schedule:
+        from pipelines.evaluate.k_schedule import max_K, validate_k_schedule
+
+        schedule = [list(e) for e in validate_k_schedule(json.loads(args.k_schedule))]
+        if {int(k) for k in args.k.split(",")} != {max_K(schedule)}:
+            raise SystemExit(f"--k {args.k}: with --k-schedule it must be the schedule's largest K, {max_K(schedule)}")
+        settings["k_schedule"] = schedule
 
     t_start = time.perf_counter()
     out = Path(args.out)
@@ -223,7 +237,8 @@ def main() -> None:
         for profile_name, method, K in cells:
             # the peagle-smollm2 profile of a named head is labelled by that head
             profile = args.ours_head if profile_name == "peagle-smollm2" and args.ours_head else profile_name
-            if (args.target, profile, method, K, _settings_key(settings)) in done:
+            cell = {k: v for k, v in settings.items() if k != "k_schedule" or method != "none"}
+            if (args.target, profile, method, K, _settings_key(cell)) in done:
                 continue
             if time.perf_counter() - t_start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping before {profile} {method} K={K}", flush=True)
@@ -234,6 +249,7 @@ def main() -> None:
                                "max_model_len": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
                                **({} if torch.cuda.is_available() else {"enforce_eager": True}), **extra_kwargs},
                 ignore_eos=True, waves=args.waves, warmup_waves=args.warmup_waves, step_costs=args.step_costs,
+                k_schedule=schedule if method != "none" else None,
                 step_profile=args.step_profile, env=engine_env)
             rates = None
             if method != "none":
@@ -244,7 +260,7 @@ def main() -> None:
             t = time.perf_counter()
             rows = run_engine_subprocess(spec, timeout_s=900)
             for r in rows:
-                r.update(target=args.target, profile=profile, synthetic_acceptance_rates=rates, **settings,
+                r.update(target=args.target, profile=profile, synthetic_acceptance_rates=rates, **cell,
                          profile_source=ours_source if profile_name == "peagle-smollm2" else "paper anchors",
                          expected_acceptance_length=1 + sum(rates) if rates else 1.0)
                 print(json.dumps({k: r[k] for k in ("target", "profile", "method", "K", "concurrency",
@@ -252,7 +268,7 @@ def main() -> None:
                                  | {"step": r.get("step_costs"), "profile": _brief(r.get("step_profile"))}),
                       flush=True)
             result["rows"] += rows
-            command = _command(args, extra_kwargs, spec_kwargs)
+            command = _command(args, extra_kwargs, spec_kwargs, schedule)
             for r in rows:
                 r["command"] = command
             result.update(environment=environment(), ours_profile={"rates": ours, "source": ours_source})
