@@ -45,6 +45,10 @@ def _slots_follow_step_K(propose):
     def wrapped(self, *args, **kwargs):
         K = kwargs["num_speculative_tokens"] if "num_speculative_tokens" in kwargs else args[0]
         if getattr(self, "parallel_drafting", False) and self.method != "dflash":
+            if not hasattr(self, "net_num_new_slots_per_request"):
+                raise RuntimeError("vLLM's drafter has no parallel-drafting slot layout (extra_slots_per_request, "
+                                   "net_num_new_slots_per_request): this vLLM is outside the range peagle's "
+                                   "dynamic-K fix knows (docs/gpu-vllm.md); serve one fixed K")
             # the offset (1: slot 1 replaces the shifted-out token when hidden states feed the model) is vLLM's own
             offset = self.extra_slots_per_request - self.net_num_new_slots_per_request
             self.extra_slots_per_request = max(int(K), 1)
@@ -57,22 +61,13 @@ def _slots_follow_step_K(propose):
 
 def install() -> None:
     """Wrap vLLM's ``SpecDecodeBaseProposer.propose`` (once per process; the import of
-    ``pipelines.evaluate.dynamic_k_worker`` does it in each vLLM worker).
-
-    Raises:
-        RuntimeError: this vLLM's proposer does not lay out parallel-drafting slots with
-            ``extra_slots_per_request`` (a vLLM outside the ``gpu`` extra's range, ``docs/gpu-vllm.md``).
+    ``pipelines.evaluate.dynamic_k_worker`` does it in each vLLM worker). A drafter without the slot layout
+    raises ``RuntimeError`` at its first step (a vLLM outside the ``gpu`` extra's range, ``docs/gpu-vllm.md``).
     """
-    import inspect
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    from vllm.v1.spec_decode import llm_base_proposer as m
-
-    cls = getattr(m, "SpecDecodeBaseProposer", None)
-    if cls is None or "extra_slots_per_request" not in inspect.getsource(cls.__init__):
-        raise RuntimeError("vLLM's SpecDecodeBaseProposer has no parallel-drafting slot layout "
-                           "(extra_slots_per_request): this vLLM is outside the range peagle's dynamic-K fix knows")
-    if not getattr(cls.propose, _MARK, False):
-        cls.propose = _slots_follow_step_K(cls.propose)
+    if not getattr(SpecDecodeBaseProposer.propose, _MARK, False):
+        SpecDecodeBaseProposer.propose = _slots_follow_step_K(SpecDecodeBaseProposer.propose)
         log.info("vLLM parallel drafting: slots follow each step's K (peagle's fix of vllm-project/vllm#45695)")
 
 
