@@ -127,7 +127,8 @@ def test_pipeline_job_end_to_end(head, base):
     table = json.loads((run / "evaluate" / "table.json").read_text())["rows"]
     peagle = [r for r in table if r["method"] == "peagle"]
     assert peagle and all(r["acceptance_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in peagle)
-    assert any(r["method"] == "none" and r["tokens_per_s"] > 0 for r in table)
+    # The recipe measures no `none` baseline (CI time); vLLM's none rows: tests/integration/test_evaluate.py.
+    assert {r["method"] for r in table} == {"peagle"}
 
     assert summary["mlflow"]["tracking_uri"] == tracking_uri(tmp_path)
     client = get_client(tracking_uri(tmp_path))
