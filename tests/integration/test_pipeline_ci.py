@@ -44,6 +44,9 @@ LOOP_CPUS = 2 * settings.local_num_cpus()
 RUNTIME_ENV = local_ray.job_runtime_env() | {"env_vars": {"PEAGLE_GIT_SHA": "0123abc-ci"}}
 NODES = ("a", "b")  # the head and a second raylet of this host: work lands on either
 STAGES = ["regenerate", "capture", "train", "evaluate", "register", "serve"]
+# The refresh loop's client: one request every ~4 s (an 8-token answer takes ~1 s) keeps the endpoint answering
+# through the whole job without taking half of the 2 CI cores from the compute stages beside it.
+LOAD_PAUSE_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -220,10 +223,10 @@ def test_refresh_loop_end_to_end(head, base):
             # No `none` baseline: the K schedule is then the swept K (never K=0), so the rolled endpoint drafts with
             # the new head (speculation + traffic log after the roll) instead of serving it without speculation.
             "evaluation.methods=" + json.dumps(["peagle"]))
-    load = ChatLoad(url, key=None, num_threads=1, max_tokens=8, pause_s=1.0).start()
+    load = ChatLoad(url, key=None, num_threads=1, max_tokens=8, pause_s=LOAD_PAUSE_S).start()
     try:
         rc, out, seconds = submit(head, tmp, port, recipe=REFRESH_RECIPE, run="refresh", sets=sets)
-        time.sleep(5.0)  # answers after the roll
+        time.sleep(2 * LOAD_PAUSE_S)  # answers after the roll
     finally:
         results = load.stop()
     print(out[-6000:])
