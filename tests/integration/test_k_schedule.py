@@ -2,7 +2,8 @@
 
 One engine (the speculative_config Serve and evaluate build, ``pipelines.evaluate.k_schedule.vllm_speculative_config``)
 with the schedule K=3 at batch size 1 and K=0 from 2 up: requests one at a time must draft (3 tokens per
-draft), four at once must not (same max_tokens, so every step after the first has 4 requests).
+draft), four at once must not (same max_tokens, so every step after the first has 4 requests). The engine runs
+in-process (conftest ``in_process_vllm``).
 """
 
 import json
@@ -22,7 +23,7 @@ def target():
     return Path(ensure_target("smollm2-135m-instruct", dtype="float32").path)
 
 
-def test_vllm_cpu_follows_the_schedule(tmp_path, target):
+def test_vllm_cpu_follows_the_schedule(tmp_path, target, in_process_vllm):
     from transformers import AutoTokenizer
 
     from pipelines.evaluate.prompts import load_eval_prompts

@@ -26,6 +26,7 @@ from pipelines.recipe import (
 )
 from pipelines.stages.base import engine_settings
 from tests.conftest import CONFIGS
+from tests.integration.conftest import IN_PROCESS_VLLM
 from tests.integration.progress_helpers import assert_moved_while_running, record_bars
 
 pytestmark = pytest.mark.integration
@@ -35,11 +36,16 @@ MAX_TOKENS = 192  # per answer: 16 answers decode together for seconds, long eno
 @pytest.fixture(scope="module")
 def ray_local():
     """Ray exporting its metrics every second rather than every 10 s (the vLLM token count of ``ray.data.llm``
-    comes from them): this test's engine decodes for seconds, the demo's for minutes."""
+    comes from them): this test's engine decodes for seconds, the demo's for minutes. The cluster's processes
+    start vLLM's offline engines in-process (:data:`~tests.integration.conftest.IN_PROCESS_VLLM`: the actor
+    runner's, ~28 s of engine start less each)."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _system_config={"metrics_report_interval_ms": 1000})
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in IN_PROCESS_VLLM.items():
+            env.setenv(key, value)  # before ray.init: the workers inherit the driver's environment
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _system_config={"metrics_report_interval_ms": 1000})
     yield
     ray.shutdown()
 
