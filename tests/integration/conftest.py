@@ -2,6 +2,11 @@
 
 import pytest
 
+# vLLM's switch for an in-process engine: `vllm.LLM` then runs its engine core and worker in the calling process
+# instead of spawning two processes that import vLLM again (~7 s to start on the 2-core CI box instead of ~35 s).
+# pipelines.capture.vllm_backend and tests/integration/vllm_drafter_probe.py run their engines this way already.
+IN_PROCESS_VLLM = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
 
 @pytest.fixture
 def uri(tmp_path, monkeypatch) -> str:
@@ -10,3 +15,12 @@ def uri(tmp_path, monkeypatch) -> str:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def in_process_vllm(monkeypatch) -> None:
+    """The offline vLLM engines this test starts (in its process and in subprocesses, e.g. the evaluate worker of
+    ``pipelines.evaluate.measure``) run in-process (:data:`IN_PROCESS_VLLM`); what they compute is the same. The
+    pipeline job's engines (tests/integration/test_pipeline_ci.py) and Serve's keep vLLM's default processes."""
+    for key, value in IN_PROCESS_VLLM.items():
+        monkeypatch.setenv(key, value)

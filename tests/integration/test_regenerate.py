@@ -2,7 +2,7 @@
 16 ShareGPT prompts through Ray's ray.data.llm processor (the demo's runner) get target-written assistant turns
 with provenance, and the driver's progress shows token counts between 0 and the total, a few seconds apart,
 while the engine decodes its one batch, not only when the batch ends; 8 self-instruct prompts written by the
-target (vllm.LLM in a Ray actor) and then answered by it."""
+target (vllm.LLM in a Ray actor), rows of the prompt schema the regenerate stage answers."""
 
 import json
 import time
@@ -26,6 +26,7 @@ from pipelines.recipe import (
 )
 from pipelines.stages.base import engine_settings
 from tests.conftest import CONFIGS
+from tests.integration.conftest import IN_PROCESS_VLLM
 from tests.integration.progress_helpers import assert_moved_while_running, record_bars
 
 pytestmark = pytest.mark.integration
@@ -35,11 +36,16 @@ MAX_TOKENS = 192  # per answer: 16 answers decode together for seconds, long eno
 @pytest.fixture(scope="module")
 def ray_local():
     """Ray exporting its metrics every second rather than every 10 s (the vLLM token count of ``ray.data.llm``
-    comes from them): this test's engine decodes for seconds, the demo's for minutes."""
+    comes from them): this test's engine decodes for seconds, the demo's for minutes. The cluster's processes
+    start vLLM's offline engines in-process (:data:`~tests.integration.conftest.IN_PROCESS_VLLM`: the actor
+    runner's, ~28 s of engine start less each)."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _system_config={"metrics_report_interval_ms": 1000})
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in IN_PROCESS_VLLM.items():
+            env.setenv(key, value)  # before ray.init: the workers inherit the driver's environment
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _system_config={"metrics_report_interval_ms": 1000})
     yield
     ray.shutdown()
 
@@ -86,7 +92,7 @@ def test_regenerate_through_vllm_cpu_reports_tokens_while_its_engine_decodes(ray
     assert_moved_while_running([(t, w) for t, _, w in bars[0].readings], final=res.num_generated_tokens)
 
 
-def test_self_instruct_prompts_written_then_answered_by_vllm_cpu(ray_local, cpu_engine):
+def test_self_instruct_prompts_written_by_vllm_cpu(ray_local, cpu_engine):
     cpu = cpu_engine
     cfg = RegenerateConfig(backend="vllm", vllm_runner="actor", max_tokens_per_turn=24, batch_size=8, max_turns=1)
     data = DataConfig(sources=[SourceConfig(kind="self_instruct", self_instruct=SelfInstructConfig(
@@ -103,11 +109,9 @@ def test_self_instruct_prompts_written_then_answered_by_vllm_cpu(ray_local, cpu_
     prompts = [r["messages"][-1]["content"] for r in ds]
     assert all(p == p.strip() and 8 <= len(p) and "<|im_end|>" not in p and "<|im_start|>" not in p for p in prompts)
     assert len(set(ds["id"])) == len(ds) and set(ds["source"]) == {"self_instruct"}
-    res = run_regenerate(ds, TargetConfig(), cfg, data, num_cpus_per_worker=1, engine_kwargs=cpu)
-    assert len(res.rows) >= 1
-    for r in res.rows:
-        assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
-        assert r["messages"][0]["content"] in prompts and r["messages"][1]["content"].strip()
+    # Rows of the prompt schema, what run_regenerate answers: a prompt dataset answered by vLLM in a Ray actor is the
+    # regenerate stage of tests/integration/test_pipeline_ci.py (a second engine start here proved the same).
+    assert all([m["role"] for m in r["messages"]] == ["user"] for r in ds)
 
 
 def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_local, cpu_engine, monkeypatch,

@@ -23,16 +23,16 @@ pytestmark = pytest.mark.unit
 # Stage keys of the committed recipes (first computed with the pipeline before stages became objects, commit
 # e35a825; changed on purpose on 2026-11-28: regenerate.num_workers and capture.num_workers left the keys, so that a
 # stage run on 1 GPU is current for the same recipe on 4; smollm2-135m-ci.yaml's train to serve keys on 2026-11-28 too:
-# its drafter.draft_vocab_size became 4096). A changed value invalidates every run directory made
-# with that recipe: change a key only on purpose.
+# its drafter.draft_vocab_size became 4096; its evaluate to serve keys on 2026-11-29: evaluation.methods became
+# [peagle]). A changed value invalidates every run directory made with that recipe: change a key only on purpose.
 KEYS = {
     "smollm2-135m-ci.yaml": {
         "regenerate": "4d700ec53aed940f0600983642c8ab7d3653e867c3dabb473dc16f2d9b637f52",
         "capture": "3e77cbe545421e37cc031f47698a8f1070305b375f4b2b27ab07cc3334e0cd14",
         "train": "5e56e33994a861d16f13b749213cabe65320e282d45024153b790f901e09a4ab",
-        "evaluate": "9866b65d464e93f6429aaae295636887cd1b398afca320e0bda713c0a4fff696",
-        "register": "e7fb1e688f4519e7b51509c3b2badf0e8151609c4db84003849cb1d47677732a",
-        "serve": "9fb05e98d2742d8db4e747fb813581733c3b928435a32a24139829ee8299dd61",
+        "evaluate": "308482a9a30b05d90350e851ce367525fa208ec5042e8d780202c67ab2a95bd5",
+        "register": "14a50527416afe56f1a48828aa2961e752f0e7c6a3141ce908d124f6ad4db800",
+        "serve": "593a532822515b58c01dc2fb346cb9ba7a5ce41114c8e245dfbcf11e85af9b67",
     },
     "smollm2-135m-cpu.yaml": {
         "regenerate": "0c45577140df41de12d86c999c7115a1b7b1a88be94c790dffde82d1c09a8dc4",
