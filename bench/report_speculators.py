@@ -62,12 +62,19 @@ def al_cell(row: dict | None) -> str:
     return f"{f(row['acceptance_length'])} ({' / '.join(f(a) for a in row['al_per_pos'][:3])})"
 
 
-def recipe_differences(p: dict) -> str:
+def recipe_differences(p: dict, recipe: str = "defaults") -> str:
     """What the two recipes share and where they differ, for the method of peagle's run ``p``: peagle's from its
     run row and the scaling recipe, speculators' from :data:`bench.speculators_side.COMMON_FLAGS`, its
-    per-method flags and its defaults."""
+    per-method flags and its defaults; for speculators' ``best`` arm, the flags it sets beyond its defaults arm."""
     from bench.scale import RECIPE
+    from bench.speculators_side import best_differs
     from pipelines.recipe import load_recipe
+
+    if recipe == "best":
+        return ("The recipes share the data, target and structure (layers, K, TTT steps, draft vocabulary, frozen "
+                "embeddings, 16,384 tokens per step); speculators' best-settings arm (the maintainers' recipe, "
+                "`bench.speculators_side.RECIPE_BEST`) differs from its defaults arm in "
+                f"{', '.join(f'`{x}`' for x in best_differs(p['method']))}.")
 
     t = load_recipe(RECIPE).training
     shared = ("The recipes share the data, target, structure (layers, K, draft vocabulary, frozen embeddings, 16,384 "
@@ -112,7 +119,7 @@ def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
         third = "; ".join(f"{k} {_compare(a['al_per_pos'][2], b['al_per_pos'][2])}" for k, (a, b) in pairs.items())
         out += ["", (f"Reading: acceptance per position in GPU vLLM, peagle vs speculators: {pos}. Position 1 "
                      f"(within 0.02 read as equal): {first}. Position 3 ({deep}): {third}. "
-                     f"{recipe_differences(p)}")]
+                     f"{recipe_differences(p, s.get('recipe', 'defaults'))}")]
     return out
 
 

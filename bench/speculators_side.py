@@ -30,6 +30,30 @@ validation metrics). ``check``: the head speculators saved -> a peagle head
 directory (flat ``config.json`` as vLLM's speculators config loader derives it, the same tensors) validated by
 ``peagle_core.contract.validate_head`` against the target, ready for ``bench.eval_gpu_heads``.
 
+Two arms (``train --recipe``, issue 42 item 3): ``defaults`` (:data:`RECIPE`) and ``best`` (:data:`RECIPE_BEST`),
+the maintainers' own settings as read on 2026-11-29 (vllm-project/speculators at 2026-08-20 and later files, its
+issues and PRs, RedHatAI's heads). The best arm differs from the defaults arm in:
+
+- P-EAGLE: lr 6e-4 for both optimizer groups (defaults 1e-3), cosine with speculators' 1% warm-up (not 50 steps),
+  ``--no-norm-before-residual`` (speculators' default norms before the residual), ``--max-anchors 4096``
+  (defaults 512). Sources: docs/user_guide/tutorials/train.md, examples/train/peagle_qwen3_8b_*_5k.sh, the nightly
+  test_peagle_qwen3_8b_sharegpt (2026-08-19), the card of RedHatAI/Qwen3-8B-speculator.peagle (lr); anchors:
+  issue 567 (2026-06-29: 1024 anchors per 4096-token step best at depth 0, 512 starved depth 7), PR 687, PR 995.
+- EAGLE-3: linear schedule with 1% warm-up (every EAGLE-3 example leaves speculators' default) and TTT loss decay
+  1.0 (speculators' default) instead of peagle's cosine / 50 / 0.8. Its lr (muon and AdamW 1e-3: PR 746, PR 1148
+  of 2026-09-18), kl_div (docs/user_guide/loss_functions.md: "best-tested"), the Eagle 3.1 norms (PR 610: +7.2%
+  AL on Qwen3-8B; PR 692 made them the eagle3 defaults) and Llama layers (PR 692, after issue 563) are already
+  speculators' 0.9.0 defaults: passed explicitly, so the arm does not move with them.
+- Both: COD 0.7 / 0.2, muon, kl_div, frozen embeddings as in the defaults arm.
+
+Kept at peagle's structure, against the maintainers' choice where it differs: K=8 depths (their examples use 4,
+0.9.0's default is 8), TTT 7 steps (default 3), draft vocabulary 8192 of 49152 (32000 of Qwen3's 151936 in their
+examples), peagle's aux layers, 1024-token conversations in 16384-token steps (their total-seq-len 4096-8192), the
+same conversations and GPU-seconds: they train ~500k regenerated samples for 2-3 epochs (issue 751), a data
+amount and epoch count this comparison fixes by design. Not adopted: ``--fc-norm`` (PR 670: +1.1% on
+Qwen3-30B-A3B, left off by default in PR 692) and ``--draft-arch qwen3`` (issue 563: +3-7% for Eagle 3, below
+Eagle 3.1 on Llama layers in PR 610).
+
 Shape legend: N tokens of one conversation, Ht target hidden, V target vocab, Vd draft vocab.
 """
 
@@ -51,18 +75,70 @@ from bench.speculators_heads import SPEC_TYPES, peagle_head
 
 SPECULATORS_VERSION = "0.9.0"
 
-# speculators' flags per method. Structure as bench.scale's heads (layers, K, TTT steps, packed tokens per step,
-# 1024-token conversations, the plan's 8192-token draft vocabulary, frozen target embeddings); optimizer, loss,
-# COD ratios, anchors cap and norm flags are speculators' own defaults (muon lr 1e-3, kl_div, r 0.7 / 0.2,
-# max_anchors 512; eagle3: norm_before_fc, norm_output; peagle: neither).
+# speculators' flags per recipe and method. Both recipes keep the structure of bench.scale's heads (STRUCTURE: layers,
+# K, TTT steps; COMMON_FLAGS: 16384 packed tokens per step of 1024-token conversations; spec_argv: the plan's aux
+# layers, mask token and 8192-token draft vocabulary; `train --frozen-embeddings`: the target's embeddings).
 # --loss-implementation eager: its fused Triton loss does not trace under the image's torch 2.11 (dynamo's
 # "ListVariable(length=21) is already tracked for mutation" on loss_forward_kernel/loss_backward_kernel.configs,
 # the first GPU call of 2026-11-25); the eager loss is the same objective.
 COMMON_FLAGS = ("--epochs", "1", "--total-seq-len", "16384", "--train-data-ratio", "0.999", "--on-missing", "raise",
-                "--hidden-states-dtype", "bfloat16", "--log-freq", "10", "--loss-implementation", "eager",
-                "--scheduler-type", "cosine", "--scheduler-warmup-steps", "50")
-RECIPE = {"peagle": ("--num-layers", "4", "--draft-arch", "llama", "--num-depths", "8"),
-          "eagle3": ("--num-layers", "1", "--draft-arch", "llama", "--ttt-steps", "7", "--ttt-step-loss-decay", "0.8")}
+                "--hidden-states-dtype", "bfloat16", "--log-freq", "10", "--loss-implementation", "eager")
+STRUCTURE = {"peagle": ("--num-layers", "4", "--draft-arch", "llama", "--num-depths", "8"),
+             "eagle3": ("--num-layers", "1", "--draft-arch", "llama", "--ttt-steps", "7")}
+# defaults: optimizer, loss, COD ratios, anchors cap and norm flags at speculators' defaults (muon lr 1e-3, kl_div,
+# r 0.7 / 0.2, max_anchors 512; eagle3: norm_before_fc, norm_output; peagle: neither); schedule and EAGLE-3's TTT
+# loss decay as peagle's (cosine, 50 warm-up steps; 0.8^i).
+RECIPE = {"peagle": (*STRUCTURE["peagle"], "--scheduler-type", "cosine", "--scheduler-warmup-steps", "50"),
+          "eagle3": (*STRUCTURE["eagle3"], "--ttt-step-loss-decay", "0.8", "--scheduler-type", "cosine",
+                     "--scheduler-warmup-steps", "50")}
+# best: the maintainers' own recipe per method, as their docs, examples, nightly regression tests, published heads
+# and issues give it (read 2026-11-29; the module docstring lists the sources). BEST_PINNED: the parts of it that
+# restate 0.9.0's defaults, passed anyway so the arm does not move with speculators' defaults (their D-PACE
+# best-practices script does the same). Warm-up is left at speculators' default (1% of --max-steps, the horizon).
+BEST_PINNED = {"peagle": ("--optimizer", "muon", "--down-sample-ratio", "0.7", "--down-sample-ratio-min", "0.2",
+                          "--loss-fn", "kl_div"),
+               "eagle3": ("--optimizer", "muon", "--lr", "1e-3", "--norm-before-residual", "--norm-before-fc",
+                          "--norm-output", "--loss-fn", "kl_div")}
+RECIPE_BEST = {
+    # docs/user_guide/tutorials/train.md (P-EAGLE tab), examples/train/peagle_qwen3_8b_*_5k.sh (the 0.9-era `-m
+    # speculators.train` one too), tests/e2e/regression test_peagle_qwen3_8b_sharegpt: lr 6e-4 (in 0.9.0 muon_lr = lr:
+    # both groups), cosine, --no-norm-before-residual, COD 0.7 / 0.2; the card of RedHatAI/Qwen3-8B-speculator.peagle
+    # shows lr 6e-4 (the rest of its command was cut off). max_anchors: issue 567 (2026-06-29) found 1024 anchors per
+    # 4096-token step best at depth 0 (+3.1 pp over no cap, deep depths lower; 512 starved depth 7), PR 687 then left
+    # P-EAGLE uncapped; 0.9.0's 512 came from PR 995 (step time, DFlash). 1024 per 4096 tokens is 4096 per this run's
+    # 16384.
+    "peagle": (*STRUCTURE["peagle"], "--lr", "6e-4", "--scheduler-type", "cosine", "--no-norm-before-residual",
+               "--max-anchors", "4096", *BEST_PINNED["peagle"]),
+    # Eagle 3.1 norms (PR 610: +7.2% AL for Qwen3-8B over Eagle 3; PR 692 made them eagle3's defaults), muon at
+    # lr 1e-3 for both groups (PR 746; PR 1148, 2026-09-18: AdamW's 1e-4 "regularly too small"), kl_div (docs
+    # loss_functions.md: "the best-tested option"), linear schedule (every EAGLE-3 example and regression test
+    # leaves speculators' default), TTT loss decay 1.0 (speculators' default; no example changes it).
+    "eagle3": (*STRUCTURE["eagle3"], "--scheduler-type", "linear", "--ttt-step-loss-decay", "1.0",
+               *BEST_PINNED["eagle3"]),
+}
+RECIPES = {"defaults": RECIPE, "best": RECIPE_BEST}
+
+
+def flag_values(flags: tuple[str, ...]) -> dict[str, str | None]:
+    """``{flag: value}`` of a flag tuple (None for a switch such as ``--norm-output``), the last occurrence."""
+    out: dict[str, str | None] = {}
+    for i, tok in enumerate(flags):
+        if tok.startswith("--"):
+            nxt = flags[i + 1] if i + 1 < len(flags) else "--"
+            out[tok] = None if nxt.startswith("--") else nxt
+    return out
+
+
+def best_differs(method: str) -> list[str]:
+    """Where the best arm's flags for ``method`` differ from the defaults arm's: each flag of :data:`RECIPE_BEST`
+    outside :data:`BEST_PINNED` that the defaults arm does not pass with the same value (``--lr 6e-4``,
+    ``--no-norm-before-residual``), and ``--flag: default`` for a flag the defaults arm passes and the best arm
+    leaves at speculators' default."""
+    pinned = flag_values(BEST_PINNED[method])
+    best, defaults = flag_values(RECIPE_BEST[method]), flag_values(RECIPE[method])
+    out = [k if v is None else f"{k} {v}" for k, v in best.items()
+           if k not in pinned and (k not in defaults or defaults[k] != v)]
+    return out + [f"{k}: default" for k in defaults if k not in best]
 CKPT_EVERY_STEPS = 100  # the run's mid-epoch checkpoints (bench.scale_train: training.checkpoint_every_steps=100)
 SHAPE_FLAGS = ("--num-layers", "--draft-arch")  # what --from-pretrained (a config-only directory) replaces
 CPU_FLAGS = ("--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0")
@@ -113,12 +189,29 @@ class MetricsRecorder(logging.Handler):
             self.rows.append({"t": time.perf_counter(), "val": msg["val"]})
 
 
+def drop_flags(flags: tuple[str, ...], names: tuple[str, ...]) -> list[str]:
+    """``flags`` without the flags in ``names`` and their values (the tokens up to the next ``--flag``)."""
+    out, skip = [], False
+    for tok in flags:
+        if tok.startswith("--"):
+            skip = tok in names
+        if not skip:
+            out.append(tok)
+    return out
+
+
 def spec_argv(method: str, data: Path, side: dict, save: Path, *, max_steps: int, init: Path | None = None,
-              extra: tuple[str, ...] = (), resume: bool = False) -> list[str]:
-    """speculators ``train`` flags for ``method`` on the data directory ``data`` (:data:`COMMON_FLAGS`,
-    :data:`RECIPE`, the data's target, aux ids, mask token and draft vocabulary; :data:`CPU_FLAGS` without CUDA),
-    from the config-only directory ``init`` when given (its decoder shape replaces the shaping flags); ``resume``:
-    from the last checkpoint under ``save`` (else speculators is told not to)."""
+              extra: tuple[str, ...] = (), resume: bool = False, recipe: str = "defaults") -> list[str]:
+    """speculators ``train`` flags for ``method`` on the data directory ``data`` (:data:`COMMON_FLAGS`, the
+    ``recipe`` of :data:`RECIPES`, the data's target, aux ids, mask token and draft vocabulary; :data:`CPU_FLAGS`
+    without CUDA), from the config-only directory ``init`` when given (its decoder shape replaces the shaping
+    flags); ``resume``: from the last checkpoint under ``save`` (else speculators is told not to).
+
+    Raises:
+        ValueError: ``recipe`` is not one of :data:`RECIPES`.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r}: use one of {sorted(RECIPES)}")
     vd = side["draft_vocab_size"]
     argv = ["--speculator-type", SPEC_TYPES[method], "--verifier-name-or-path", side["target_dir"],
             "--data-path", str(data), "--hidden-states-backend", BACKEND if side["hidden_states"] == "online" else
@@ -128,11 +221,11 @@ def spec_argv(method: str, data: Path, side: dict, save: Path, *, max_steps: int
             *(() if resume else ("--no-resume-from-checkpoint",))]
     if (data / f"d2t-{vd}.npy").exists():
         argv += ["--d2t-path", str(data / f"d2t-{vd}.npy"), "--t2d-path", str(data / f"t2d-{vd}.npy")]
-    pairs = list(zip(RECIPE[method][::2], RECIPE[method][1::2]))
+    flags = RECIPES[recipe][method]
     if init is not None:  # --from-pretrained excludes the decoder-shaping flags
-        pairs = [(k, v) for k, v in pairs if k not in SHAPE_FLAGS]
+        flags = drop_flags(flags, SHAPE_FLAGS)
         argv += ["--from-pretrained", str(init)]
-    argv += [a for kv in pairs for a in kv]
+    argv += list(flags)
     if not torch.cuda.is_available():
         argv += list(CPU_FLAGS)
     return argv + list(extra)
@@ -161,12 +254,13 @@ def run_speculators(argv: list[str]) -> MetricsRecorder:
     return rec
 
 
-def frozen_embeddings_init(method: str, data: Path, side: dict, out: Path, extra: tuple[str, ...] = ()) -> Path:
+def frozen_embeddings_init(method: str, data: Path, side: dict, out: Path, extra: tuple[str, ...] = (),
+                           recipe: str = "defaults") -> Path:
     """A config-only directory (``--from-pretrained``) of ``method``'s head with ``embed_requires_grad: false``:
     speculators' P-EAGLE config always trains the embeddings (its ``from_training_args`` ignores
     ``--no-embed-requires-grad``); bench.scale's heads keep the target's. Made by ``--dry-run`` (config and
-    initial weights), then the weights removed."""
-    run_speculators(spec_argv(method, data, side, out, max_steps=1, extra=("--dry-run", *extra)))
+    initial weights; the recipe's norm flags included), then the weights removed."""
+    run_speculators(spec_argv(method, data, side, out, max_steps=1, extra=("--dry-run", *extra), recipe=recipe))
     cfg = json.loads((out / "config.json").read_text())
     cfg["embed_requires_grad"] = False
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -222,16 +316,19 @@ def calibrate(args, data: Path, side: dict, root: Path, extra: tuple[str, ...]) 
     """The config-only init (``--frozen-embeddings``), a calibration run of ``--warmup-steps`` +
     ``--calib-steps`` steps, the horizon ``train_s / s_per_step`` and the steps of one epoch: the run's state."""
     shutil.rmtree(root, ignore_errors=True)
-    init = frozen_embeddings_init(args.method, data, side, root / "init", extra) if args.frozen_embeddings else None
+    init = (frozen_embeddings_init(args.method, data, side, root / "init", extra, recipe=args.recipe)
+            if args.frozen_embeddings else None)
     t0 = time.perf_counter()
     calib = step_stats(run_speculators(spec_argv(args.method, data, side, root / "calib", init=init,
-                                                 max_steps=args.warmup_steps + args.calib_steps, extra=extra)),
+                                                 max_steps=args.warmup_steps + args.calib_steps, extra=extra,
+                                                 recipe=args.recipe)),
                        warmup_steps=args.warmup_steps)
     if args.max_steps is None and not calib["s_per_step"]:
         raise SystemExit("the calibration timed no step: --calib-steps must span two logged steps after warm-up "
                          "(speculators logs every --log-freq steps, 10 here)")
     horizon = args.max_steps or max(1, int(args.train_s / calib["s_per_step"]))
-    per_epoch = steps_per_epoch(data, spec_argv(args.method, data, side, root / "run", max_steps=horizon, extra=extra))
+    per_epoch = steps_per_epoch(data, spec_argv(args.method, data, side, root / "run", max_steps=horizon, extra=extra,
+                                                recipe=args.recipe))
     return {"init": str(init) if init else None, "calib": calib | {"wall_s": time.perf_counter() - t0},
             "horizon": horizon, "steps_per_epoch": per_epoch, "calls": []}
 
@@ -239,21 +336,23 @@ def calibrate(args, data: Path, side: dict, root: Path, extra: tuple[str, ...]) 
 def train(args) -> None:
     """speculators' trainer on ``--data`` for ``--train-s`` GPU-seconds after warm-up, in one or more calls.
 
-    The first call (alone with ``--calib-only``) makes ``<out>/spec-<method>/``: the config-only init, a calibration
-    run for the seconds per step after warm-up, ``state.json`` (the horizon ``train_s / s_per_step``: speculators'
-    schedule decays over ``--max-steps``; the epochs it needs). A later call with the same data, ``--train-s`` and
+    The first call (alone with ``--calib-only``) makes ``<out>/spec-<method>/`` (``spec-<method>-best/`` for
+    ``--recipe best``): the config-only init, a calibration run for the seconds per step after warm-up,
+    ``state.json`` (the horizon ``train_s / s_per_step``: speculators' schedule decays over ``--max-steps``; the
+    epochs it needs). A later call with the same data, ``--train-s`` and
     flags reuses them. The run checkpoints every ``--ckpt-every-steps`` steps; a call cut short (the device's
     time limit: ``timeout`` sends SIGTERM, speculators saves an unresumable ``interrupted`` copy) leaves them, and
     ``--resume`` continues from the last (speculators' mid-epoch resume: same batches, schedule and optimizer).
     Each call's timing is a row of the state's ``calls``; when the run reaches its horizon the head is copied to
-    ``<out>/spec-<method>/final`` and the record written to ``<out>/spec_train_<tag>.json``.
+    ``final/`` beside it and the record written to ``<out>/spec_train_<tag>.json``.
     """
     from bench.common import environment
 
     data, out = Path(args.data).expanduser(), Path(args.out).expanduser()
     side = json.loads((data / SIDE_FILE).read_text())
-    tag = f"spec-{args.method}-{side['num_conversations'] // 1000}k-{int(args.train_s)}s"
-    root, extra = out / f"spec-{args.method}", tuple(args.spec_args or ())
+    arm = f"spec-{args.method}" + ("" if args.recipe == "defaults" else f"-{args.recipe}")
+    tag = f"{arm}-{side['num_conversations'] // 1000}k-{int(args.train_s)}s"
+    root, extra = out / arm, tuple(args.spec_args or ())
     key = {"data": str(data), "conversations": side["num_conversations"], "train_s": args.train_s,
            "max_steps": args.max_steps, "frozen_embeddings": args.frozen_embeddings, "extra": list(extra)}
     state_path = root / "state.json"
@@ -275,7 +374,8 @@ def train(args) -> None:
     # one step and a validation pass each); a mid-epoch checkpoint every --ckpt-every-steps steps
     run_extra = extra + ("--epochs", str(-(-horizon // per_epoch)),
                          "--checkpoint-freq", str(min(1.0, args.ckpt_every_steps / per_epoch)))
-    argv = spec_argv(args.method, data, side, run_dir, init=init, max_steps=horizon, extra=run_extra, resume=resume)
+    argv = spec_argv(args.method, data, side, run_dir, init=init, max_steps=horizon, extra=run_extra, resume=resume,
+                     recipe=args.recipe)
     t0 = time.perf_counter()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -297,7 +397,8 @@ def train(args) -> None:
     calls = state["calls"]
     timed_s, timed_steps = sum(c["timed_s"] for c in calls), sum(c["timed_steps"] for c in calls)
     tokens = [c["tokens_per_step"] * c["timed_steps"] for c in calls if c["tokens_per_step"]]
-    record = {"tag": tag, "method": args.method, "trainer": f"speculators {SPECULATORS_VERSION}",
+    record = {"tag": tag, "method": args.method, "recipe": args.recipe,
+              "trainer": f"speculators {SPECULATORS_VERSION}",
               "conversations": side["num_conversations"], "tokens_per_epoch": side["num_tokens"],
               "train_s_goal": args.train_s, "horizon": horizon, "steps": steps, "steps_per_epoch": per_epoch,
               "epochs": steps / per_epoch, "calib_s_per_step": state["calib"]["s_per_step"],
@@ -368,7 +469,7 @@ def record(args) -> None:
     smi = {}
     for f in args.gpu or []:
         lines = [json.loads(x) for x in Path(f).read_text().splitlines() if x.strip()]
-        smi[lines[0]["method"]] = lines
+        smi[lines[0]["method"], lines[0].get("recipe", "defaults")] = lines
     for f in args.files:
         rec = json.loads(Path(f).read_text())
         env = rec.pop("environment", {})
@@ -376,9 +477,10 @@ def record(args) -> None:
                "versions": {k: env.get(k) for k in ("torch", "transformers", "triton", "cuda")}} | rec
         if args.note:
             row["note"] = args.note
-        if rec["method"] in smi:
-            row["gpu_smi_calls"] = smi[rec["method"]]
-            row["gpu_mem_used_peak_gib"] = max(c["mem_used_peak_mib"] for c in smi[rec["method"]]) / 1024
+        calls = smi.get((rec["method"], rec.get("recipe", "defaults")))
+        if calls:
+            row["gpu_smi_calls"] = calls
+            row["gpu_mem_used_peak_gib"] = max(c["mem_used_peak_mib"] for c in calls) / 1024
         data["rows"] = [r for r in data["rows"] if r["tag"] != row["tag"]] + [row]
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     print(f"{len(args.files)} row(s) in {path}")
@@ -399,13 +501,16 @@ def main() -> None:
     p.add_argument("--method", choices=sorted(SPEC_TYPES), required=True)
     p.add_argument("--data", required=True, help="a directory made by `data`")
     p.add_argument("--train-s", type=float, required=True, help="GPU-seconds of training after warm-up")
-    p.add_argument("--out", default="~/keep", help="where spec-<method>/ and spec_train_<tag>.json go")
+    p.add_argument("--out", default="~/keep", help="where spec-<method>[-best]/ and spec_train_<tag>.json go")
     p.add_argument("--warmup-steps", type=int, default=20, help="steps excluded from timing (compilation)")
     p.add_argument("--calib-steps", type=int, default=30, help="timed steps of the calibration run")
     p.add_argument("--max-steps", type=int, help="train this many steps instead of train_s / s_per_step")
     p.add_argument("--calib-only", action="store_true", help="stop after the calibration (state.json)")
     p.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     p.add_argument("--ckpt-every-steps", type=int, default=CKPT_EVERY_STEPS, help="the run's mid-epoch checkpoints")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="defaults",
+                   help="speculators' defaults or its maintainers' best settings (RECIPE_BEST), at the same "
+                   "structure; best runs under <out>/spec-<method>-best/, tag spec-<method>-best-...")
     p.add_argument("--frozen-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="keep the target's embeddings frozen (as bench.scale's heads); speculators' P-EAGLE "
                    "default trains them")

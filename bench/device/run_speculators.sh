@@ -8,11 +8,12 @@
 #   train METHOD TRAIN_S [FLAGS]   speculators' trainer (peagle | eagle3) for TRAIN_S GPU-seconds after warm-up, fed
 #                              online by peagle's capture in its data-loader workers; FLAGS go to
 #                              `bench.speculators_side train` (--calib-only first: the calibration alone; --resume
-#                              after a call that stopped at a checkpoint; `-- FLAG...` for speculators itself). Returns
+#                              after a call that stopped at a checkpoint; --recipe best: speculators' best settings,
+#                              state in ~/keep/spec-METHOD-best; `-- FLAG...` for speculators itself). Returns
 #                              r/spec_train_<tag>.json (tokens/s, peak memory) when the run is done, the head as
 #                              spec-<tag>.tar.partNN (< 16 MiB each: the peagle head directory of `check`, speculators'
-#                              own config.json beside it), r/spec_state_<METHOD>.json (every call's timing) and
-#                              r/spec_gpu_<METHOD>.jsonl (per call: GPU busy share, peak memory of all its processes);
+#                              own config.json beside it), r/spec_state_<METHOD>[-best].json (every call's timing) and
+#                              r/spec_gpu_<METHOD>[-best].jsonl (per call: GPU busy share, peak memory of all its processes);
 #                              here: python -m bench.speculators_side record r/spec_train_<tag>.json --gpu r/spec_gpu_<M>.jsonl
 # Usage: bash bench/device/run_speculators.sh STEP [ARGS...]
 set -u
@@ -33,6 +34,8 @@ print({p: md.version(p) for p in ('speculators', 'hs-connectors', 'torch', 'tran
       | grep -v -E "Loading|Saving the dataset" | tail -3 ;;
   train)
     M=$1; S=$2; shift 2
+    D=$M  # the arm: spec-<D> is bench.speculators_side's run directory, <D> names the returned files
+    case " $* " in *" --recipe best "*) D=$M-best ;; esac
     touch "$OUT/.start"
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 2 > ~/keep/spec_smi.csv &
     SMI=$!
@@ -41,16 +44,17 @@ print({p: md.version(p) for p in ('speculators', 'hs-connectors', 'torch', 'tran
     echo "rc=$?"
     kill $SMI
     # every process on the GPU (the trainer and its capture workers, CUDA contexts included)
-    awk -F', ' -v m="$M" '{u += $1; n++; if ($2 > p) p = $2} END {printf "{\"method\": \"%s\", \"gpu_busy_avg_pct\": %.1f, \"samples\": %d, \"mem_used_peak_mib\": %d}\n", m, u / n, n, p}' \
-      ~/keep/spec_smi.csv | tee -a ~/keep/spec_gpu_"$M".jsonl
-    cp ~/keep/spec_gpu_"$M".jsonl "$OUT/r/"
+    R=defaults; [ "$D" = "$M" ] || R=best
+    awk -F', ' -v m="$M" -v r="$R" '{u += $1; n++; if ($2 > p) p = $2} END {printf "{\"method\": \"%s\", \"recipe\": \"%s\", \"gpu_busy_avg_pct\": %.1f, \"samples\": %d, \"mem_used_peak_mib\": %d}\n", m, r, u / n, n, p}' \
+      ~/keep/spec_smi.csv | tee -a ~/keep/spec_gpu_"$D".jsonl
+    cp ~/keep/spec_gpu_"$D".jsonl "$OUT/r/"
     grep -E "^\{|Error|error:" ~/keep/spec_train.log | tail -4 | cut -c1-1500
-    cp ~/keep/spec-"$M"/state.json "$OUT/r/spec_state_$M.json" 2>/dev/null
-    if [ -d ~/keep/spec-"$M"/final ] && [ ~/keep/spec-"$M"/final -nt "$OUT/.start" ]; then
-      TAG=$(python3 -c "import json; print(json.load(open('$HOME/keep/spec-$M/state.json'))['tag'])")
+    cp ~/keep/spec-"$D"/state.json "$OUT/r/spec_state_$D.json" 2>/dev/null
+    if [ -d ~/keep/spec-"$D"/final ] && [ ~/keep/spec-"$D"/final -nt "$OUT/.start" ]; then
+      TAG=$(python3 -c "import json; print(json.load(open('$HOME/keep/spec-$D/state.json'))['tag'])")
       H=~/keep/head-$TAG
-      python3 -m bench.speculators_side check ~/keep/spec-"$M"/final --out "$H" 2>&1 | tail -1 | cut -c1-600
-      cp ~/keep/spec-"$M"/final/config.json "$H/speculators_config.json"
+      python3 -m bench.speculators_side check ~/keep/spec-"$D"/final --out "$H" 2>&1 | tail -1 | cut -c1-600
+      cp ~/keep/spec-"$D"/final/config.json "$H/speculators_config.json"
       (cd ~/keep && tar -cf - "head-$TAG") | split -b 15M -d - "$OUT/$TAG.tar.part"
     fi
     rm -f "$OUT/.start"

@@ -50,3 +50,10 @@ def test_speculators_accuracy_key_follows_the_method():
 def test_compare_reads_small_differences_as_equal():
     assert rs._compare(0.30, 0.32) == "about equal"
     assert rs._compare(0.40, 0.30) == "peagle's higher" and rs._compare(0.28, 0.32) == "speculators' higher"
+
+
+def test_best_rows_read_the_best_arms_differences():
+    from bench.report_speculators import recipe_differences
+
+    text = recipe_differences({"method": "peagle"}, "best")
+    assert "`--lr 6e-4`, `--no-norm-before-residual`, `--max-anchors 4096`" in text and "RECIPE_BEST" in text

@@ -13,7 +13,17 @@ from safetensors.torch import load_file, save_file
 
 from bench.speculators_data import CaptureTransfer, speculators_sample, write_data
 from bench.speculators_heads import flat_config_without_vllm, peagle_head
-from bench.speculators_side import spec_argv
+from bench.speculators_side import (
+    BEST_PINNED,
+    COMMON_FLAGS,
+    CPU_FLAGS,
+    RECIPES,
+    STRUCTURE,
+    best_differs,
+    drop_flags,
+    flag_values,
+    spec_argv,
+)
 from peagle_core.contract import HeadContractError, load_head, validate_head
 from peagle_core.target import final_norm
 from peagle_core.vocab import vocab_mapping_from_counts
@@ -179,6 +189,98 @@ def test_argv_has_the_data_and_the_recipe(spec_data):
     assert argv[argv.index("--target-layer-ids") + 1: argv.index("--target-layer-ids") + 4] == ["1", "2", "3"]
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value argparse keeps for ``name`` (its last occurrence); None when absent."""
+    return argv[len(argv) - argv[::-1].index(name)] if name in argv else None
+
+
+# what must not differ between the recipes: the heads' structure and the data's plan
+STRUCTURE_FLAGS = ("--num-layers", "--draft-arch", "--num-depths", "--ttt-steps", "--total-seq-len",
+                   "--target-layer-ids", "--mask-token-id", "--d2t-path", "--t2d-path", "--hidden-states-dtype",
+                   "--train-data-ratio", "--max-steps", "--from-pretrained")
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("init", [False, True])
+def test_best_recipe_keeps_the_structure(spec_data, method, init):
+    out, side, _ = spec_data
+    kw = {"max_steps": 7, "init": out / "init" if init else None}
+    defaults = spec_argv(method, out, side, out / "save", **kw)
+    best = spec_argv(method, out, side, out / "save", recipe="best", **kw)
+    assert defaults == spec_argv(method, out, side, out / "save", recipe="defaults", **kw)
+    for name in STRUCTURE_FLAGS:
+        assert _flag(best, name) == _flag(defaults, name), name
+    assert set(STRUCTURE[method]) <= set(RECIPES["best"][method]) and set(STRUCTURE[method]) <= set(RECIPES[
+        "defaults"][method])
+    if init:  # the shaping flags come from the config-only init in both
+        assert "--num-layers" not in best and "--draft-arch" not in best
+
+
+def test_best_recipe_flags(spec_data):
+    out, side, _ = spec_data
+    peagle = spec_argv("peagle", out, side, out / "save", max_steps=7, recipe="best")
+    assert (_flag(peagle, "--lr"), _flag(peagle, "--scheduler-type"), _flag(peagle, "--max-anchors")) == (
+        "6e-4", "cosine", "4096")
+    assert "--no-norm-before-residual" in peagle and "--scheduler-warmup-steps" not in peagle
+    eagle3 = spec_argv("eagle3", out, side, out / "save", max_steps=7, recipe="best")
+    assert (_flag(eagle3, "--lr"), _flag(eagle3, "--scheduler-type"), _flag(eagle3, "--ttt-step-loss-decay")) == (
+        "1e-3", "linear", "1.0")
+    assert {"--norm-before-fc", "--norm-output", "--norm-before-residual"} <= set(eagle3)
+    defaults = spec_argv("eagle3", out, side, out / "save", max_steps=7)
+    assert (_flag(defaults, "--scheduler-warmup-steps"), _flag(defaults, "--ttt-step-loss-decay")) == ("50", "0.8")
+    with pytest.raises(ValueError, match="recipe 'tuned'"):
+        spec_argv("eagle3", out, side, out / "save", max_steps=7, recipe="tuned")
+
+
+def test_best_differs_names_what_the_arms_set_differently():
+    assert best_differs("peagle") == ["--lr 6e-4", "--no-norm-before-residual", "--max-anchors 4096",
+                                      "--scheduler-warmup-steps: default"]
+    assert best_differs("eagle3") == ["--scheduler-type linear", "--ttt-step-loss-decay 1.0",
+                                      "--scheduler-warmup-steps: default"]
+    assert flag_values(("--lr", "6e-4", "--norm-output", "--num-layers", "1")) == {
+        "--lr": "6e-4", "--norm-output": None, "--num-layers": "1"}
+
+
+def test_drop_flags_takes_the_values_and_leaves_switches():
+    flags = ("--num-layers", "4", "--no-norm-before-residual", "--draft-arch", "llama", "--lr", "6e-4")
+    assert drop_flags(flags, ("--num-layers", "--draft-arch")) == ["--no-norm-before-residual", "--lr", "6e-4"]
+
+
+def test_every_flag_is_a_speculators_flag():
+    """Every flag of both recipes against speculators 0.9.0's own parser (generated from its schema); skipped
+    without speculators (not a dependency of the project's venv)."""
+    pytest.importorskip("speculators")
+    from speculators.train.config.resolution import build_parser
+
+    known = {o for a in build_parser()._actions for o in a.option_strings}
+    ours = {t for r in RECIPES.values() for flags in r.values() for t in flags} | set(COMMON_FLAGS) | set(CPU_FLAGS)
+    assert {t for t in ours if t.startswith("--")} - known == set()
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_speculators_resolves_the_best_recipe(spec_data, method):
+    """speculators' own resolution (argparse, then its pydantic schema) takes the best recipe's command line and
+    keeps its values; skipped without speculators."""
+    pytest.importorskip("speculators")
+    from speculators.train.config import TrainConfig
+
+    out, side, _ = spec_data
+    argv = spec_argv(method, out, side, out / "save", max_steps=7, recipe="best")
+    cfg = TrainConfig.resolve(argv)
+    pinned = flag_values(BEST_PINNED[method])  # they restate 0.9.0's defaults: without them, the same config
+    assert TrainConfig.resolve(drop_flags(tuple(argv), tuple(pinned))).flatten() == cfg.flatten()
+    assert (cfg.optimizer.optimizer, cfg.loss.loss_fn, cfg.draft.num_layers) == ("muon", "kl_div",
+                                                                                 4 if method == "peagle" else 1)
+    if method == "peagle":
+        assert (cfg.optimizer.lr, cfg.optimizer.muon_lr, cfg.data.max_anchors, cfg.peagle.num_depths) == (
+            6e-4, 6e-4, 4096, 8)
+        assert not cfg.draft.norm_before_residual and cfg.scheduler.scheduler_warmup_steps is None
+    else:
+        assert (cfg.optimizer.lr, cfg.optimizer.muon_lr, cfg.loss.ttt_steps, cfg.loss.ttt_step_loss_decay) == (
+            1e-3, 1e-3, 7, 1.0)
+        assert cfg.draft.norm_before_fc and cfg.draft.norm_output and cfg.draft.norm_before_residual
+
+
 # ------------------------------------------------------------------------------------------ with speculators
 
 
@@ -233,3 +335,38 @@ def test_speculators_trains_eagle3_and_its_head_drafts_as_peagles(spec_data, tmp
         logits = ours.compute_logits(normed)
     hook.remove()
     torch.testing.assert_close(logits, seen[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_best_recipe_head_passes_the_contract(spec_data, tmp_path, method):
+    """The best recipe's initial head (speculators' ``--dry-run``, CPU shims) carries its norm flags in its config
+    and passes the contract check as `check` runs it; skipped without speculators."""
+    pytest.importorskip("speculators")
+    from bench.speculators_side import run_speculators
+
+    out, side, _ = spec_data
+    save = tmp_path / "dry"
+    run_speculators(spec_argv(method, out, side, save, max_steps=1, recipe="best", extra=("--dry-run",)))
+    spec = json.loads((save / "config.json").read_text())
+    want = {"peagle": (False, False, False), "eagle3": (True, True, True)}[method]
+    assert (spec["norm_before_residual"], spec["norm_before_fc"], spec["norm_output"]) == want
+    config = peagle_head(save, tmp_path / "head", target_config=TARGET)
+    assert config["norm_before_residual"] is want[0] and config["num_hidden_layers"] == (4 if method == "peagle"
+                                                                                           else 1)
+
+
+def test_record_takes_the_gpu_calls_of_the_same_recipe(tmp_path, monkeypatch):
+    import bench.common
+    from bench.speculators_side import record
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    train = tmp_path / "spec_train_spec-peagle-best-3k-10s.json"
+    train.write_text(json.dumps({"tag": "spec-peagle-best-3k-10s", "method": "peagle", "recipe": "best",
+                                 "environment": {"date": "2026-11-29T00:00:00"}}))
+    gpu = []
+    for recipe, mib in (("defaults", 1024), ("best", 2048)):  # as run_speculators.sh writes them
+        gpu.append(tmp_path / f"spec_gpu_{recipe}.jsonl")
+        gpu[-1].write_text(json.dumps({"method": "peagle", "recipe": recipe, "mem_used_peak_mib": mib}) + "\n")
+    record(SimpleNamespace(files=[str(train)], gpu=[str(g) for g in gpu], note=None))
+    (row,) = json.loads((tmp_path / "speculators_train.json").read_text())["rows"]
+    assert (row["recipe"], row["gpu_mem_used_peak_gib"], row["date"]) == ("best", 2.0, "2026-11-29")
