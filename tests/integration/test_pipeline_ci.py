@@ -221,7 +221,6 @@ def test_refresh_loop_end_to_end(head, base):
     client sending requests through all of it (0 may fail)."""
     from pipelines.recipe import SourceConfig
     from pipelines.registry.register import get_client
-    from pipelines.traffic.shards import read_log
     from tests.integration.serve_helpers import ChatLoad, chat_request
 
     tmp, port, rc, log, _ = base
@@ -232,21 +231,7 @@ def test_refresh_loop_end_to_end(head, base):
     champion_before = client.get_model_version_by_alias("peagle-smollm2-135m-instruct", "champion").version
 
     # 1. Served traffic: greedy code requests (their answers become training rows without regeneration).
-    with ThreadPoolExecutor(4) as pool:  # serving.max_ongoing_requests of the CI recipe
-        answers = list(pool.map(lambda task: chat_request(url, f"Write a Python function that {task}.", key=None,
-                                                          stream=False, max_tokens=32), CODE_TASKS))
-    assert all(r["ok"] for r in answers), [r for r in answers if not r["ok"]]
-    deadline = time.time() + 120
-    while time.time() < deadline:  # the writer flushes every 2 s
-        try:
-            prompts = [m[-1]["content"] for m in read_log(log_dir).column("messages").to_pylist()]
-        except ValueError:  # no shard yet
-            prompts = []
-        if sum(p.startswith("Write a Python function") for p in prompts) >= len(CODE_TASKS):
-            break
-        time.sleep(2)
-    else:
-        pytest.fail(f"{len(prompts)} rows in the traffic log after 120 s")
+    _serve_code_tasks(url, log_dir)
     until = datetime.now(UTC).isoformat()  # pins the split: the load below is not training data
 
     # 2. The refresh job, with a client sending requests from before it starts to after the roll.
@@ -317,12 +302,41 @@ def test_refresh_loop_end_to_end(head, base):
     assert state["statuses"][state["gateway"]["backend"]] == "RUNNING" and state["again"] is False, state
 
     # The traffic log's rows carry the head that answered each request of the client.
+    _assert_log_names_heads(log_dir, results + [last])
+
+
+def _serve_code_tasks(url: str, log_dir: Path) -> None:
+    """Greedy code requests to the endpoint (:data:`CODE_TASKS`, 4 at a time: the CI recipe's
+    serving.max_ongoing_requests), then wait until the traffic log holds them all (its writer flushes every 2 s)."""
+    from pipelines.traffic.shards import read_log
+    from tests.integration.serve_helpers import chat_request
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda task: chat_request(url, f"Write a Python function that {task}.", key=None,
+                                                          stream=False, max_tokens=32), CODE_TASKS))
+    assert all(r["ok"] for r in answers), [r for r in answers if not r["ok"]]
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            prompts = [m[-1]["content"] for m in read_log(log_dir).column("messages").to_pylist()]
+        except ValueError:  # no shard yet
+            prompts = []
+        if sum(p.startswith("Write a Python function") for p in prompts) >= len(CODE_TASKS):
+            return
+        time.sleep(2)
+    pytest.fail(f"{len(prompts)} rows in the traffic log after 120 s")
+
+
+def _assert_log_names_heads(log_dir: Path, results: list[dict]) -> None:
+    """Each answered request's traffic-log row names the head that answered it (waits up to 60 s for the writer)."""
+    from pipelines.traffic.shards import read_log
+
     deadline, rows = time.time() + 60, {}
     while time.time() < deadline:  # the writer flushes every 2 s
         table = read_log(log_dir)
         rows = dict(zip((m[-1]["content"] for m in table.column("messages").to_pylist()),
                         table.column("head").to_pylist(), strict=True))
-        if all(r["prompt"] in rows for r in results + [last]):
+        if all(r["prompt"] in rows for r in results):
             break
         time.sleep(2)
-    assert all(rows.get(r["prompt"]) == r["served"]["head"] for r in results + [last]), rows
+    assert all(rows.get(r["prompt"]) == r["served"]["head"] for r in results), rows
