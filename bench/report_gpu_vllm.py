@@ -11,7 +11,7 @@ from functools import partial
 from bench.report_fmt import approx, met, stage_table, table
 from bench.report_fmt import env as _env_line
 from bench.report_fmt import f as _f
-from bench.report_load import WARM, changed_settings
+from bench.report_load import changed_settings, warm_groups
 
 # the seeds' anchor (B200, GPT-OSS-20B, vLLM blog 2026-03-13; shared/REFERENCES.md): P-EAGLE / EAGLE-3 tok/s
 ANCHOR_RATIO = {1: (1.55, 1.69), 64: (1.05, 1.25)}
@@ -318,9 +318,8 @@ def k_schedule(lines: list[str], serving_data: dict | None, synthetic_data: dict
                 and not r.get("engine_env")]
         cases += [(f"{target}, paper profile", rows, m) for m in ("peagle", "eagle3")]
     for target in sorted({r["target"] for r in (load_data or {}).get("rows", [])}):
-        many = sorted({r.get("warmup_waves", 0) for r in load_data["rows"]} - set(range(WARM)))
         for warm, label in ((0, "first waves"), (1, "after one warm-up wave"),
-                            *((w, f"after {w} warm-up waves") for w in many)):
+                            *((w, f"after {w} warm-up waves") for w in warm_groups(load_data["rows"]))):
             rows = [r for r in load_data["rows"] if r["target"] == target and not changed_settings(r)
                     and r.get("warmup_waves", 0) == warm]
             profiles = sorted({r["profile"] for r in rows if r["method"] != "none"})

@@ -76,11 +76,16 @@ def under_load(lines: list[str], data: dict | None) -> None:
                     table) + [""]
     for target in sorted({r["target"] for r in rows}):
         lines += _load_readings(target, rows)
-        for waves in sorted({r.get("warmup_waves", 0) for r in rows if r["target"] == target} - set(range(WARM))):
+        for waves in warm_groups(rows, target):
             lines += _warm_readings(target, rows, waves)
 
 
 WARM = 3  # the fewest warm-up waves of the rows taken each method on its default runner (a group per count)
+
+
+def warm_groups(rows: list[dict], target: str | None = None) -> list[int]:
+    """The warm-up counts >= :data:`WARM` of ``rows`` (of ``target`` when given), ascending: one group each."""
+    return sorted({r.get("warmup_waves", 0) for r in rows if target in (None, r["target"])} - set(range(WARM)))
 
 
 def _warm_readings(target: str, rows: list[dict], waves: int) -> list[str]:
@@ -118,8 +123,7 @@ def _warm_readings(target: str, rows: list[dict], waves: int) -> list[str]:
         lines[-1] += (" P-EAGLE / EAGLE-3, each at its best measured K: " + ", ".join(
             f"c={c} {_f(top['peagle'][c][0] / top['eagle3'][c][0])}x (K={top['peagle'][c][1]} / "
             f"K={top['eagle3'][c][1]})" for c in both) + ".")
-    best = {c: max((v, k) for (m, k, cc), v in x.items() if m == "peagle" and cc == c) for c in cs
-            if any(m == "peagle" and cc == c for m, _, cc in x)}
+    best = top["peagle"]
     if target == "llama-3.1-8b" and best:
         lines[-1] += (" Goals (P-EAGLE at its best measured K / none): " + ", ".join(
             f"c={c} >= {g}x: {_f(best[c][0])}x at K={best[c][1]} {met(best[c][0] >= g)}"
@@ -127,10 +131,11 @@ def _warm_readings(target: str, rows: list[dict], waves: int) -> list[str]:
         one_k = {k: [c for c, g in LOAD_GOALS.items() if ("peagle", k, c) in x and x[("peagle", k, c)] < g]
                  for m, k in spec if m == "peagle" and all(("peagle", k, c) in x for c in LOAD_GOALS)}
         sched = sorted({r.get("warmup_waves", 0) for r in rows if r["target"] == target and r.get("k_schedule")})
+        where = f": the k_schedule row of {sched[0]} warm-up waves" if sched else ""
         lines[-1] += (" A P-EAGLE server drafts at one K for every concurrency (a per-batch-size K schedule runs "
                       "with peagle's fix, pipelines.evaluate.dynamic_k, but vLLM's V1 runner then captures the "
-                      "target's CUDA graphs PIECEWISE" + (f": the k_schedule row of {sched[0]} warm-up waves" if sched
-                                                          else "") + "); " + ("no single K meets all three" if all(one_k.values()) else "per K") + ": "
+                      f"target's CUDA graphs PIECEWISE{where}); "
+                      + ("no single K meets all three" if all(one_k.values()) else "per K") + ": "
                       + "; ".join(
                           f"K={k} misses c={', c='.join(map(str, miss))}" if miss else f"K={k} meets them"
                           for k, miss in sorted(one_k.items())) + ".")

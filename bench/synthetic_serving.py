@@ -130,7 +130,8 @@ def _ours(path: str | None, head: str | None = None) -> tuple[list[float], str]:
 
 
 def _settings_key(row: dict) -> str:
-    """A cell's engine settings (environment, extra engine kwargs, extra speculative kwargs) as one key."""
+    """A cell's engine settings (environment, extra engine kwargs, extra speculative kwargs, warm-up waves, K
+    schedule) as one key."""
     return json.dumps({k: row.get(k, {}) for k in ("engine_env", "engine_kwargs", "spec_kwargs")}
                       | {k: row[k] for k in ("warmup_waves", "k_schedule") if row.get(k)}, sort_keys=True)
 
@@ -249,7 +250,7 @@ def main() -> None:
                                "max_model_len": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
                                **({} if torch.cuda.is_available() else {"enforce_eager": True}), **extra_kwargs},
                 ignore_eos=True, waves=args.waves, warmup_waves=args.warmup_waves, step_costs=args.step_costs,
-                k_schedule=schedule if method != "none" else None,
+                k_schedule=cell.get("k_schedule"),
                 step_profile=args.step_profile, env=engine_env)
             rates = None
             if method != "none":
