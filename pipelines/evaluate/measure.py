@@ -235,9 +235,11 @@ def run_engines(specs: Sequence[EngineSpec], *, timeout_s: float = 1800.0, on_gp
     Raises:
         RuntimeError: an engine failed or timed out (the first one, in order).
     """
-    import ray
+    gpus = 0
+    if on_gpus:  # Ray only here: CPU engines and bench/device's GPU evaluations run on a machine without it
+        import ray
 
-    gpus = int(ray.cluster_resources().get("GPU", 0)) if on_gpus and ray.is_initialized() else 0
+        gpus = int(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0
     if gpus < 1:
         out = []
         for spec in specs:

@@ -1,6 +1,8 @@
 """Evaluation engines on a GPU cluster: one Ray task per engine holding one GPU, side by side
 (pipelines.evaluate.measure.run_engines); on CPU one after another in this process's children."""
 
+import sys
+
 import pytest
 
 from pipelines.evaluate import measure
@@ -41,7 +43,9 @@ def test_gpu_engines_run_side_by_side_one_gpu_each(monkeypatch):
 
 
 def test_cpu_engines_run_one_after_another(monkeypatch):
+    """...without Ray: bench/device's GPU evaluations run where Ray is not installed (an import of it failed them)."""
     monkeypatch.setattr(measure, "_timed_engine", _fake_engine)
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     out = measure.run_engines([measure.EngineSpec(target="t", K=k) for k in (3, 5)], on_gpus=False)
     (a,), (b,) = (r[0] for r in out)
     assert a["t1"] <= b["t0"]
