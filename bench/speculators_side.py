@@ -477,6 +477,9 @@ def record(args) -> None:
                "versions": {k: env.get(k) for k in ("torch", "transformers", "triton", "cuda")}} | rec
         if args.note:
             row["note"] = args.note
+        if args.counterpart:  # peagle's run this one is set against (bench.report_speculators.peagle_counterpart)
+            tag, _, run = args.counterpart.partition("#")
+            row["counterpart"] = {"tag": tag, "run": int(run or 1)}
         calls = smi.get((rec["method"], rec.get("recipe", "defaults")))
         if calls:
             row["gpu_smi_calls"] = calls
@@ -527,6 +530,8 @@ def main() -> None:
     p.add_argument("files", nargs="+")
     p.add_argument("--gpu", action="append", help="spec_gpu_<method>.jsonl returned beside them")
     p.add_argument("--note", help="what the record alone does not say (calls lost, flags changed)")
+    p.add_argument("--counterpart", metavar="TAG[#RUN]", help="the bench.scale run to set it against (e.g. "
+                   "peagle's best recipe); default: the last of its method, tokens per epoch and GPU-second goal")
     p.set_defaults(fn=record)
     args = ap.parse_args()
     args.fn(args)

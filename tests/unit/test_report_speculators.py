@@ -21,6 +21,14 @@ def test_counterpart_is_the_finished_run_on_the_same_tokens_and_goal(monkeypatch
     assert rs.peagle_counterpart(SPEC) is None
 
 
+def test_counterpart_named_by_the_record_wins_over_the_last(monkeypatch):
+    """``record --counterpart TAG#RUN``: peagle's best recipe against speculators', not the last run of the goal."""
+    rows = [_run(1), _run(2), _run(3, goal=300.0)]
+    monkeypatch.setattr(rs, "train_rows", lambda: rows)
+    assert rs.peagle_counterpart(SPEC | {"counterpart": {"tag": "peagle-99k-600s", "run": 1}})["run"] == 1
+    assert rs.peagle_counterpart(SPEC | {"counterpart": {"tag": "peagle-99k-600s", "run": 3}}) is None  # other goal
+
+
 def test_peagle_rate_is_over_the_timed_calls_and_the_last_window():
     final = {"step": 100.0, "tokens_seen": 1_600_000.0, **{f"acc_d{d}": 0.5 - d / 10 for d in range(5)}}
     run = _run(2, calls=[{"timed_s": 30.0, "timed_steps": 60, "peak_mem_gib": 8.0},

@@ -367,6 +367,7 @@ def test_record_takes_the_gpu_calls_of_the_same_recipe(tmp_path, monkeypatch):
     for recipe, mib in (("defaults", 1024), ("best", 2048)):  # as run_speculators.sh writes them
         gpu.append(tmp_path / f"spec_gpu_{recipe}.jsonl")
         gpu[-1].write_text(json.dumps({"method": "peagle", "recipe": recipe, "mem_used_peak_mib": mib}) + "\n")
-    record(SimpleNamespace(files=[str(train)], gpu=[str(g) for g in gpu], note=None))
+    record(SimpleNamespace(files=[str(train)], gpu=[str(g) for g in gpu], note=None, counterpart="peagle-3k-10s#2"))
     (row,) = json.loads((tmp_path / "speculators_train.json").read_text())["rows"]
     assert (row["recipe"], row["gpu_mem_used_peak_gib"], row["date"]) == ("best", 2.0, "2026-11-29")
+    assert row["counterpart"] == {"tag": "peagle-3k-10s", "run": 2}  # the peagle run it is set against
