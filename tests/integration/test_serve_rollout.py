@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from bench.serve_load import random_head
+from pipelines import settings
 from tests.integration.serve_helpers import REGISTERED, ChatLoad, serve_cluster
 from tests.integration.test_serve import KEY, KEY_ENV, registry, serve_args, target  # noqa: F401 - fixtures
 
@@ -54,9 +55,9 @@ def cluster(registry, module_mktemp):  # noqa: F811
 
 
 def rollout_args(registry, log_dir):  # noqa: F811
-    # Two vLLM engines at once during a roll: a small KV cache each.
+    # Two vLLM engines at once during a roll: the CPU engines' explicit KV cache each (settings.CPU_VLLM_KWARGS).
     return serve_args(registry, traffic_log={"uri": str(log_dir), "flush_interval_s": 1.0},
-                      engine_kwargs={"max_model_len": 1024, "gpu_memory_utilization": 0.1, "enforce_eager": True})
+                      engine_kwargs={"max_model_len": 1024, **settings.CPU_VLLM_KWARGS})
 
 
 def roll_under_load(url: str, args, *, expect_error: type[BaseException] | None = None):

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from pipelines import settings
 from pipelines.pipeline import STAGE_TYPES, STAGES, PipelineRun, print_summary
 from pipelines.preflight import Machine
 from pipelines.recipe import load_recipe
@@ -269,7 +270,7 @@ def test_recipe_checks_before_compute(tmp_path):
 def test_engine_settings_cpu_and_gpu(ci_recipe):
     cpu = engine_settings(ci_recipe)
     assert not cpu.use_gpu and cpu.accelerator == "cpu" and cpu.export_dtype == "float32"
-    assert cpu.vllm_kwargs == {"enforce_eager": True, "gpu_memory_utilization": 0.25}
+    assert cpu.vllm_kwargs == settings.CPU_VLLM_KWARGS and cpu.vllm_kwargs["kv_cache_memory_bytes"] == 2 << 30
     gpu = engine_settings(load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["training.use_gpu=true"]))
     assert gpu.use_gpu and gpu.vllm_kwargs == {} and gpu.export_dtype == "bfloat16" and not gpu.serve_resources
 
@@ -284,8 +285,7 @@ def test_serving_engine_kwargs_reach_the_engines_that_draft_and_key_what_they_me
     tuned = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", sets)
     eng = engine_settings(tuned)
     evaluate_kwargs = eng.drafting_engine_kwargs(dtype="float32", max_model_len=1024)
-    assert evaluate_kwargs == {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True,
-                               "gpu_memory_utilization": 0.25, "max_num_seqs": 8,
+    assert evaluate_kwargs == {"dtype": "float32", "max_model_len": 1024, **settings.CPU_VLLM_KWARGS, "max_num_seqs": 8,
                                "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}
     served = serve_app_args(tuned, eng, tracking_uri=None).engine_kwargs
     assert {k: v for k, v in served.items() if k != "max_model_len"} == {
