@@ -234,5 +234,5 @@ def k7_note(runs: list[dict]) -> str:
         return ""
     gain = max(x["acceptance_length"] - e["acceptance_length"] for x, e in pairs)
     deep = max(max(x["al_per_pos"][3:]) for x, _ in pairs)
-    return (f"; at K=7 the {len(pairs)} heads measured there gain at most {gain:+.2f} AL over K=5 (acceptance at "
-            f"positions >= 4 at most {f(deep)}), so their K=7 ratio is the K=5 one")
+    return (f"; at K=7 (measured for {len(pairs)} of these heads) AL gains at most {gain:+.2f} over K=5 (acceptance "
+            f"at positions >= 4 at most {f(deep)}), so the K=7 ratio is the K=5 one")

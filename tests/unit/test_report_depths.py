@@ -73,3 +73,54 @@ def test_an_ablated_recipe_run_at_scale_is_set_beside_its_ablation_run(monkeypat
                                "conversations, 1800 GPU-s, 9150 steps, 3.7 epochs)")
     assert "given 1..p-1: 0.50 / 0.50; against peagle-29k-cod003-180s" in lines[0]
     assert lines[0].endswith("given 1..p-1: not run.")
+
+
+COD = ["training.cod_ratio=0.03", "training.cod_min_ratio=0.008"]
+
+
+def test_structure_reading_sets_one_override_variants_against_the_recipes_spread_and_eagle3(monkeypatch):
+    runs = [_run("peagle-29k-180s", 3), _run("peagle-29k-cod003-180s", overrides=COD) | {"steps": 1103},
+            _run("peagle-29k-cod003-2l-180s", overrides=[*COD, "drafter.num_layers=2"], date="2026-11-29")
+            | {"steps": 834},
+            _run("peagle-29k-cod003-180s", 2, overrides=COD, date="2026-11-29") | {"steps": 785},
+            _run("peagle-29k-cod003-init-180s", overrides=[*COD, "drafter.init_layers_from_target=true"],
+                 date="2026-11-29") | {"steps": 1017}]
+    eagle3 = _run("eagle3-29k-200s") | {"method": "eagle3", "train_s_goal": 200.0}
+    gpu = {"peagle-29k-cod003-180s": 1.67, "peagle-29k-cod003-180s-run2": 1.54, "peagle-29k-cod003-2l-180s": 1.50,
+           "peagle-29k-cod003-init-180s": 1.60, "eagle3-29k-200s": 1.40, "peagle-29k-180s-run3": 1.39}
+    monkeypatch.setattr(rd, "train_rows", lambda: [*runs, eagle3])
+    monkeypatch.setattr(rd, "eval_row", lambda name, head, run, s: _eval(gpu[head], [0.5, 0.1, 0.0])
+                        if name == rd.GPU_EVAL and s == "humaneval" and head in gpu else None)
+    monkeypatch.setattr(rd, "load", lambda name: {"rows": [
+        {"head": "peagle-29k-cod003-2l-180s", "eval_set": "humaneval", "concurrency": 1, "K": 7,
+         "acceptance_length": 1.51, "al_per_pos": [0.5, 0.1, 0.0, 0.01, 0.0, 0.0, 0.0]}]})
+    text = rd.structure_reading(runs)
+    assert text.startswith("Reading, drafter structure on the recipe training.cod_ratio=0.03, "
+                           "training.cod_min_ratio=0.008 (GPU vLLM HumanEval, K=5, c=1): the recipe itself 1.67 "
+                           "(1,103 steps")
+    assert "drafter.num_layers=2 1.50 (834 steps" in text and "drafter.init_layers_from_target=true 1.60" in text
+    assert "1 of the 2 variants stays within the recipe's own run-to-run spread (1.54-1.67" in text
+    assert "(drafter.num_layers=2 below it)" in text
+    assert "EAGLE-3 on the same set: eagle3-29k-200s 1.40; P-EAGLE / EAGLE-3 over these runs 1.07-1.19 at K=5" in text
+    assert "at K=7 (measured for 1 of these heads) AL gains at most +0.01 over K=5" in text
+    assert rd.structure_reading(runs[:2]) == ""  # no variant of an overridden recipe: nothing to read
+
+
+def test_the_loss_weight_reading_keeps_the_latest_day_with_runs_of_the_recipe_itself(monkeypatch):
+    runs = [_run("peagle-29k-180s", 3), _run("peagle-29k-cod003-180s", overrides=COD),
+            _run("peagle-29k-cod003-180s", 2, overrides=COD, date="2026-11-29"),
+            _run("peagle-29k-cod003-2l-180s", overrides=[*COD, "drafter.num_layers=2"], date="2026-11-29")]
+    monkeypatch.setattr(rd, "eval_row", lambda name, tag, run, s: _eval(1.5, [0.5, 0.1, 0.0])
+                        if name == rd.SCALE_EVAL and s == "humaneval" else None)
+    assert rd.reading(runs, {}).startswith("Reading (H200, 2026-11-26): the base recipe decodes AL 1.50")
+
+
+def test_a_recipe_at_scale_is_set_beside_the_first_run_of_its_ablation(monkeypatch):
+    first = _run("peagle-29k-cod003-180s", overrides=COD) | {"steps": 1103, "epochs": 2.0}
+    again = _run("peagle-29k-cod003-180s", 2, overrides=COD) | {"steps": 785, "epochs": 1.4}
+    big = _run("peagle-99k-cod003-1800s", overrides=COD) | {"size": 99000, "train_s_goal": 1800.0, "steps": 9150,
+                                                             "epochs": 3.7}
+    monkeypatch.setattr(rd, "train_rows", lambda: [first, again, big])
+    monkeypatch.setattr(rd, "eval_row", lambda name, tag, run, s: None)
+    lines = rd.scaled_up([first, again], {})
+    assert "against peagle-29k-cod003-180s (29,905 conversations, 180 GPU-s, 1103 steps, 2.0 epochs)" in lines[0]
