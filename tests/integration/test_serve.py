@@ -431,7 +431,7 @@ def test_replica_sigkill_with_mlflow_down(deployment):
 
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(stream_chat, url, f"Tell a long story about the number {i}.", key=KEY,
-                               max_tokens=96, on_first_token=first_token) for i in range(16)]
+                               max_tokens=48, on_first_token=first_token) for i in range(16)]
         deadline = time.monotonic() + 180
         while started[0] < 8 and time.monotonic() < deadline:  # kill mid-stream
             time.sleep(0.2)

@@ -6,7 +6,8 @@ worker process SIGKILLed mid-epoch is restarted by Ray Train (training.max_failu
 finishes by itself with the same steps, samples and weights; a tracking-server outage during training (issue 15):
 a real ``mlflow server`` (sqlite backend, loopback) is SIGKILLed after the step-2 checkpoint and restarted later;
 training goes on, rank 0 buffers its metrics (one outage, one warning) and they all arrive once the server is
-back. One Ray cluster and one capture for all of them."""
+back. One Ray cluster and one capture for all of them; the outage's run is also the uninterrupted run the
+others compare with (fixture ``reference``)."""
 
 import json
 import os
@@ -100,19 +101,71 @@ def sample_logs(run_dir: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(capture, ray_local, module_mktemp):
-    """The uninterrupted run every fault test compares with: ``(output, run dir, seconds)``."""
+def mlflow_server(module_mktemp):
+    server = MlflowServer(module_mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+class WaitAtStep(T.TrainCallback):
+    """Test harness, not a fault: every rank waits at the checkpoint of ``step`` until ``path`` exists
+    (at most ``timeout_s``), so that the server restart happens while training still has steps to go."""
+
+    def __init__(self, step: int, path: Path, timeout_s: float = 240) -> None:
+        self.step, self.path, self.timeout_s = step, Path(path), timeout_s
+
+    def on_checkpoint(self, step: int, metrics: dict) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while step == self.step and not self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def wait_for(path: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout_s} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(capture, ray_local, mlflow_server, module_mktemp):
+    """The uninterrupted run every fault test compares with: ``(output, run dir, events)``. It is also the run of
+    the tracking-server outage (test_mlflow_outage_mid_training_loses_no_metric): a real ``mlflow server`` is
+    SIGKILLed after the step-2 checkpoint and restarted once the step-4 checkpoint is written (the ranks wait
+    there for it); an outage does not interrupt training, so one Ray Train run serves both (one start-up of ~60 s
+    less). Checkpoints every 2 steps (the outage's timing) instead of 4: checkpoint_00000004 and _08 are there as
+    in the other runs, and a checkpoint changes no weight (the SIGKILL test's resumed run equals it)."""
     tmp = module_mktemp("reference")
+    run_dir = tmp / "ray_results" / "reference"
+    up_s = mlflow_server.wait_healthy()
+    go, events = tmp / "server-back", {"up_s": up_s}
+
+    def controller() -> None:
+        wait_for(run_dir / "checkpoint_00000002" / T.STATE_FILE)
+        mlflow_server.stop(signal.SIGKILL)
+        events["down"] = time.monotonic()
+        wait_for(run_dir / "checkpoint_00000004" / T.STATE_FILE)  # steps 3-4 trained during the outage
+        mlflow_server.start()
+        events["restart_s"] = mlflow_server.wait_healthy()
+        events["up"] = time.monotonic()
+        go.write_text("go")
+
+    thread = threading.Thread(target=controller, name="outage", daemon=True)
+    thread.start()
     t0 = time.monotonic()
-    out = run(capture, tmp, "reference")
-    seconds = time.monotonic() - t0
-    logs = sample_logs(tmp / "ray_results" / "reference")
+    out = run(capture, tmp, "reference", training_kw={"checkpoint_every_steps": 2},
+              mlflow_tracking_uri=mlflow_server.uri, callbacks=[WaitAtStep(4, go)])
+    events["total_s"] = time.monotonic() - t0
+    thread.join(5)
+    logs = sample_logs(run_dir)
     assert out.step == 8 and len(logs) >= 2
     for log in logs.values():  # every rank trained the planned order's prefix, each sample once per epoch
         assert all(r["matches_digest"] for r in log["ranks"]) and log["world_size"] == 2
         ids = [s for r in log["ranks"] for s in r["sample_ids"]]
         assert len(ids) == len(set(ids)) == log["num_samples"] > 0
-    return out, tmp / "ray_results" / "reference", seconds
+    return out, run_dir, events
 
 
 def test_train_kill_resume_loss_decreases_and_export(capture, ray_local, reference, tmp_path):
@@ -230,7 +283,7 @@ def test_sigkill_a_worker_mid_epoch_the_run_recovers_by_itself(capture, ray_loca
     import psutil
     from safetensors.torch import load_file
 
-    ref, ref_dir, ref_s = reference
+    ref, ref_dir, _ = reference
     killed: dict = {}
     killer = kill_when_written(tmp_path / "rank1.pid", killed)
     t0 = time.monotonic()
@@ -253,65 +306,16 @@ def test_sigkill_a_worker_mid_epoch_the_run_recovers_by_itself(capture, ray_loca
     assert cfg["peagle"]["step"] == 8
     print(f"\nSIGKILL rank 1 (pid {killed['pid']}) after checkpoint 4 (epoch {pos['epoch']}, "
           f"{pos['samples_consumed']}/{epoch_log['ranks'][1]['num_samples']} samples): killed run {total_s:.0f} s "
-          f"(kill -> end {time.monotonic() - killed['t']:.0f} s), uninterrupted run {ref_s:.0f} s; "
-          f"recovery overhead {total_s - ref_s:.0f} s")
+          f"(kill -> end {time.monotonic() - killed['t']:.0f} s)")
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    server = MlflowServer(tmp_path / "mlflow-server")
-    server.start()
-    yield server
-    server.stop()
-
-
-class WaitAtStep(T.TrainCallback):
-    """Test harness, not a fault: every rank waits at the checkpoint of ``step`` until ``path`` exists
-    (at most ``timeout_s``), so that the server restart happens while training still has steps to go."""
-
-    def __init__(self, step: int, path: Path, timeout_s: float = 240) -> None:
-        self.step, self.path, self.timeout_s = step, Path(path), timeout_s
-
-    def on_checkpoint(self, step: int, metrics: dict) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while step == self.step and not self.path.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
-def wait_for(path: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear in {timeout_s} s")
-        time.sleep(0.05)
-
-
-def test_mlflow_outage_mid_training_loses_no_metric(mlflow_server, capture, ray_local, tmp_path):
-    import threading
-
+def test_mlflow_outage_mid_training_loses_no_metric(mlflow_server, reference):
+    """The reference run's tracking server was SIGKILLed after the step-2 checkpoint and restarted after the
+    step-4 one (fixture ``reference``): training went on, rank 0 buffered its metrics (one outage, one warning)
+    and they all arrived once the server was back."""
     from mlflow.tracking import MlflowClient
 
-    up_s = mlflow_server.wait_healthy()
-    run_dir = tmp_path / "ray_results" / "outage"
-    go, events = tmp_path / "server-back", {}
-
-    def controller() -> None:
-        wait_for(run_dir / "checkpoint_00000002" / T.STATE_FILE)
-        mlflow_server.stop(signal.SIGKILL)
-        events["down"] = time.monotonic()
-        wait_for(run_dir / "checkpoint_00000004" / T.STATE_FILE)  # steps 3-4 trained during the outage
-        mlflow_server.start()
-        events["restart_s"] = mlflow_server.wait_healthy()
-        events["up"] = time.monotonic()
-        go.write_text("go")
-
-    thread = threading.Thread(target=controller, name="outage", daemon=True)
-    thread.start()
-    t0 = time.monotonic()
-    out = run(capture, tmp_path, "outage", training_kw={"checkpoint_every_steps": 2},
-              mlflow_tracking_uri=mlflow_server.uri, callbacks=[WaitAtStep(4, go)])
-    total_s = time.monotonic() - t0
-    thread.join(5)
+    out, run_dir, events = reference
     assert {"down", "up"} <= set(events) and out.step == 8
     assert out.return_value["mlflow_outages"] == 1  # one outage seen (and warned about once) by rank 0
 
@@ -325,5 +329,6 @@ def test_mlflow_outage_mid_training_loses_no_metric(mlflow_server, capture, ray_
     assert params["training.lr"] == "0.002" and params["sample_order.epoch_0000.sha256"]
     assert not (run_dir / "mlflow_unsent.jsonl").exists()
     validate_head(out.head_dir, parallel_drafting=True)
-    print(f"\nMLflow server up in {up_s:.0f} s, SIGKILLed after checkpoint 2, back {events['up'] - events['down']:.0f} s "
-          f"later (restart {events['restart_s']:.0f} s); training {total_s:.0f} s, 8/8 steps, 4/4 metric windows")
+    print(f"\nMLflow server up in {events['up_s']:.0f} s, SIGKILLed after checkpoint 2, back "
+          f"{events['up'] - events['down']:.0f} s later (restart {events['restart_s']:.0f} s); training "
+          f"{events['total_s']:.0f} s, 8/8 steps, 4/4 metric windows")
