@@ -234,5 +234,6 @@ def k7_note(runs: list[dict]) -> str:
         return ""
     gain = max(x["acceptance_length"] - e["acceptance_length"] for x, e in pairs)
     deep = max(max(x["al_per_pos"][3:]) for x, _ in pairs)
+    same = ", so the K=7 ratio is the K=5 one" if abs(gain) < SPREAD_MARGIN else ""
     return (f"; at K=7 (measured for {len(pairs)} of these heads) AL gains at most {gain:+.2f} over K=5 (acceptance "
-            f"at positions >= 4 at most {f(deep)}), so the K=7 ratio is the K=5 one")
+            f"at positions >= 4 at most {f(deep)}){same}")
