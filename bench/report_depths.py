@@ -197,15 +197,19 @@ def structure_reading(runs: list[dict]) -> str:
         return (f"{f(al[id(r)]['acceptance_length'])} ({r['steps']:,} steps, {timed_s(r):.0f} timed s, "
                 f"{r['device'].removeprefix('NVIDIA ')} {r['date']})")
 
+    def extra(r: dict) -> str:
+        """The variant's override beyond the base recipe."""
+        return ", ".join(o for o in r["overrides"] if o not in base)
+
     base_al = [al[id(r)]["acceptance_length"] for r in base_runs]
     lo, hi = min(base_al), max(base_al)
     inside = [r for r in variants if lo - SPREAD_MARGIN <= al[id(r)]["acceptance_length"] <= hi + SPREAD_MARGIN]
-    outside = [f"{', '.join(o for o in r['overrides'] if o not in base)} "
-               f"{'above' if al[id(r)]['acceptance_length'] > hi else 'below'} it" for r in variants if r not in inside]
+    outside = [f"{extra(r)} {'above' if al[id(r)]['acceptance_length'] > hi else 'below'} it"
+               for r in variants if r not in inside]
     every = "Every variant" if not outside else f"{len(inside)} of the {len(variants)} variants"
     text = (f"Reading, drafter structure on the recipe {', '.join(base)} (GPU vLLM HumanEval, K=5, c=1): the recipe "
             f"itself {' and '.join(cell(r) for r in base_runs)}; "
-            + "; ".join(f"{', '.join(o for o in r['overrides'] if o not in base)} {cell(r)}" for r in variants) + ". "
+            + "; ".join(f"{extra(r)} {cell(r)}" for r in variants) + ". "
             + (f"{every}"
                f" stays within the recipe's own run-to-run spread ({f(lo)}-{f(hi)}, +-{SPREAD_MARGIN}) at these "
                "budgets" + (f" ({'; '.join(outside)})." if outside else ".")))
@@ -218,18 +222,15 @@ def structure_reading(runs: list[dict]) -> str:
         e3_cells = ", ".join(f"{t['tag']} {f(e['acceptance_length'])}" for t, e in e3)
         text += (f" EAGLE-3 on the same set: {e3_cells}; "
                  f"P-EAGLE / EAGLE-3 over these runs {f(min(pe_al) / max(e3_al))}-{f(max(pe_al) / min(e3_al))} at "
-                 f"K=5{k7_note(base_runs + variants)}.")
+                 f"K=5{k7_note({head_name(r['tag'], r['run']): al[id(r)] for r in base_runs + variants})}.")
     return text
 
 
-def k7_note(runs: list[dict]) -> str:
-    """What the K=7 rows (GPU vLLM HumanEval, c=1) of these P-EAGLE runs' heads add to their K=5 AL: the largest
-    AL difference and the largest acceptance at positions >= 4; empty when none of them ran at K=7."""
-    names = {head_name(r["tag"], r["run"]) for r in runs}
-    rows = [x for x in (load(GPU_EVAL) or {}).get("rows", []) if x["head"] in names and x["eval_set"] == "humaneval"
-            and x["concurrency"] == 1 and x["K"] == 7]
-    k5 = {h: eval_row(GPU_EVAL, h, None, "humaneval") for h in names}
-    pairs = [(x, k5[x["head"]]) for x in rows if k5[x["head"]]]
+def k7_note(k5: dict[str, dict]) -> str:
+    """What the K=7 rows (GPU vLLM HumanEval, c=1) of these P-EAGLE heads add to their K=5 rows ``k5`` (by head
+    name): the largest AL difference and the largest acceptance at positions >= 4; empty when none ran at K=7."""
+    pairs = [(x, k5[x["head"]]) for x in (load(GPU_EVAL) or {}).get("rows", []) if x["head"] in k5
+             and x["eval_set"] == "humaneval" and x["concurrency"] == 1 and x["K"] == 7]
     if not pairs:
         return ""
     gain = max(x["acceptance_length"] - e["acceptance_length"] for x, e in pairs)
