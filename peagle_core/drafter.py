@@ -240,6 +240,26 @@ class Eagle3Drafter(nn.Module):
         if self.parallel_drafting:
             nn.init.normal_(self.mask_hidden, std=std)
 
+    @torch.no_grad()
+    def set_mask_hidden_(self, value: torch.Tensor) -> None:
+        """Overwrite ``mask_hidden`` with ``value [3*Ht]`` (cast to its dtype and device; an FSDP2-sharded
+        ``mask_hidden`` gets its shard of ``value``, which must then be the same on every rank).
+
+        Raises:
+            ValueError: if the head has no ``mask_hidden`` (an EAGLE-3 head) or ``value`` is not ``[3*Ht]``.
+        """
+        if not self.parallel_drafting:
+            raise ValueError("this head has no mask_hidden/mask_token_id (an EAGLE-3 head)")
+        if tuple(value.shape) != (self.config.fc_input_size,):
+            raise ValueError(f"mask_hidden value of shape {tuple(value.shape)}, expected ({self.config.fc_input_size},)")
+        param = self.mask_hidden
+        if hasattr(param, "device_mesh"):  # a DTensor (peagle_core.fsdp)
+            from torch.distributed.tensor import distribute_tensor
+
+            local = param.to_local()
+            value = distribute_tensor(value.to(local.device, local.dtype), param.device_mesh, param.placements)
+        param.copy_(value)  # copy_ casts dtype and device
+
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a pruned draft vocabulary (see ``peagle_core.vocab.vocab_mapping_from_counts``)."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:

@@ -174,6 +174,14 @@ class TrainingConfig(Section):
         "elements); None: uniform, the paper's (and the stage keys of earlier recipes unchanged). Method "
         "peagle only (EAGLE-3 weighs its steps with ttt_decay).",
     )
+    mask_hidden_init: Annotated[Literal["normal", "aux_mean"] | None, KEY_NEUTRAL_WHEN_NONE] = Field(
+        None,
+        description="P-EAGLE's mask_hidden [3*Ht] at the start of a run from scratch. normal (or None, which "
+        "leaves the stage keys of earlier recipes unchanged): N(0, 0.02), far below the target's aux hidden states "
+        "(SmolLM2: row norm ~530 against ~0.8), which AdamW moves by ~lr per step. aux_mean: the mean of the target's "
+        "aux hidden states over the assistant tokens of the first batch of every worker (pipelines.train.loop."
+        "Trainer). Method peagle only; not with training.init_from (a warm-start head brings its mask_hidden).",
+    )
     ttt_steps: int = Field(7, ge=1, description="EAGLE-3 test-time-training steps (method eagle3).")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 loss weight of step i is decay^i.")
     loss: Literal["kl", "ce"] = Field("kl", description="KL(target || draft) or cross-entropy on target argmax.")
@@ -235,6 +243,13 @@ class TrainingConfig(Section):
                 f"training.cod_min_ratio={self.cod_min_ratio} > training.cod_ratio={self.cod_ratio}; "
                 "set r_min <= r (defaults 0.2 and 0.8)"
             )
+        if self.mask_hidden_init is not None and self.mask_hidden_init != "normal":
+            if self.method != "peagle":
+                raise ValueError(f"training.mask_hidden_init={self.mask_hidden_init!r} sets P-EAGLE's mask_hidden; "
+                                 f"method {self.method!r} has none")
+            if self.init_from is not None:
+                raise ValueError(f"training.mask_hidden_init={self.mask_hidden_init!r} with training.init_from="
+                                 f"{self.init_from!r}: the warm-start head brings its own mask_hidden")
         if self.depth_decay is not None and self.method != "peagle":
             raise ValueError(f"training.depth_decay={self.depth_decay} weighs P-EAGLE depths; method "
                              f"{self.method!r} weighs its TTT steps with training.ttt_decay")

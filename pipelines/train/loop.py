@@ -274,6 +274,8 @@ class Trainer:
     def _step(self, batch: PackedBatch, num_samples: int) -> bool:
         """Train on one batch, advance the counters, log and checkpoint when due; True when done."""
         st = self.state
+        if st.step == 0 and self.config.mask_hidden_init == "aux_mean":
+            self._mask_hidden_from_aux(batch)
         metrics = self.train_step(batch)
         st.step += 1
         st.position.epoch_step += 1
@@ -294,6 +296,14 @@ class Trainer:
             self._checkpoint()
             self._t_window += time.perf_counter() - t_ckpt  # throughput excludes checkpoint I/O
         return done
+
+    def _mask_hidden_from_aux(self, batch: PackedBatch) -> None:
+        """``training.mask_hidden_init: aux_mean``: ``mask_hidden`` = the mean of ``batch.aux [N, 3*Ht]`` over its
+        assistant tokens (all its tokens when it has none), summed over every rank's first batch (a collective:
+        every rank steps its first batch together), so every replica starts from the same value."""
+        rows = batch.aux[batch.loss_mask] if bool(batch.loss_mask.any()) else batch.aux
+        summed = self._all_sum(rows.double().sum(0).tolist() + [float(rows.shape[0])])
+        self.drafter.set_mask_hidden_(torch.tensor(summed[:-1]) / max(summed[-1], 1.0))
 
     def _log_window(self) -> None:
         window, seconds = self._window, time.perf_counter() - self._t_window

@@ -505,3 +505,36 @@ def test_drafter_layers_start_as_the_target_layer_that_reads_the_deepest_aux_sta
                                                     mask_token_id=MASK_ID))
     with pytest.raises(ValueError, match="cannot seed|is \\("):
         T.init_drafter_layers_from_target(wide, tmp_path)
+
+
+def test_mask_hidden_aux_mean_starts_at_the_first_batchs_assistant_aux_mean():
+    """training.mask_hidden_init=aux_mean: before the first step, mask_hidden = the mean of the first packed batch's
+    aux rows at its assistant tokens (loss_mask); lr ~0 leaves it there. Without the field it stays N(0, 0.02)."""
+    samples = make_samples(6)
+    for s in samples:  # the aux rows outside the loss mask must not count
+        s["loss_mask"][:2] = False
+        s["aux"][:2] = 1e3
+    first = pack_samples(samples, FIELDS["batch_tokens"])[0]
+    want = first.aux[first.loss_mask].mean(0)
+    steps = {}
+    for init in ("aux_mean", None):
+        drafter = make_drafter()
+        before = drafter.mask_hidden.detach().clone()
+        T.train_in_process(lambda e: iter(samples), drafter, LM_HEAD, StandInObjective(),
+                           config(lr=1e-12, warmup_steps=0, max_steps=1, mask_hidden_init=init), device="cpu",
+                           pack_fn=pack_samples)
+        steps[init] = (before, drafter.mask_hidden.detach())
+    assert torch.allclose(steps["aux_mean"][1], want, atol=1e-5), (steps["aux_mean"][1][:4], want[:4])
+    assert torch.allclose(steps[None][1], steps[None][0], atol=1e-6) and steps[None][1].norm() < 0.1 * want.norm()
+
+
+def test_mask_hidden_init_refused_where_there_is_no_mask_hidden_to_set():
+    with pytest.raises(ValueError, match="method 'eagle3' has none"):
+        config(method="eagle3", mask_hidden_init="aux_mean")
+    with pytest.raises(ValueError, match="brings its own mask_hidden"):
+        config(mask_hidden_init="aux_mean", init_from="models:/head@champion")
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        Eagle3Drafter(DrafterConfig.from_target(tiny_target_config(), num_hidden_layers=1)).set_mask_hidden_(
+            torch.zeros(3 * HIDDEN))
+    with pytest.raises(ValueError, match="expected"):
+        make_drafter().set_mask_hidden_(torch.zeros(HIDDEN))
