@@ -201,24 +201,42 @@ def structure_reading(runs: list[dict]) -> str:
         """The variant's override beyond the base recipe."""
         return ", ".join(o for o in r["overrides"] if o not in base)
 
-    base_al = [al[id(r)]["acceptance_length"] for r in base_runs]
+    def acc(r: dict) -> float:
+        return al[id(r)]["acceptance_length"]
+
+    base_al = [acc(r) for r in base_runs]
     lo, hi = min(base_al), max(base_al)
-    inside = [r for r in variants if lo - SPREAD_MARGIN <= al[id(r)]["acceptance_length"] <= hi + SPREAD_MARGIN]
-    outside = [f"{extra(r)} {'above' if al[id(r)]['acceptance_length'] > hi else 'below'} it"
-               for r in variants if r not in inside]
-    every = "Every variant" if not outside else f"{len(inside)} of the {len(variants)} variants"
+    groups: dict[str, list[dict]] = {}  # the runs of each variant (one override beyond the base), in order
+    for r in variants:
+        groups.setdefault(extra(r), []).append(r)
+
+    def side(r: dict) -> str:
+        return "below" if acc(r) < lo - SPREAD_MARGIN else "above" if acc(r) > hi + SPREAD_MARGIN else "within"
+
+    sides = {name: {side(r) for r in rs} for name, rs in groups.items()}
+    inside = [name for name, s in sides.items() if s == {"within"}]
+    outside = [f"{name} {'partly ' if 'within' in s else ''}{' and '.join(sorted(s - {'within'}))} it"
+               for name, s in sides.items() if name not in inside]
+    every = "Every variant stays" if not outside else f"{len(inside)} of the {len(groups)} variants stay"
+
+    def nearest(r: dict) -> str:
+        """``r`` against the base run nearest to it in steps (steps moved AL as much as any override)."""
+        b = min(base_runs, key=lambda x: abs(x["steps"] - r["steps"]))
+        return f"{acc(r) - acc(b):+.2f} at {r['steps']:,} against {b['steps']:,} steps"
+
     text = (f"Reading, drafter structure on the recipe {', '.join(base)} (GPU vLLM HumanEval, K=5, c=1): the recipe "
             f"itself {' and '.join(cell(r) for r in base_runs)}; "
-            + "; ".join(f"{extra(r)} {cell(r)}" for r in variants) + ". "
-            + (f"{every}"
-               f" stays within the recipe's own run-to-run spread ({f(lo)}-{f(hi)}, +-{SPREAD_MARGIN}) at these "
-               "budgets" + (f" ({'; '.join(outside)})." if outside else ".")))
+            + "; ".join(f"{name} {' and '.join(cell(r) for r in rs)}" for name, rs in groups.items()) + ". "
+            + f"{every} within the recipe's own run-to-run spread ({f(lo)}-{f(hi)}, +-{SPREAD_MARGIN}) at these "
+            "budgets" + (f" ({'; '.join(outside)})." if outside else ".")
+            + " Against the recipe's run nearest in steps: "
+            + "; ".join(f"{name} {', '.join(nearest(r) for r in rs)}" for name, rs in groups.items()) + ".")
     eagle3 = [t for t in train_rows() if t["method"] == "eagle3" and t["size"] == SIZE and t.get("done")
               and t["train_s_goal"] in EAGLE3_TRAIN_S]
     e3 = [(t, e) for t in eagle3 if (e := eval_row(GPU_EVAL, head_name(t["tag"], t["run"]), None, "humaneval"))]
     if e3:
         e3_al = [e["acceptance_length"] for _, e in e3]
-        pe_al = base_al + [al[id(r)]["acceptance_length"] for r in variants]
+        pe_al = base_al + [acc(r) for r in variants]
         e3_cells = ", ".join(f"{t['tag']} {f(e['acceptance_length'])}" for t, e in e3)
         text += (f" EAGLE-3 on the same set: {e3_cells}; "
                  f"P-EAGLE / EAGLE-3 over these runs {f(min(pe_al) / max(e3_al))}-{f(max(pe_al) / min(e3_al))} at "

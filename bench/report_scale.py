@@ -247,8 +247,8 @@ def _recipe_paragraph(st: dict) -> str:
             f"{gpu_s:.0f} GPU-seconds each (warm-up excluded; horizon = {gpu_s:.0f} s / seconds per step measured "
             f"after warm-up). Variants: {', '.join(variants.values())}. Accuracies and the simulated AL are the last "
             "training window (teacher-forced, not vLLM). 'timed s' is the training time measured after warm-up; it "
-            f"falls short of the goal where the calibration's {base['peagle']['calib_steps']} steps ran slower than "
-            f"the rest (the horizon is set from them). 'data build': the regenerated set the run trained on "
+            "falls short of the goal where the calibration (its seconds per step: 's/step') ran slower than the "
+            f"rest (the horizon is set from it). 'data build': the regenerated set the run trained on "
             f"({link('the training sets', SETS_HEADING)}).")
 
 

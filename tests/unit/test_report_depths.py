@@ -84,10 +84,15 @@ def test_structure_reading_sets_one_override_variants_against_the_recipes_spread
             | {"steps": 834},
             _run("peagle-29k-cod003-180s", 2, overrides=COD, date="2026-11-29") | {"steps": 785},
             _run("peagle-29k-cod003-init-180s", overrides=[*COD, "drafter.init_layers_from_target=true"],
-                 date="2026-11-29") | {"steps": 1017}]
+                 date="2026-11-29") | {"steps": 1017},
+            _run("peagle-29k-cod003-mm-180s", overrides=[*COD, "training.mask_hidden_init=aux_mean"],
+                 date="2026-11-29") | {"steps": 833},
+            _run("peagle-29k-cod003-mm-180s", 2, overrides=[*COD, "training.mask_hidden_init=aux_mean"],
+                 date="2026-11-29") | {"steps": 1006}]
     eagle3 = _run("eagle3-29k-200s") | {"method": "eagle3", "train_s_goal": 200.0}
     gpu = {"peagle-29k-cod003-180s": 1.67, "peagle-29k-cod003-180s-run2": 1.54, "peagle-29k-cod003-2l-180s": 1.50,
-           "peagle-29k-cod003-init-180s": 1.60, "eagle3-29k-200s": 1.40, "peagle-29k-180s-run3": 1.39}
+           "peagle-29k-cod003-init-180s": 1.60, "eagle3-29k-200s": 1.40, "peagle-29k-180s-run3": 1.39,
+           "peagle-29k-cod003-mm-180s": 1.49, "peagle-29k-cod003-mm-180s-run2": 1.57}
     monkeypatch.setattr(rd, "train_rows", lambda: [*runs, eagle3])
     monkeypatch.setattr(rd, "eval_row", lambda name, head, run, s: _eval(gpu[head], [0.5, 0.1, 0.0])
                         if name == rd.GPU_EVAL and s == "humaneval" and head in gpu else None)
@@ -99,9 +104,14 @@ def test_structure_reading_sets_one_override_variants_against_the_recipes_spread
                            "training.cod_min_ratio=0.008 (GPU vLLM HumanEval, K=5, c=1): the recipe itself 1.67 "
                            "(1,103 steps")
     assert "drafter.num_layers=2 1.50 (834 steps" in text and "drafter.init_layers_from_target=true 1.60" in text
-    assert "1 of the 2 variants stays within the recipe's own run-to-run spread (1.54-1.67" in text
-    assert "(drafter.num_layers=2 below it)" in text
-    assert "EAGLE-3 on the same set: eagle3-29k-200s 1.40; P-EAGLE / EAGLE-3 over these runs 1.07-1.19 at K=5" in text
+    # the two runs of one variant are one variant, read together
+    assert "training.mask_hidden_init=aux_mean 1.49 (833 steps" in text and ") and 1.57 (1,006 steps" in text
+    assert "1 of the 3 variants stay within the recipe's own run-to-run spread (1.54-1.67" in text
+    assert "(drafter.num_layers=2 below it; training.mask_hidden_init=aux_mean partly below it)" in text
+    assert ("Against the recipe's run nearest in steps: drafter.num_layers=2 -0.04 at 834 against 785 steps; "
+            "drafter.init_layers_from_target=true -0.07 at 1,017 against 1,103 steps; training.mask_hidden_init=aux_mean "
+            "-0.05 at 833 against 785 steps, -0.10 at 1,006 against 1,103 steps.") in text
+    assert "EAGLE-3 on the same set: eagle3-29k-200s 1.40; P-EAGLE / EAGLE-3 over these runs 1.06-1.19 at K=5" in text
     assert "at K=7 (measured for 1 of these heads) AL gains at most +0.01 over K=5" in text
     assert rd.structure_reading(runs[:2]) == ""  # no variant of an overridden recipe: nothing to read
 
