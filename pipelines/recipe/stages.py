@@ -180,7 +180,8 @@ class TrainingConfig(Section):
         "leaves the stage keys of earlier recipes unchanged): N(0, 0.02), far below the target's aux hidden states "
         "(SmolLM2: row norm ~530 against ~0.8), which AdamW moves by ~lr per step. aux_mean: the mean of the target's "
         "aux hidden states over the assistant tokens of the first batch of every worker (pipelines.train.loop."
-        "Trainer). Method peagle only; not with training.init_from (a warm-start head brings its mask_hidden).",
+        "Trainer); on SmolLM2 it read a lower AL than normal at equal GPU-seconds (docs/benchmarks.md, 'drafter "
+        "structure'). Method peagle only; not with training.init_from (a warm-start head brings its mask_hidden).",
     )
     ttt_steps: int = Field(7, ge=1, description="EAGLE-3 test-time-training steps (method eagle3).")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3 loss weight of step i is decay^i.")
