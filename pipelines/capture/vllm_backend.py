@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from peagle_core.samples import AUX, FINAL_HIDDEN, INPUT_IDS, LOSS_MASK, validate_sample
+from pipelines import settings
 from pipelines.assets import text_config
 from pipelines.capture.forward import _check_tokenized, storage_dtype
 from pipelines.capture.rows import SAMPLE_ID
@@ -298,7 +299,7 @@ class VLLMCaptureEngine:
         # The worker (and so the connector's results) must live in this process. vLLM reads this at engine
         # creation, and an in-process engine then freezes vLLM's env cache for the process: a capture actor is
         # a process of its own (in-process runs leave later vLLM engines of the process in-process too).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.update(settings.VLLM_IN_PROCESS_ENV)
         import vllm.envs
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 

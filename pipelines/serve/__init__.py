@@ -55,7 +55,7 @@ from pipelines import settings
 from pipelines.assets import EMBEDDED_TARGETS
 from pipelines.recipe.stages import ENGINE_KWARGS_SET_ELSEWHERE, ServeDeployment
 from pipelines.registry.refs import HeadRef
-from pipelines.serve.heads import PIN_FIX, HeadDownloadCallback, fetch_head
+from pipelines.serve.heads import PIN_FIX, HeadDownloadCallback, ReplicaCallback, fetch_head
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +218,13 @@ def resolve_k_schedule(args: ServeAppArgs, head: HeadRef | str | None) -> list[t
 def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dict | None,
                      head: HeadRef | str | None):
     """The ``ray.serve.llm.LLMConfig`` of the target (+ head: a pinned version or a local directory)
-    with explicit autoscaling."""
+    with explicit autoscaling. Its replicas skip Ray's node initialization unless ``target_path`` is a remote URI
+    (:class:`~pipelines.serve.heads.ReplicaCallback`: the only source that initialization downloads)."""
     from ray.serve.llm import LLMConfig
 
     engine_kwargs: dict[str, Any] = {"dtype": args.target_dtype, **args.engine_kwargs}
-    callback: dict[str, Any] = {}
+    replica = {"skip_node_init": "://" not in target_path}
+    callback: dict[str, Any] = {"callback_class": ReplicaCallback, "callback_kwargs": replica}
     spec = None
     if head is not None:
         ref, sha256 = (str(head), head.head_sha256) if isinstance(head, HeadRef) else (head, None)
@@ -236,7 +238,7 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
             engine_kwargs.setdefault("per_request_spec_decode_metrics", "summary")
         callback = {
             "callback_class": HeadDownloadCallback,
-            "callback_kwargs": {
+            "callback_kwargs": replica | {
                 "head": ref, "head_sha256": sha256, "tracking_uri": args.tracking_uri,
                 "cache_dir": args.head_cache_dir,
                 "target_config": target_config, "parallel_drafting": args.parallel_drafting,
@@ -258,9 +260,8 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
         },
         "log_engine_metrics": args.log_engine_metrics,
         "runtime_env": {"env_vars": env} if env else None,
+        "callback_config": callback,
     }
-    if callback:
-        kw["callback_config"] = callback
     if args.accelerator == "cpu":
         kw["accelerator_config"] = {"kind": "cpu"}
     else:

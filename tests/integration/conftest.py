@@ -2,10 +2,12 @@
 
 import pytest
 
-# vLLM's switch for an in-process engine: `vllm.LLM` then runs its engine core and worker in the calling process
-# instead of spawning two processes that import vLLM again (~7 s to start on the 2-core CI box instead of ~35 s).
-# pipelines.capture.vllm_backend and tests/integration/vllm_drafter_probe.py run their engines this way already.
-IN_PROCESS_VLLM = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+from pipelines.settings import VLLM_IN_PROCESS_ENV
+
+# vLLM's switch for an in-process engine (pipelines.settings.VLLM_IN_PROCESS_ENV): ~7 s to start on the 2-core CI
+# box instead of ~35 s. pipelines.capture.vllm_backend, the CPU engine actors of regenerate and
+# tests/integration/vllm_drafter_probe.py run their engines this way already.
+IN_PROCESS_VLLM = VLLM_IN_PROCESS_ENV
 
 
 @pytest.fixture

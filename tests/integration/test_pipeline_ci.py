@@ -249,7 +249,8 @@ def test_refresh_loop_end_to_end(head, base):
     try:
         # Its evaluate worker's vLLM engines (champion, challenger) in-process: ~80 s less beside the endpoint on
         # 2 cores. The base run keeps vLLM's engine processes, as users run it (the only offline engines of the
-        # suite that do: the evaluate worker's __main__ guard, the regenerate pool's actors).
+        # suite that do: the evaluate worker's __main__ guard; the regenerate pool's CPU actors run theirs
+        # in-process in the product too, pipelines.data.engine_pool.in_process_on_cpu).
         rc, out, seconds = submit(head, tmp, port, recipe=REFRESH_RECIPE, run="refresh", sets=sets,
                                   env_vars=IN_PROCESS_VLLM)
         t_done = time.monotonic()

@@ -187,6 +187,35 @@ def test_gpu_replicas_run_vllms_classic_ray_executor_without_the_compile_cache()
     assert not env("cpu").keys() & GPU_REPLICA_ENV.keys()
 
 
+def test_replicas_skip_rays_node_initialization_unless_the_target_is_a_remote_uri(tmp_path, monkeypatch):
+    """Ray's node initialization only downloads a remote source (s3://, gs://, ...); for a local directory or a hub
+    id the replicas skip it (ReplicaCallback: a Ray worker importing vLLM, ~18 s of each CPU replica start), with a
+    head or without one, and make torch's kernels directory as it would have."""
+    import asyncio
+
+    from pipelines.serve import ServeAppArgs, build_llm_config
+    from pipelines.serve.heads import HeadDownloadCallback, ReplicaCallback
+
+    def callback(target, head=None):
+        c = build_llm_config(ServeAppArgs(head=head), target_path=target, target_config=None, head=head)
+        return c.callback_config.callback_class, c.callback_config.callback_kwargs
+
+    assert callback("/t") == (ReplicaCallback, {"skip_node_init": True})
+    assert callback("HuggingFaceTB/SmolLM2-135M-Instruct")[1] == {"skip_node_init": True}
+    assert callback("s3://bucket/smollm2")[1] == {"skip_node_init": False}
+    cls, kwargs = callback("/t", head="/heads/h")
+    assert cls is HeadDownloadCallback and kwargs["skip_node_init"] is True and kwargs["head"] == "/heads/h"
+
+    class Cfg:  # what the hook reads of its LLMConfig: nothing when it only skips
+        pass
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    for skip in (False, True):
+        hook = ReplicaCallback(llm_config=Cfg(), skip_node_init=skip)
+        asyncio.run(hook.on_before_node_init())
+        assert hook.ctx.run_init_node is (not skip) and (tmp_path / "torch" / "kernels").is_dir() is skip
+
+
 def test_hosts_with_several_gpu_raylets_are_found_head_first():
     """Two raylets with GPUs on one IP (emulated nodes) are reported, the head's name first; one raylet per host, a
     dead node or a CPU-only raylet beside a GPU one is not."""

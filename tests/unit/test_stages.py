@@ -25,15 +25,15 @@ pytestmark = pytest.mark.unit
 # e35a825; changed on purpose on 2026-11-28: regenerate.num_workers and capture.num_workers left the keys, so that a
 # stage run on 1 GPU is current for the same recipe on 4; smollm2-135m-ci.yaml's train to serve keys on 2026-11-28 too:
 # its drafter.draft_vocab_size became 4096; its evaluate to serve keys on 2026-11-29: evaluation.methods became
-# [peagle]). A changed value invalidates every run directory made with that recipe: change a key only on purpose.
+# [peagle]; all its keys on 2026-11-29 again: regenerate.vllm_runner became actor). A changed value invalidates every run directory made with that recipe: change a key only on purpose.
 KEYS = {
     "smollm2-135m-ci.yaml": {
-        "regenerate": "4d700ec53aed940f0600983642c8ab7d3653e867c3dabb473dc16f2d9b637f52",
-        "capture": "3e77cbe545421e37cc031f47698a8f1070305b375f4b2b27ab07cc3334e0cd14",
-        "train": "5e56e33994a861d16f13b749213cabe65320e282d45024153b790f901e09a4ab",
-        "evaluate": "308482a9a30b05d90350e851ce367525fa208ec5042e8d780202c67ab2a95bd5",
-        "register": "14a50527416afe56f1a48828aa2961e752f0e7c6a3141ce908d124f6ad4db800",
-        "serve": "593a532822515b58c01dc2fb346cb9ba7a5ce41114c8e245dfbcf11e85af9b67",
+        "regenerate": "51f7926566588d94dd0e2fd324bed37a644c07a36b84ff8a0487db27f3096041",
+        "capture": "8b2ea86d285f1c1d46d41c31d25321d4d1a52b3a5d8c9368d19be11920f592ed",
+        "train": "b68d284a8421890cce348bf1fa673c04d4cfe9264a3e2c6850266083faf55f58",
+        "evaluate": "496bb092686b2225164cc326c824877a4e5ad593b901f9ee39f783de358b6d43",
+        "register": "0272ec36bd14e415a92dc875f877eea74eebba8ee97d28362e1692fb9e4506f4",
+        "serve": "7a9640f85b4902468f1ddc3928374596cc49e32868b3f94b599239b5c8ad84c7",
     },
     "smollm2-135m-cpu.yaml": {
         "regenerate": "0c45577140df41de12d86c999c7115a1b7b1a88be94c790dffde82d1c09a8dc4",
