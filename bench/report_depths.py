@@ -193,16 +193,16 @@ def structure_reading(runs: list[dict]) -> str:
     if not base_runs or not variants:
         return ""
 
+    def acc(r: dict) -> float:
+        return al[id(r)]["acceptance_length"]
+
     def cell(r: dict) -> str:
-        return (f"{f(al[id(r)]['acceptance_length'])} ({r['steps']:,} steps, {timed_s(r):.0f} timed s, "
+        return (f"{f(acc(r))} ({r['steps']:,} steps, {timed_s(r):.0f} timed s, "
                 f"{r['device'].removeprefix('NVIDIA ')} {r['date']})")
 
     def extra(r: dict) -> str:
         """The variant's override beyond the base recipe."""
         return ", ".join(o for o in r["overrides"] if o not in base)
-
-    def acc(r: dict) -> float:
-        return al[id(r)]["acceptance_length"]
 
     base_al = [acc(r) for r in base_runs]
     lo, hi = min(base_al), max(base_al)
