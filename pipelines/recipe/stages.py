@@ -244,7 +244,7 @@ class TrainingConfig(Section):
                 f"training.cod_min_ratio={self.cod_min_ratio} > training.cod_ratio={self.cod_ratio}; "
                 "set r_min <= r (defaults 0.2 and 0.8)"
             )
-        if self.mask_hidden_init is not None and self.mask_hidden_init != "normal":
+        if self.mask_hidden_init == "aux_mean":
             if self.method != "peagle":
                 raise ValueError(f"training.mask_hidden_init={self.mask_hidden_init!r} sets P-EAGLE's mask_hidden; "
                                  f"method {self.method!r} has none")
