@@ -10,13 +10,12 @@ import torch
 
 from peagle_core.batch import PackedBatch, pack_samples
 from peagle_core.objectives import build_objective
-from pipelines.ports import free_port
 from pipelines.recipe import TrainingConfig
+from tests.unit.gloo_ranks import WORLD, spawn_ranks
 from tests.unit.test_objective import MASK_ID, random_sample, target_head, tiny_head
 
 pytestmark = pytest.mark.unit
 
-WORLD = 2
 METHODS = ("peagle", "eagle3")
 LR = 1e-2
 EPS = 1e-3  # AdamW step 1 is lr*g/(|g|+eps): ~lr*sign(g) with a tiny eps, which float noise flips where g ~ 0
@@ -110,10 +109,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def sharded(module_mktemp):
     """Rank 0's results of both methods from one 2-process gloo run."""
-    import torch.multiprocessing as mp
-
-    out = module_mktemp("fsdp")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    out = spawn_ranks(_worker, module_mktemp("fsdp"))
     return torch.load(out / "result.pt", weights_only=True)
 
 
@@ -268,20 +264,19 @@ def _trainer_worker(rank: int, port: int, out_dir: str) -> None:
 def test_trainer_fsdp_checkpoint_resume_and_export(tmp_path):
     """pipelines.train.Trainer on 2 sharded gloo ranks: grad clipping and fused AdamW on DTensors, full
     checkpoints by rank 0, an exact resume from step 2, and the checkpoint exports as a vLLM head."""
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
     from peagle_core.contract import export_head, validate_head
     from pipelines import train as T
 
-    mp.spawn(_trainer_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    res = torch.load(tmp_path / "trainer.pt", weights_only=True)
+    out = spawn_ranks(_trainer_worker, tmp_path)
+    res = torch.load(out / "trainer.pt", weights_only=True)
     ha, hb = res["history_a"], res["history_b"]
     assert [h["step"] for h in ha] == [1.0, 2.0, 3.0, 4.0] and res["meta_step"] == 2
     assert all(math.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in ha)
     # resumed run: the same losses and final weights as the uninterrupted one
     assert [h["loss"] for h in hb] == pytest.approx([h["loss"] for h in ha[2:]], rel=1e-6)
-    ck4 = tmp_path / "a" / "checkpoint_00000004"
+    ck4 = out / "a" / "checkpoint_00000004"
     final_a = load_file(str(ck4 / T.MODEL_FILE))
     for k, v in final_a.items():
         torch.testing.assert_close(res["state_b"][k], v, rtol=1e-6, atol=1e-7, msg=k)
@@ -310,3 +305,4 @@ def test_recipe_selects_fsdp():
     assert recipe_from_dict({"name": "t"}, ["training.parallel_strategy=fsdp"]).training.parallel_strategy == "fsdp"
     with pytest.raises(ValueError, match="training.parallel_strategy"):
         recipe_from_dict({"name": "t"}, ["training.parallel_strategy=zero3"])
+
