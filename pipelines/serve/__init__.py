@@ -245,8 +245,7 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
             },
         }
     env = {k: os.environ[k] for k in ("PEAGLE_HOME", "MLFLOW_TRACKING_URI") if k in os.environ} | _cluster_address()
-    if args.accelerator == "gpu":
-        env |= GPU_REPLICA_ENV
+    env |= GPU_REPLICA_ENV if args.accelerator == "gpu" else CPU_REPLICA_ENV
     kw: dict[str, Any] = {
         "model_loading_config": {"model_id": args.resolved_model_id(), "model_source": target_path},
         "engine_kwargs": engine_kwargs,
@@ -270,6 +269,11 @@ def build_llm_config(args: ServeAppArgs, *, target_path: str, target_config: dic
             kw["accelerator_type"] = args.accelerator_type
     return LLMConfig(**kw)
 
+
+CPU_REPLICA_ENV = {"RAYLLM_VLLM_ENGINE_CLS": "pipelines.serve.cpu_engine.UniprocVLLMEngine"}
+"""Environment of every CPU ``LLMServer`` replica: Ray Serve LLM's engine class is
+:class:`pipelines.serve.cpu_engine.UniprocVLLMEngine` (one process less per replica, the model in vLLM's engine core;
+named by path so that only the replica imports vLLM)."""
 
 GPU_REPLICA_ENV = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0", "VLLM_DISABLE_COMPILE_CACHE": "1"}
 """Environment of every GPU ``LLMServer`` replica (4 H200s as two Ray nodes a: GPUs 0,1 / b: GPUs 2,3, vLLM 0.26,
@@ -476,5 +480,5 @@ def build_app(args: dict[str, Any] | ServeAppArgs):
     return build_ingress(backend, server=build_llm_deployment(backend.llm_config))
 
 
-__all__ = ["GPU_REPLICA_ENV", "Backend", "ServeAppArgs", "build_app", "build_ingress", "build_llm_config",
+__all__ = ["CPU_REPLICA_ENV", "GPU_REPLICA_ENV", "Backend", "ServeAppArgs", "build_app", "build_ingress", "build_llm_config",
            "gateway_version", "resolve_backend", "resolve_k_schedule", "shared_host_raylets", "speculative_config"]

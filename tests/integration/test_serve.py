@@ -421,7 +421,10 @@ def test_replica_sigkill_with_mlflow_down(deployment):
     server.kill()
     assert not server.healthy()
     (old,) = llm_replica_pids()
-    old_engine = psutil.Process(old).children(recursive=True)  # vLLM's EngineCore and its worker
+    old_engine = psutil.Process(old).children(recursive=True)  # vLLM's engine core (+ multiprocessing's tracker)
+    titles = [" ".join(p.cmdline()) for p in old_engine]
+    # the model runs in the engine core: no MultiprocExecutor worker process (pipelines.serve.cpu_engine)
+    assert any("EngineCore" in t for t in titles) and not any("Worker" in t for t in titles), titles
 
     started, lock = [0], threading.Lock()
 

@@ -174,8 +174,9 @@ def test_replicas_get_the_address_of_the_cluster_that_deploys_them():
 
 def test_gpu_replicas_run_vllms_classic_ray_executor_without_the_compile_cache():
     """GPU replicas get GPU_REPLICA_ENV (replicas started beside others on one host died loading the first one's
-    compiled graphs, or on RayExecutorV2's TCPStore port); CPU replicas (vLLM's mp executor) get none of it."""
-    from pipelines.serve import GPU_REPLICA_ENV, ServeAppArgs, build_llm_config
+    compiled graphs, or on RayExecutorV2's TCPStore port); CPU replicas get none of it, and CPU_REPLICA_ENV instead
+    (Ray Serve LLM's engine class: peagle's, which runs one worker inside vLLM's engine core)."""
+    from pipelines.serve import CPU_REPLICA_ENV, GPU_REPLICA_ENV, ServeAppArgs, build_llm_config
 
     def env(accelerator):
         c = build_llm_config(ServeAppArgs(head=None, accelerator=accelerator), target_path="/t", target_config=None,
@@ -184,7 +185,39 @@ def test_gpu_replicas_run_vllms_classic_ray_executor_without_the_compile_cache()
 
     assert env("gpu").items() >= GPU_REPLICA_ENV.items() == {("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0"),
                                                             ("VLLM_DISABLE_COMPILE_CACHE", "1")}
-    assert not env("cpu").keys() & GPU_REPLICA_ENV.keys()
+    assert not env("cpu").keys() & GPU_REPLICA_ENV.keys() and not env("gpu").keys() & CPU_REPLICA_ENV.keys()
+    assert env("cpu").items() >= CPU_REPLICA_ENV.items()
+    pytest.importorskip("vllm")
+    from ray._common.utils import import_attr
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+    from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+
+    from pipelines.serve.cpu_engine import UniprocVLLMEngine
+
+    # the name Ray reads from the variable (LLMServer._get_default_engine_class) is peagle's VLLMEngine
+    (var,) = CPU_REPLICA_ENV
+    assert var == "RAYLLM_VLLM_ENGINE_CLS" and hasattr(LLMServer, "_get_default_engine_class")
+    assert import_attr(CPU_REPLICA_ENV[var]) is UniprocVLLMEngine and issubclass(UniprocVLLMEngine, VLLMEngine)
+
+
+@pytest.mark.parametrize(("world_size", "backend", "expected"), [(1, "mp", "uni"), (2, "mp", "mp"), (1, "ray", "ray")])
+def test_cpu_engine_runs_one_worker_in_the_engine_core(monkeypatch, world_size, backend, expected):
+    """Ray Serve LLM forces vLLM's mp executor on CPU; with one worker peagle's engine class asks for uni instead
+    (one process less per replica); several workers, or another executor, are left as Ray set them."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+
+    from pipelines.serve.cpu_engine import UniprocVLLMEngine
+
+    args = SimpleNamespace(distributed_executor_backend=backend)
+    config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size,
+                                                             distributed_executor_backend=backend))
+    monkeypatch.setattr(VLLMEngine, "_prepare_engine_config", lambda self, ctx: (args, "frontend", config))
+    engine = object.__new__(UniprocVLLMEngine)
+    assert engine._prepare_engine_config(None) == (args, "frontend", config)
+    assert config.parallel_config.distributed_executor_backend == args.distributed_executor_backend == expected
 
 
 def test_replicas_skip_rays_node_initialization_unless_the_target_is_a_remote_uri(tmp_path, monkeypatch):
