@@ -22,6 +22,7 @@ from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
 
+
 class UniprocVLLMEngine(VLLMEngine):
     """Ray Serve LLM's ``VLLMEngine`` with vLLM's ``uni`` executor where the engine has one worker."""
 
