@@ -5,9 +5,11 @@
 through Ray's state API (``ray.util.state``; it needs the dashboard's state aggregator, which ``ray start
 --head`` and a local ``ray.init`` start). A GPU is counted once per bundle of a placement group the stage
 created (Ray Train workers, Serve LLM replicas) and once per GPU actor or task outside those groups (Ray Data
-actor pools, evaluation engines). Nodes are named by their ``settings.NODE_RESOURCE_PREFIX`` resource where they
+actor pools, evaluation engines); actors and tasks that ran one after another on a node count once there (a Ray
+Train run restarted after a node loss holds its GPUs again, not twice). Nodes are named by their ``settings.NODE_RESOURCE_PREFIX`` resource where they
 have one (``python -m pipelines.local_ray start|join --node-name``: the two "nodes" of one host in
-``bench/device/run_multi_gpu.sh``), else by their IP and the first 8 hex digits of their id.
+``bench/device/run_multi_gpu.sh``), else by their IP and the first 8 hex digits of their id; a node lost during the
+stage keeps the name it had at :meth:`PlacementProbe.start` (Ray drops a dead node's resources).
 
 The probe never fails a stage: without the state API (no dashboard, a Ray without ``ray[default]``), or when a
 listing fails, :meth:`finish` returns None and the summary shows ``-``.
@@ -72,11 +74,13 @@ class PlacementProbe:
 
     def __init__(self) -> None:
         self._before: dict[str, set[str]] | None = None
+        self._names: dict[str, str] = {}
 
     def start(self) -> None:
         """Record the ids that exist now (nothing raised: a failed listing disables the probe)."""
         try:
             listed = self._list()
+            self._names = self._node_names()
         except Exception as e:  # noqa: BLE001 - the probe is advisory
             log.info("placement probe off: %s", e)
             self._before = None
@@ -89,7 +93,7 @@ class PlacementProbe:
             return None
         try:
             listed = self._list()
-            names = self._node_names()
+            names = self._names | self._node_names()  # a node lost since start keeps its name
         except Exception as e:  # noqa: BLE001
             log.info("placement probe: %s", e)
             return None
@@ -126,21 +130,51 @@ def node_name(node: dict[str, Any]) -> str:
     return named[0] if named else f"{node.get('NodeManagerAddress', '?')}/{node.get('NodeID', '')[:8]}"
 
 
+def _lifetimes(actors: list, tasks: list) -> dict[str, tuple[float, float]]:
+    """Each actor's span in ms, from its creation task's start to its last task's end (state-API task rows carry
+    ``actor_id``); an actor still alive, or with a task that never ended, is open-ended, except that a dead actor's
+    unended task (its node lost) ends at its start. Actors none of whose tasks were listed span everything."""
+    spans: dict[str, list[float]] = {}
+    dead = {a.actor_id for a in actors if getattr(a, "state", "DEAD") == "DEAD"}
+    for t in tasks:
+        if not t.actor_id:
+            continue
+        start = t.start_time_ms or 0
+        end = t.end_time_ms or (start if t.actor_id in dead else math.inf)
+        lo, hi = spans.get(t.actor_id, (math.inf, -math.inf))
+        spans[t.actor_id] = [min(lo, start), max(hi, end)]
+    return {a: (lo, hi if a in dead else math.inf) for a, (lo, hi) in spans.items()}
+
+
+def _peak(intervals: list[tuple[float, float, float]]) -> float:
+    """The most GPUs held at once by ``(start, end, gpus)`` intervals (an end before a start at the same instant)."""
+    held = peak = 0.0
+    events = [(start, g) for start, _, g in intervals] + [(end, -g) for _, end, g in intervals]
+    for _, g in sorted(events, key=lambda e: (e[0], e[1])):
+        held += g
+        peak = max(peak, held)
+    return peak
+
+
 def placement_of(actors: list, tasks: list, pgs: list, node_names: dict[str, str]) -> Placement:
     """The :class:`Placement` of a stage's new ``actors``, ``tasks`` (Ray state-API rows, ``detail=True``) and
     placement groups ``pgs``; ``node_names`` maps node ids to names (unknown ids keep their first 8 digits).
 
-    GPUs: each new GPU actor on its node; each GPU bundle of a new placement group that no such actor sits in;
-    and the most GPUs that the new non-actor GPU tasks outside those groups held at once on a node (tasks run one
-    after another on one GPU count once). Fractions add up per node and round up: two vLLM engines of 0.5 GPU on a
-    node (``regenerate.engines_per_gpu: 2``) hold 1 GPU there. Actors: every new actor on its node."""
+    GPUs: each GPU bundle of a new placement group that no GPU actor of its own sits in, plus per node the most GPUs
+    held at once by the new GPU actors (over their lifetimes, :func:`_lifetimes`) and the new non-actor GPU tasks
+    outside those groups: tasks run one after another on one GPU count once, and so do the workers of a Ray Train
+    run restarted after a node loss. Fractions add up per node and round up: two vLLM engines of 0.5 GPU on a node
+    (``regenerate.engines_per_gpu: 2``) hold 1 GPU there. Actors: every new actor on its node."""
     def name(node_id: str | None) -> str:
         return node_names.get(node_id or "", (node_id or "?")[:8])
 
     gpu_actors = [a for a in actors if _gpus(a.required_resources) and a.node_id]
-    gpus: Counter = Counter()
+    spans = _lifetimes(gpu_actors, tasks)
+    held: dict[str, list[tuple[float, float, float]]] = {}
     for a in gpu_actors:
-        gpus[name(a.node_id)] += _gpus(a.required_resources)
+        start, end = spans.get(a.actor_id, (-math.inf, math.inf))
+        held.setdefault(name(a.node_id), []).append((start, end, _gpus(a.required_resources)))
+    gpus: Counter = Counter()
     counted_pgs = {a.placement_group_id for a in gpu_actors if a.placement_group_id}
     for p in pgs:  # a group whose GPUs no actor of its own holds (a Serve replica running its engine in-process)
         if p.placement_group_id in counted_pgs:
@@ -149,19 +183,13 @@ def placement_of(actors: list, tasks: list, pgs: list, node_names: dict[str, str
             if _gpus(b.get("unit_resources")) and b.get("node_id"):
                 gpus[name(b["node_id"])] += _gpus(b.get("unit_resources"))
     pg_ids = {p.placement_group_id for p in pgs}
-    events: dict[str, list[tuple[float, float]]] = {}
     for t in tasks:
         g = _gpus(t.required_resources)
         if t.actor_id or not g or t.placement_group_id in pg_ids or not t.node_id:
             continue
-        start, end = t.start_time_ms or 0, t.end_time_ms or float("inf")
-        events.setdefault(name(t.node_id), []).extend([(start, g), (end, -g)])
-    for node, ev in events.items():
-        held = peak = 0.0
-        for _, g in sorted(ev, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
-            held += g
-            peak = max(peak, held)
-        gpus[node] += peak
+        held.setdefault(name(t.node_id), []).append((t.start_time_ms or 0, t.end_time_ms or math.inf, g))
+    for node, intervals in held.items():
+        gpus[node] += _peak(intervals)
     actors_by_node = Counter(name(a.node_id) for a in actors if a.node_id)
     whole = {node: math.ceil(g - 1e-6) for node, g in gpus.items()}  # 3 x 0.333 GPU: 1 GPU
     return Placement(gpus_by_node=whole, actors_by_node=dict(actors_by_node))

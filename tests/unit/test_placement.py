@@ -11,8 +11,8 @@ pytestmark = pytest.mark.unit
 NAMES = {"n-a": "a", "n-b": "b"}
 
 
-def actor(node, gpus=0, pg=None):
-    return NS(actor_id=f"{node}-{gpus}-{pg}", node_id=node, placement_group_id=pg,
+def actor(node, gpus=0, pg=None, state="DEAD"):
+    return NS(actor_id=f"{node}-{gpus}-{pg}", node_id=node, placement_group_id=pg, state=state,
               required_resources={"CPU": 1} | ({"GPU": gpus} if gpus else {}))
 
 
@@ -60,6 +60,23 @@ def test_tasks_count_the_most_gpus_held_at_once():
     tasks = [task("n-a", 1, 0, 10), task("n-a", 1, 5, 10), task("n-a", 1, 10, 20), task("n-b", 1, 0, 5, actor_id="x")]
     p = placement_of([], tasks, [], NAMES)
     assert p.gpus_by_node == {"a": 2}
+
+
+def test_train_restarted_after_a_node_loss_holds_its_gpus_once():
+    """The 4-GPU node kill of 2026-11-29: Ray Train's workers on a and b (a 2+2 split, one GPU each here), node b's
+    raylet SIGKILLed at 70 s (its worker's last task never ended), then a new worker group on a and on b joined again
+    under a new node id. The summary said "8 GPUs: 192.0.2.2/b2e83e0f 2, a 4, b 2" before workers' lifetimes counted
+    and the lost node kept its name."""
+    names = NAMES | {"n-b2": "b"}  # the lost node n-b: named at the probe's start, before it died
+    first = [actor("n-a", 1, pg="g1"), actor("n-b", 1, pg="g1")]
+    second = [actor("n-a", 1, pg="g2", state="ALIVE"), actor("n-b2", 1, pg="g2", state="ALIVE")]
+    tasks = [task("n-a", 0, 0, 70, actor_id=first[0].actor_id), task("n-b", 0, 0, None, actor_id=first[1].actor_id),
+             task("n-a", 0, 115, 230, actor_id=second[0].actor_id), task("n-b2", 0, 116, None, actor_id=second[1].actor_id)]
+    p = placement_of(first + second, tasks, [pg("g1"), pg("g2")], names)
+    assert Placement.describe(p.to_json()) == "2 GPUs: a 1, b 1"
+    assert p.actors_by_node == {"a": 2, "b": 2}
+    overlapping = [task(t.node_id, 0, 0, 300, actor_id=t.actor_id) for t in tasks]  # both groups at once: twice
+    assert placement_of(first + second, overlapping, [], names).gpus_by_node == {"a": 2, "b": 2}
 
 
 def test_cpu_only_and_unknown():
