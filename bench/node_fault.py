@@ -136,7 +136,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     record_path = Path(opts.run_dir or job_run_dir(multi_gpu.load_state(opts.temp_dir))) / opts.stage / STAGE_FILE
     record = multi_gpu.trim_history(json.loads(record_path.read_text())) if record_path.is_file() else None
     out = {"benchmark": "node_fault", "stage": opts.stage, "node": opts.node, "node_args": node_args,
-           "job": {"id": job_id, "status": status.value, "sets": opts.set,
+           "job": {"id": job_id, "status": status.value, "config": opts.config or state["recipe"]["config"],
+                   "sets": opts.set,
                    "seconds": round(time.monotonic() - t0, 1)},
            "kill": kill, "down_s": opts.down_s, "rejoined_s": rejoined_s, "last_progress": last,
            "log_after_kill": lines[-AFTER_KILL_LINES:], "stage_record": record, "note": opts.note,

@@ -191,7 +191,9 @@ def _ray_start(args: list[str], *, temp: Path, token_path: Path, num_cpus: int, 
         cmd.append(f"--num-gpus={num_gpus}")
     if node_name is not None:
         cmd.append(f"--resources={json.dumps(node_resources(node_name))}")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    # a session of its own: the node outlives the command that started it (a GPU lease's call ends by killing its
+    # session: node b, joined again by bench.node_fault inside such a call on 2026-11-29, died when the call ended)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, start_new_session=True)
     if out.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
 
