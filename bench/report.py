@@ -107,6 +107,7 @@ QUESTIONS = [
         report_scale.prompts_and_regeneration,
         report_kernels.capture,
         _gpu(report_gpu_vllm.capture, "capture_throughput_vllm", "pipeline_device"),
+        _gpu(report_gpu_vllm.capture_large, "capture_throughput_llama8b"),
         report_data.online_step,
         report_data.pipeline_device,
         _gpu(report_gpu_vllm.main_job, "pipeline_device_vllm"),

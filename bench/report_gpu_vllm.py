@@ -275,6 +275,52 @@ def capture(lines: list[str], data: dict | None, pipeline: dict | None = None) -
                + f"vLLM's engine start took {v['engine_start_s']:.0f} s."), ""]
 
 
+def capture_large(lines: list[str], data: dict | None) -> None:
+    """``bench.capture_throughput --target <random Llama-3.1-8B> --vllm`` (issue 40 item 4: capture "on the
+    Llama-3.1-8B shape with random weights, where the forward dominates"): both backends' model step, and what it
+    would put on disk against the most any capture stage run put on a node's disk."""
+    from bench.report_kernels import GOAL_CAPTURE
+    from bench.report_per_gpu import disk_mib_s, stage_runs
+    from bench.synthetic_serving import TARGET_CONFIGS
+    from peagle_core.storage import bytes_per_token
+
+    lines += ["### Capture throughput on the Llama-3.1-8B shape (random weights): both backends", ""]
+    if data is None:
+        lines += ["not run", ""]
+        return
+    shape = TARGET_CONFIGS["llama-3.1-8b"]
+    v, best = data["vllm"], max(data["rows"], key=lambda r: r["step_tok_s"])
+    per_token = bytes_per_token(shape["hidden_size"], data["dtype"])
+    lines += [(f"{_env_line(data)}; `python -m bench.random_target llama-3.1-8b DIR --device cuda` (the public "
+               f"shape: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']:,}; seeded random "
+               f"{data['dtype']} weights, SmolLM2's tokenizer), then `python -m bench.capture_throughput --target DIR "
+               f"--num-conversations {data['conversations']} --batch-sizes "
+               f"{','.join(str(r['batch']) for r in data['rows'])} --repeats {data['repeats']} --vllm` "
+               f"({data['samples']} ShareGPT conversations, {data['tokens']:,} tokens, <= {data['max_length']} each; "
+               "columns as in the SmolLM2 table above)."), ""]
+    lines += table(["batch", "model step tok/s", "plain forward tok/s", "plain base-model tok/s",
+                    f"step / plain (goal >= {GOAL_CAPTURE})", "step / base"],
+                   [[x["batch"], f"{x['step_tok_s']:,.0f}", f"{x['plain_tok_s']:,.0f}", f"{x['plain_base_tok_s']:,.0f}",
+                     _f(x["step_over_plain"]), _f(x["step_over_plain_base"])] for x in data["rows"]]) + [""]
+    reading = (f"Reading: on this shape the forward is the whole cost: the transformers capture step runs "
+               f"{best['step_tok_s']:,.0f} tok/s at batch {best['batch']}, "
+               f"{min(x['step_over_plain_base'] for x in data['rows']):.2f}-"
+               f"{max(x['step_over_plain_base'] for x in data['rows']):.2f}x the base model's plain forward (goal "
+               f">= {GOAL_CAPTURE} of the plain forward: {met(min(x['step_over_plain'] for x in data['rows']) >= GOAL_CAPTURE)}), "
+               f"and the vLLM backend (vLLM {v['vllm']}) {v['vllm_step_tok_s']:,.0f} tok/s, "
+               f"{v['vllm_over_step']:.2f}x it, after an engine start of {v['engine_start_s']:.0f} s. At "
+               f"{per_token:,} bytes a captured token, one GPU at that rate would write "
+               f"{v['vllm_step_tok_s'] * per_token / 2**30:.1f} GiB/s of shards")
+    runs = [x for x in stage_runs("capture") if x.outputs.get("profile") and x.outputs.get("bytes_on_disk")]
+    if runs:
+        top = max(runs, key=disk_mib_s)
+        reading += (f", against the {disk_mib_s(top):,.0f} MiB/s that {top.gpus} SmolLM2 capture actors put on "
+                    f"a node's disk at most (`{top.name}.json`)")
+    lines += [reading + ": at this size capture streams into training (`capture.streaming: true`, no shards). "
+              "The capture stage itself was not run on this shape: issue 40's 20M tokens would be "
+              f"{20e6 * per_token / 2**30:,.0f} GiB of shards, more than any lent disk.", ""]
+
+
 def _stage_baseline(pipeline: dict | None, steps: tuple[float, float]) -> str:
     """The capture baseline: the Ray capture stage of the device pipeline run (``pipeline_device.json``)."""
     if pipeline is None:

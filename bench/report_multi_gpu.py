@@ -6,7 +6,7 @@ node lost in training. The stages alone at 1, 2 and 4 GPUs: :mod:`bench.report_p
 from __future__ import annotations
 
 from bench.report_fmt import f, load, section, stage_table, table
-from bench.report_per_gpu import REGEN_GOAL_TOK_S, job_sets, train_tok_s
+from bench.report_per_gpu import REGEN_GOAL_TOK_S, _recipe, job_sets, train_tok_s
 
 PIPELINE_HEADING = "### The main job on one 4-GPU node: every stage through Ray, a real MLflow server"
 SERVING_HEADING = "### Autoscaled GPU vLLM replicas under a load ramp"
@@ -189,7 +189,7 @@ def _rolls(lines: list[str], r: dict) -> None:
 
 
 NODE_FAULT_HEADING = "### A Ray node lost in the middle of training (its raylet SIGKILLed, then joined again)"
-NODE_FAULT_RUNS = ("node_fault_train_cpu", "multi_gpu_node_fault")
+NODE_FAULT_RUNS = ("node_fault_train_cpu", "multi_gpu_node_fault_2gpu", "multi_gpu_node_fault")
 
 
 def node_fault(lines: list[str]) -> None:
@@ -204,17 +204,29 @@ def node_fault(lines: list[str]) -> None:
         job, kill, out = r.get("job") or {}, r.get("kill") or {}, ((r.get("stage_record") or {}).get("outputs") or {})
         env = r.get("environment") or {}
         sets = job_sets(r)
-        rows.append([f"`{name}.json`", f"{env.get('device', '')}, {env.get('date', '')[:10]}",
-                     sets.get("training.num_workers", "-"), sets.get("training.max_steps", "-"),
+        workers = sets.get("training.num_workers") or (
+            _recipe(job["config"]).training.num_workers if job.get("config") else "-")
+        rows.append([f"`{name}.json`", f"{env.get('device', '')}, {env.get('date', '')[:10]}", workers, sets.get("training.max_steps", "-"),
                      f"step {kill.get('progress', '-')} at {f(kill.get('t_s'), 0)} s", f(r.get("rejoined_s"), 0),
                      out.get("resumed_from_step") or "-", f"{job.get('status', '-')} after {f(job.get('seconds'), 0)} s",
                      r.get("last_progress", "-")])
     lines += table(["run", "where", "workers", "steps", "SIGKILL", "joined again s", "resumed from step",
                     "job", "last step on the bar"], rows) + [""]
     lines += [("Reading: on the CPU rehearsal Ray Train restarted the workers once the node was back and resumed "
-               "from the step-10 checkpoint. On the GPU run (2 H200s, one Ray node each) the bar froze at step 49: "
-               "the train stage's progress queue was a Ray actor placed on node b and died with it, so the driver "
-               "saw no step after the kill, and the job was still running when the call's 200 s ran out; whether "
-               "the training itself resumed there is not known. The driver's progress actors now live on the "
-               "driver's node (`pipelines.tally.on_driver_node`), and a lost queue stops the bar, not the stage "
-               "(tests/integration/test_progress_faults.py). The GPU run is to be repeated."), ""]
+               "from the step-10 checkpoint. On the first GPU run (2 H200s, one Ray node each, "
+               "`multi_gpu_node_fault_2gpu.json`) the bar froze at step 49: the train stage's progress queue was a "
+               "Ray actor placed on node b and died with it, and the job was still running when the call's 200 s "
+               "ran out. The driver's progress actors have lived on the driver's node since "
+               "(`pipelines.tally.on_driver_node`; a lost queue stops the bar, not the stage: "
+               "tests/integration/test_progress_faults.py).")]
+    gpu = dict(runs).get("multi_gpu_node_fault")
+    if gpu and (gpu.get("stage_record") or {}).get("outputs", {}).get("resumed_from_step") is not None:
+        kill, out = gpu["kill"], gpu["stage_record"]["outputs"]
+        lines[-1] += (f" On 4 H200s as two Ray nodes of 2 GPUs ({gpu['environment']['date'][:10]}), node b's raylet "
+                      f"was SIGKILLed at step {kill['progress']} ({f(kill['t_s'], 0)} s into the job) and joined "
+                      f"again {f(gpu['rejoined_s'] - kill['t_s'], 0)} s later; Ray Train restarted its 4 workers on "
+                      f"both nodes, resumed from the step-{out['resumed_from_step']} checkpoint (steps "
+                      f"{out['resumed_from_step'] + 1}-{kill['progress']} ran again) and finished all "
+                      f"{out['step']} steps: {gpu['job']['status']} after {f(gpu['job']['seconds'], 0)} s, the bar "
+                      f"following throughout.")
+    lines += [""]
