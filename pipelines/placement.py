@@ -6,10 +6,11 @@ through Ray's state API (``ray.util.state``; it needs the dashboard's state aggr
 --head`` and a local ``ray.init`` start). A GPU is counted once per bundle of a placement group the stage
 created (Ray Train workers, Serve LLM replicas) and once per GPU actor or task outside those groups (Ray Data
 actor pools, evaluation engines); actors and tasks that ran one after another on a node count once there (a Ray
-Train run restarted after a node loss holds its GPUs again, not twice). Nodes are named by their ``settings.NODE_RESOURCE_PREFIX`` resource where they
-have one (``python -m pipelines.local_ray start|join --node-name``: the two "nodes" of one host in
-``bench/device/run_multi_gpu.sh``), else by their IP and the first 8 hex digits of their id; a node lost during the
-stage keeps the name it had at :meth:`PlacementProbe.start` (Ray drops a dead node's resources).
+Train run restarted after a node loss holds its GPUs again, not twice). Nodes are named by their
+``settings.NODE_RESOURCE_PREFIX`` resource where they have one (``python -m pipelines.local_ray start|join
+--node-name``: the two "nodes" of one host in ``bench/device/run_multi_gpu.sh``), else by their IP and the first 8
+hex digits of their id; a node lost during the stage keeps the name it had at :meth:`PlacementProbe.start` (Ray
+drops a dead node's resources).
 
 The probe never fails a stage: without the state API (no dashboard, a Ray without ``ray[default]``), or when a
 listing fails, :meth:`finish` returns None and the summary shows ``-``.
