@@ -1,6 +1,7 @@
 """A Ray node lost in the middle of a stage, on the cluster of ``bench.multi_gpu`` (the raylet-kill check of the
 4-GPU issue, item 5: Ray Train restarts on what is left, or waits with a clear message and resumes once the node is
-back).
+back), or with ``--kill worker`` one Ray Train worker process of that node (the same item's worker SIGKILL: the
+node stays, Ray Train restarts the worker group from the last checkpoint).
 
 The stage runs alone as a Ray job (``ray_jobs.<stage>`` on the last job's run directory and recipe, as
 ``bench.multi_gpu submit --module`` does). Once the stage's progress line (``[train] 12/40 steps``) reaches
@@ -70,6 +71,37 @@ def kill_node(temp_dir: str, node: str) -> list[int]:
     return [p.pid for p in procs]
 
 
+TRAIN_WORKER_TITLE = "ray::RayTrainWorker"  # the process title of a Ray Train worker actor (Ray sets ray::<Class>)
+
+
+def train_workers_of(temp_dir: str, node: str) -> list:
+    """The Ray Train worker processes of node ``node``: the raylet's descendants titled :data:`TRAIN_WORKER_TITLE`."""
+    import psutil
+
+    out = []
+    for raylet in raylet_of(temp_dir, node):
+        for p in raylet.children(recursive=True):
+            try:
+                if " ".join(p.cmdline()).startswith(TRAIN_WORKER_TITLE):
+                    out.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+    return out
+
+
+def kill_worker(temp_dir: str, node: str) -> list[int]:
+    """SIGKILL one Ray Train worker process of ``node`` (the lowest pid); its pid, in a list.
+
+    Raises:
+        SystemExit: no Ray Train worker runs on that node.
+    """
+    procs = sorted(train_workers_of(temp_dir, node), key=lambda p: p.pid)
+    if not procs:
+        sys.exit(f"no Ray Train worker ({TRAIN_WORKER_TITLE}*) runs on node {node!r} under {temp_dir}")
+    os.kill(procs[0].pid, signal.SIGKILL)
+    return [procs[0].pid]
+
+
 def rejoin(temp_dir: str, node: str, node_args: dict[str, Any], timeout_s: float = 120.0) -> None:
     """Start the node again with the resources it had, once the cluster has marked the killed one dead.
 
@@ -124,9 +156,10 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         nonlocal kill, rejoined_s
         now = time.monotonic() - t0
         if kill is None and last is not None and last >= opts.kill_at:
-            kill = {"t_s": round(now, 1), "progress": last, "pids": kill_node(opts.temp_dir, opts.node)}
-            print(f"--- SIGKILL of node {opts.node}'s raylet {kill['pids']} at {last} ({now:.0f} s)", flush=True)
-        if kill is not None and rejoined_s is None and now - kill["t_s"] >= opts.down_s:
+            pids = (kill_worker if opts.kill == "worker" else kill_node)(opts.temp_dir, opts.node)
+            kill = {"t_s": round(now, 1), "progress": last, "what": opts.kill, "pids": pids}
+            print(f"--- SIGKILL of node {opts.node}'s {opts.kill} {pids} at {last} ({now:.0f} s)", flush=True)
+        if opts.kill == "raylet" and kill is not None and rejoined_s is None and now - kill["t_s"] >= opts.down_s:
             rejoin(opts.temp_dir, opts.node, node_args)
             rejoined_s = round(time.monotonic() - t0, 1)
             print(f"--- node {opts.node} joined again at {rejoined_s:.0f} s", flush=True)
@@ -153,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temp-dir", default=multi_gpu.DEFAULT_TEMP)
     ap.add_argument("--stage", default="train", help="ray_jobs.<stage>, alone on the last job's run directory")
     ap.add_argument("--node", default="b", help="the node whose raylet is SIGKILLed (not the head)")
+    ap.add_argument("--kill", choices=("raylet", "worker"), default="raylet",
+                    help="what is SIGKILLed on --node: its raylet (the node is lost, then joins again after "
+                    "--down-s) or one Ray Train worker process (the node stays)")
     ap.add_argument("--kill-at", type=int, default=10, help="SIGKILL once the stage's progress count reaches this")
     ap.add_argument("--down-s", type=float, default=60.0, help="seconds until the node joins again")
     ap.add_argument("--timeout-s", type=float, default=540.0)

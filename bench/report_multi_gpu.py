@@ -188,8 +188,10 @@ def _rolls(lines: list[str], r: dict) -> None:
         lines += [r["note"], ""]
 
 
-NODE_FAULT_HEADING = "### A Ray node lost in the middle of training (its raylet SIGKILLed, then joined again)"
-NODE_FAULT_RUNS = ("node_fault_train_cpu", "multi_gpu_node_fault_2gpu", "multi_gpu_node_fault")
+NODE_FAULT_HEADING = ("### A Ray node or a training worker lost in the middle of training (the node's raylet "
+                      "SIGKILLed, then joined again; or one Ray Train worker SIGKILLed)")
+NODE_FAULT_RUNS = ("node_fault_train_cpu", "multi_gpu_node_fault_2gpu", "multi_gpu_node_fault",
+                   "worker_fault_train_cpu", "multi_gpu_worker_fault")
 
 
 def node_fault(lines: list[str]) -> None:
@@ -207,7 +209,8 @@ def node_fault(lines: list[str]) -> None:
         workers = sets.get("training.num_workers") or (
             _recipe(job["config"]).training.num_workers if job.get("config") else "-")
         rows.append([f"`{name}.json`", f"{env.get('device', '')}, {env.get('date', '')[:10]}", workers, sets.get("training.max_steps", "-"),
-                     f"step {kill.get('progress', '-')} at {f(kill.get('t_s'), 0)} s", f(r.get("rejoined_s"), 0),
+                     f"{kill.get('what', 'raylet')}, step {kill.get('progress', '-')} at {f(kill.get('t_s'), 0)} s",
+                     f(r.get("rejoined_s"), 0),
                      out.get("resumed_from_step") or "-", f"{job.get('status', '-')} after {f(job.get('seconds'), 0)} s",
                      r.get("last_progress", "-")])
     lines += table(["run", "where", "workers", "steps", "SIGKILL", "joined again s", "resumed from step",
@@ -229,4 +232,11 @@ def node_fault(lines: list[str]) -> None:
                       f"{out['resumed_from_step'] + 1}-{kill['progress']} ran again) and finished all "
                       f"{out['step']} steps: {gpu['job']['status']} after {f(gpu['job']['seconds'], 0)} s, the bar "
                       f"following throughout.")
+    for name, r in runs:
+        kill, out = r.get("kill") or {}, ((r.get("stage_record") or {}).get("outputs") or {})
+        if kill.get("what") == "worker":
+            lines[-1] += (f" One Ray Train worker SIGKILLed ({r['environment']['device']}, "
+                          f"{r['environment']['date'][:10]}, `{name}.json`) at step {kill['progress']}: the node "
+                          f"stayed, the run resumed from step {out.get('resumed_from_step', '-')} and ended "
+                          f"{r['job']['status']} after {f(r['job']['seconds'], 0)} s at step {out.get('step', '-')}.")
     lines += [""]

@@ -148,6 +148,39 @@ def test_node_fault_reads_the_stages_progress_lines_and_refuses_the_head():
     assert e.value.code == 2
 
 
+def test_worker_kill_takes_one_ray_train_worker_of_the_node_and_nothing_else(monkeypatch):
+    """``bench.node_fault --kill worker``: real processes under a stand-in raylet, one titled as Ray titles a Ray
+    Train worker actor (``ray::RayTrainWorker...``) and one not; only the titled one is SIGKILLed."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from bench import node_fault
+
+    script = f"(exec -a '{node_fault.TRAIN_WORKER_TITLE}.run_train_fn' sleep 30) & (exec -a 'ray::IDLE' sleep 30) & wait"
+    raylet = subprocess.Popen(["bash", "-c", script])
+    try:
+        parent = psutil.Process(raylet.pid)
+        deadline = time.monotonic() + 10
+        while len(parent.children(recursive=True)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setattr(node_fault, "raylet_of", lambda temp_dir, node: [parent])
+        [worker] = node_fault.train_workers_of("/tmp/x", "b")
+        assert node_fault.kill_worker("/tmp/x", "b") == [worker.pid]
+        worker.wait(timeout=5)
+        others = parent.children(recursive=True)
+        assert [" ".join(p.cmdline()) for p in others] == ["ray::IDLE 30"]
+        monkeypatch.setattr(node_fault, "raylet_of", lambda temp_dir, node: [])
+        with pytest.raises(SystemExit, match="no Ray Train worker"):
+            node_fault.kill_worker("/tmp/x", "b")
+    finally:
+        for p in psutil.Process(raylet.pid).children(recursive=True):
+            p.kill()
+        raylet.kill()
+        raylet.wait()
+
+
 def test_submit_gives_the_job_its_own_variables(monkeypatch, tmp_path):
     """``submit --env KEY=VALUE`` lands in the job's runtime_env beside the tracking URI (bench.node_fault: the
     progress period); a malformed one stops before ``ray job submit``."""
