@@ -229,6 +229,16 @@ def test_streaming_capture_needs_gpus_beside_the_workers():
     assert not [p for p in preflight(r, machine=Machine(num_gpus=2, absent=frozenset())) if p.stage == "train"]
 
 
+@pytest.mark.parametrize("config", ["smollm2-135m-4gpu.yaml", "smollm2-135m-300k.yaml"])
+def test_four_gpu_node_recipes_fit_four_gpus(config, monkeypatch):
+    """The recipes written for one 4-GPU node ask for no more than 4 GPUs in any stage (the 300k recipe asked for
+    5 until 2026-11-29: 4 Ray Train workers beside its streaming capture actor, a train stage that would wait
+    forever on the node it was written for)."""
+    monkeypatch.setenv(API_KEY_ENV, "k")
+    node = Machine(num_gpus=4, vllm_version="0.26.0", absent=frozenset())
+    assert preflight(load_recipe(CONFIGS / config), machine=node) == []
+
+
 @pytest.mark.parametrize("streaming, stage", [(False, "capture"), (True, "train")])
 def test_vllm_capture_needs_vllm(streaming, stage):
     r = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["capture.backend=vllm", f"capture.streaming={streaming}"])
