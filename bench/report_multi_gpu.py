@@ -6,7 +6,7 @@ node lost in training. The stages alone at 1, 2 and 4 GPUs: :mod:`bench.report_p
 from __future__ import annotations
 
 from bench.report_fmt import f, load, section, stage_table, table
-from bench.report_per_gpu import REGEN_GOAL_TOK_S, _recipe, job_sets, train_tok_s
+from bench.report_per_gpu import REGEN_GOAL_TOK_S, job_sets, train_tok_s, training_setting
 
 PIPELINE_HEADING = "### The main job on one 4-GPU node: every stage through Ray, a real MLflow server"
 SERVING_HEADING = "### Autoscaled GPU vLLM replicas under a load ramp"
@@ -194,6 +194,14 @@ NODE_FAULT_RUNS = ("node_fault_train_cpu", "multi_gpu_node_fault_2gpu", "multi_g
                    "worker_fault_train_cpu", "multi_gpu_worker_fault")
 
 
+def _fault_training(r: dict, key: str) -> str:
+    """``training.<key>`` of a ``bench.node_fault`` run: its override, else its recipe's; ``-`` for runs that
+    recorded no recipe (before 2026-11-29) and no override."""
+    if (r.get("job") or {}).get("config"):
+        return training_setting(r, key)
+    return job_sets(r).get(f"training.{key}", "-")
+
+
 def node_fault(lines: list[str]) -> None:
     """``bench.node_fault`` runs (``run_multi_gpu.sh nodekill``): the train stage alone on two Ray nodes of one host,
     node b's raylet SIGKILLed once the progress reaches a step, joined again after ``down_s``."""
@@ -205,10 +213,8 @@ def node_fault(lines: list[str]) -> None:
     for name, r in runs:
         job, kill, out = r.get("job") or {}, r.get("kill") or {}, ((r.get("stage_record") or {}).get("outputs") or {})
         env = r.get("environment") or {}
-        sets = job_sets(r)
-        workers = sets.get("training.num_workers") or (
-            _recipe(job["config"]).training.num_workers if job.get("config") else "-")
-        rows.append([f"`{name}.json`", f"{env.get('device', '')}, {env.get('date', '')[:10]}", workers, sets.get("training.max_steps", "-"),
+        rows.append([f"`{name}.json`", f"{env.get('device', '')}, {env.get('date', '')[:10]}",
+                     _fault_training(r, "num_workers"), _fault_training(r, "max_steps"),
                      f"{kill.get('what', 'raylet')}, step {kill.get('progress', '-')} at {f(kill.get('t_s'), 0)} s",
                      f(r.get("rejoined_s"), 0),
                      out.get("resumed_from_step") or "-", f"{job.get('status', '-')} after {f(job.get('seconds'), 0)} s",
@@ -225,10 +231,11 @@ def node_fault(lines: list[str]) -> None:
     gpu = dict(runs).get("multi_gpu_node_fault")
     if gpu and (gpu.get("stage_record") or {}).get("outputs", {}).get("resumed_from_step") is not None:
         kill, out = gpu["kill"], gpu["stage_record"]["outputs"]
-        lines[-1] += (f" On 4 H200s as two Ray nodes of 2 GPUs ({gpu['environment']['date'][:10]}), node b's raylet "
-                      f"was SIGKILLed at step {kill['progress']} ({f(kill['t_s'], 0)} s into the job) and joined "
-                      f"again {f(gpu['rejoined_s'] - kill['t_s'], 0)} s later; Ray Train restarted its 4 workers on "
-                      f"both nodes, resumed from the step-{out['resumed_from_step']} checkpoint (steps "
+        lines[-1] += (f" On {gpu['environment']['device']}s as Ray nodes of {gpu['node_args']['num_gpus']} GPUs "
+                      f"({gpu['environment']['date'][:10]}), node {gpu['node']}'s raylet was SIGKILLed at step "
+                      f"{kill['progress']} ({f(kill['t_s'], 0)} s into the job) and joined again "
+                      f"{f(gpu['rejoined_s'] - kill['t_s'], 0)} s later; Ray Train restarted its "
+                      f"{_fault_training(gpu, 'num_workers')} workers once the node was back, resumed from the step-{out['resumed_from_step']} checkpoint (steps "
                       f"{out['resumed_from_step'] + 1}-{kill['progress']} ran again) and finished all "
                       f"{out['step']} steps: {gpu['job']['status']} after {f(gpu['job']['seconds'], 0)} s, the bar "
                       f"following throughout.")

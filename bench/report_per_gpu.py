@@ -422,9 +422,14 @@ def _batch(run: StageRun) -> tuple[int | None, int]:
     return (int(workers) if workers else None), int(_setting(run, "batch_tokens"))
 
 
+def training_setting(record: dict, key: str) -> str:
+    """``training.<key>`` of a recorded job (``job.sets``, ``job.config``): its override, else its recipe's."""
+    return job_sets(record).get(f"training.{key}") or str(getattr(_recipe(record["job"]["config"]).training, key))
+
+
 def _setting(run: StageRun, key: str) -> str:
-    """``training.<key>`` of the run: its job's override, else its recipe's."""
-    return job_sets(run.record).get(f"training.{key}") or str(getattr(_recipe(run.record["job"]["config"]).training, key))
+    """``training.<key>`` of the run (:func:`training_setting`)."""
+    return training_setting(run.record, key)
 
 
 def _batch_cell(run: StageRun) -> str:
