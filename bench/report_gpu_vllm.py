@@ -279,7 +279,7 @@ def capture_large(lines: list[str], data: dict | None) -> None:
     """``bench.capture_throughput --target <random Llama-3.1-8B> --vllm`` (issue 40 item 4: capture "on the
     Llama-3.1-8B shape with random weights, where the forward dominates"): both backends' model step, and what it
     would put on disk against the most any capture stage run put on a node's disk."""
-    from bench.report_kernels import GOAL_CAPTURE
+    from bench.report_kernels import CAPTURE_STEP_COLUMNS, GOAL_CAPTURE, capture_step_cells
     from bench.report_per_gpu import disk_mib_s, stage_runs
     from bench.synthetic_serving import TARGET_CONFIGS
     from peagle_core.storage import bytes_per_token
@@ -298,15 +298,13 @@ def capture_large(lines: list[str], data: dict | None) -> None:
                f"{','.join(str(r['batch']) for r in data['rows'])} --repeats {data['repeats']} --vllm` "
                f"({data['samples']} ShareGPT conversations, {data['tokens']:,} tokens, <= {data['max_length']} each; "
                "columns as in the SmolLM2 table above)."), ""]
-    lines += table(["batch", "model step tok/s", "plain forward tok/s", "plain base-model tok/s",
-                    f"step / plain (goal >= {GOAL_CAPTURE})", "step / base"],
-                   [[x["batch"], f"{x['step_tok_s']:,.0f}", f"{x['plain_tok_s']:,.0f}", f"{x['plain_base_tok_s']:,.0f}",
-                     _f(x["step_over_plain"]), _f(x["step_over_plain_base"])] for x in data["rows"]]) + [""]
+    lines += table(CAPTURE_STEP_COLUMNS, [capture_step_cells(x) for x in data["rows"]]) + [""]
     reading = (f"Reading: on this shape the forward is the whole cost: the transformers capture step runs "
                f"{best['step_tok_s']:,.0f} tok/s at batch {best['batch']}, "
                f"{min(x['step_over_plain_base'] for x in data['rows']):.2f}-"
                f"{max(x['step_over_plain_base'] for x in data['rows']):.2f}x the base model's plain forward (goal "
-               f">= {GOAL_CAPTURE} of the plain forward: {met(min(x['step_over_plain'] for x in data['rows']) >= GOAL_CAPTURE)}), "
+               f">= {GOAL_CAPTURE} of the plain forward: "
+               f"{met(min(x['step_over_plain'] for x in data['rows']) >= GOAL_CAPTURE)}), "
                f"and the vLLM backend (vLLM {v['vllm']}) {v['vllm_step_tok_s']:,.0f} tok/s, "
                f"{v['vllm_over_step']:.2f}x it, after an engine start of {v['engine_start_s']:.0f} s. At "
                f"{per_token:,} bytes a captured token, one GPU at that rate would write "

@@ -157,6 +157,16 @@ def _breakdown(lines: list[str]) -> None:
                     for x in b["rows"]])
 
 
+CAPTURE_STEP_COLUMNS = ["batch", "model step tok/s", "plain forward tok/s", "plain base-model tok/s",
+                        f"step / plain (goal >= {GOAL_CAPTURE})", "step / base"]
+
+
+def capture_step_cells(x: dict) -> list:
+    """One ``bench.capture_throughput`` row under :data:`CAPTURE_STEP_COLUMNS`."""
+    return [x["batch"], f"{x['step_tok_s']:.0f}", f"{x['plain_tok_s']:.0f}", f"{x['plain_base_tok_s']:.0f}",
+            f(x["step_over_plain"]), f(x["step_over_plain_base"])]
+
+
 def capture(lines: list[str]) -> None:
     r = section(lines, "capture_throughput", "### Capture throughput: the transformers model step")
     if r is None:
@@ -167,12 +177,8 @@ def capture(lines: list[str]) -> None:
                "forward without lm_head, hidden states cast on the GPU, one pinned copy per batch overlapping the "
                "next forward, NaN/Inf check); plain = `model(ids, mask)` with logits on the same pre-padded "
                "batches; base = `model.model(...)`."), ""]
-    lines += table(["batch", "model step tok/s", "plain forward tok/s", "plain base-model tok/s",
-                    f"step / plain (goal >= {GOAL_CAPTURE})", "step / base",
-                    "capture_batch tok/s (tokenize + step, 1 process)"],
-                   [[x["batch"], f"{x['step_tok_s']:.0f}", f"{x['plain_tok_s']:.0f}", f"{x['plain_base_tok_s']:.0f}",
-                     f(x["step_over_plain"]), f(x["step_over_plain_base"]), f"{x['capture_batch_tok_s']:.0f}"]
-                    for x in r["rows"]])
+    lines += table([*CAPTURE_STEP_COLUMNS, "capture_batch tok/s (tokenize + step, 1 process)"],
+                   [[*capture_step_cells(x), f"{x['capture_batch_tok_s']:.0f}"] for x in r["rows"]])
     lines += ["", (f"Tokenization (chat template, loss mask) in one CPU process: {r['tokenize_tok_s']:.0f} tok/s "
                    f"({r['tokenize_conversations_per_s']:.0f} conversations/s). The pipeline runs it as its own Ray "
                    "Data stage on CPU workers, in parallel with the GPU stage, so it needs about model-step / tokenize "
