@@ -136,7 +136,7 @@ def _lifetimes(actors: list, tasks: list) -> dict[str, tuple[float, float]]:
     ``actor_id``); an actor still alive, or with a task that never ended, is open-ended, except that a dead actor's
     unended task (its node lost) ends at its start. Actors none of whose tasks were listed span everything."""
     spans: dict[str, list[float]] = {}
-    dead = {a.actor_id for a in actors if getattr(a, "state", "DEAD") == "DEAD"}
+    dead = {a.actor_id for a in actors if a.state == "DEAD"}
     for t in tasks:
         if not t.actor_id:
             continue
