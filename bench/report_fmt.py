@@ -6,13 +6,14 @@ measured number of its own (goals and literature anchors are named constants in 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
-from bench.common import RESULTS
+from bench.common import RESULTS, ROOT
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -135,3 +136,21 @@ def stage_table(run: dict, what: dict) -> list[str]:
         rows.append([name, rec.get("status", st["status"]), f(rec.get("seconds", st["seconds"]), 1),
                      st.get("reason") or (what[name](out) if name in what and out else "-")])
     return table(["stage", "status", "seconds", "outputs / reason"], rows)
+
+
+def job_sets(r: dict) -> dict[str, str]:
+    """The ``--set`` overrides of a recorded job (``job.sets``): field -> value."""
+    return dict(s.split("=", 1) for s in (r.get("job") or {}).get("sets", []) if "=" in s)
+
+
+@functools.cache
+def recipe_of(config: str):
+    """The committed recipe a recorded job named (``job.config``, relative to the repository)."""
+    from pipelines.recipe.load import load_recipe
+
+    return load_recipe(ROOT / config)
+
+
+def training_setting(record: dict, key: str) -> str:
+    """``training.<key>`` of a recorded job (``job.sets``, ``job.config``): its override, else its recipe's."""
+    return job_sets(record).get(f"training.{key}") or str(getattr(recipe_of(record["job"]["config"]).training, key))

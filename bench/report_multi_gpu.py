@@ -5,8 +5,8 @@ node lost in training. The stages alone at 1, 2 and 4 GPUs: :mod:`bench.report_p
 
 from __future__ import annotations
 
-from bench.report_fmt import f, load, section, stage_table, table
-from bench.report_per_gpu import REGEN_GOAL_TOK_S, job_sets, train_tok_s, training_setting
+from bench.report_fmt import f, job_sets, load, section, stage_table, table, training_setting
+from bench.report_per_gpu import REGEN_GOAL_TOK_S, train_tok_s
 
 PIPELINE_HEADING = "### The main job on one 4-GPU node: every stage through Ray, a real MLflow server"
 SERVING_HEADING = "### Autoscaled GPU vLLM replicas under a load ramp"

@@ -5,13 +5,12 @@ run of its own machine."""
 
 from __future__ import annotations
 
-import functools
 import re
 import statistics
 from typing import Any, NamedTuple
 
-from bench.common import RESULTS, ROOT
-from bench.report_fmt import f, load, table
+from bench.common import RESULTS
+from bench.report_fmt import f, job_sets, load, recipe_of, table, training_setting
 
 TRAIN_HEADING = "### Training on 1, 2 and 4 GPUs through the train stage"
 REGEN_HEADING = "### Regeneration on 1, 2 and 4 GPUs through the regenerate stage (one or two vLLM engines a GPU)"
@@ -213,7 +212,7 @@ def _imbalance(run: StageRun) -> str:
     from pipelines.data.engine_pool import pool_batch_size
 
     size = int(job_sets(run.record).get("regenerate.batch_size")
-               or _recipe(run.record["job"]["config"]).regenerate.batch_size)
+               or recipe_of(run.record["job"]["config"]).regenerate.batch_size)
     rows, engines = run.outputs.get("num_conversations", 0), _engines(run)
     if run.record["environment"]["date"] >= EQUAL_BATCHES_SINCE:
         size = pool_batch_size(rows, size, engines)
@@ -387,11 +386,6 @@ def _shard_write_note() -> str:
             + " and ".join(rates) + ".") if rates else ""
 
 
-def job_sets(r: dict) -> dict[str, str]:
-    """The ``--set`` overrides of a run's job: field -> value."""
-    return dict(s.split("=", 1) for s in (r.get("job") or {}).get("sets", []) if "=" in s)
-
-
 def _engines(run: StageRun) -> int:
     """The regenerate stage's vLLM engines that answered in a run: those it recorded (``engines``, since
     2026-11-28 16:40), else its ``regenerate.num_workers`` override (one per GPU without it), at most as many as
@@ -407,29 +401,16 @@ def _asked(run: StageRun) -> int:
     return int(job_sets(run.record).get("regenerate.num_workers", run.gpus))
 
 
-@functools.cache
-def _recipe(config: str):
-    """The committed recipe a run's job named (``job.config``, relative to the repository)."""
-    from pipelines.recipe.load import load_recipe
-
-    return load_recipe(ROOT / config)
-
-
 def _batch(run: StageRun) -> tuple[int | None, int]:
     """(workers, tokens per worker per step) of a train run: its job's overrides, else its recipe's (workers:
     None)."""
     workers = job_sets(run.record).get("training.num_workers")
-    return (int(workers) if workers else None), int(_setting(run, "batch_tokens"))
+    return (int(workers) if workers else None), int(training_setting(run.record, "batch_tokens"))
 
 
-def training_setting(record: dict, key: str) -> str:
-    """``training.<key>`` of a recorded job (``job.sets``, ``job.config``): its override, else its recipe's."""
-    return job_sets(record).get(f"training.{key}") or str(getattr(_recipe(record["job"]["config"]).training, key))
-
-
-def _setting(run: StageRun, key: str) -> str:
-    """``training.<key>`` of the run (:func:`training_setting`)."""
-    return training_setting(run.record, key)
+def _method_cell(run: StageRun) -> str:
+    """``peagle, ddp``: a train run's method and parallel strategy."""
+    return f"{training_setting(run.record, 'method')}, {training_setting(run.record, 'parallel_strategy')}"
 
 
 def _batch_cell(run: StageRun) -> str:
@@ -440,9 +421,8 @@ def _batch_cell(run: StageRun) -> str:
 def training(lines: list[str]) -> None:
     runs = _per_gpus(lines, "train", TRAIN_HEADING, [
         ("training tok/s", lambda x: train_tok_s(_history(x)))], "training tok/s",
-        extra=[("method, strategy", lambda x: f"{_setting(x, 'method')}, {_setting(x, 'parallel_strategy')}"),
-               ("workers x tokens a step", _batch_cell)],
-        same=lambda a, b: _setting(a, "method") == _setting(b, "method"))
+        extra=[("method, strategy", _method_cell), ("workers x tokens a step", _batch_cell)],
+        same=lambda a, b: training_setting(a.record, "method") == training_setting(b.record, "method"))
     loss_curves(lines, runs)
     training_reading(lines, runs)
     progress_reading(lines, runs)
@@ -460,8 +440,8 @@ def loss_curves(lines: list[str], runs: list[StageRun]) -> None:
         if len(here) < 2:
             continue
         hist = {x.name: {int(h["step"]): h for h in _history(x)} for x in here}
-        header = ["step", *[f"loss, {x.gpus} GPU{'s' if x.gpus > 1 else ''} ({_setting(x, 'method')}, "
-                            f"{_setting(x, 'parallel_strategy')}, {_batch_cell(x)})" for x in here]]
+        header = ["step", *[f"loss, {x.gpus} GPU{'s' if x.gpus > 1 else ''} ({_method_cell(x)}, {_batch_cell(x)})"
+                            for x in here]]
         steps = sorted(set().union(*[h.keys() for h in hist.values()]))
         rows = [[s, *[f(hist[x.name].get(s, {}).get("loss"), 3) for x in here]] for s in steps]
         lines += [f"Loss per logged window, {machine} (training stage records; EAGLE-3's loss sums its TTT steps):",
@@ -480,8 +460,8 @@ def _window_effs(a: dict, b: dict, gpus: int) -> str:
 
 def training_reading(lines: list[str], runs: list[StageRun]) -> None:
     """The 4-GPU runs against the same machine's 1-GPU run at the same global batch."""
-    peagle = [x for x in runs if _setting(x, "method") == "peagle" and _history(x)]
-    for wide in [x for x in peagle if x.gpus > 1 and _setting(x, "parallel_strategy") == "ddp"]:
+    peagle = [x for x in runs if training_setting(x.record, "method") == "peagle" and _history(x)]
+    for wide in [x for x in peagle if x.gpus > 1 and training_setting(x.record, "parallel_strategy") == "ddp"]:
         base, here = _baseline(wide, peagle)
         if base is None or not here:
             continue
@@ -504,7 +484,7 @@ def training_reading(lines: list[str], runs: list[StageRun]) -> None:
                        "goal needs a longer run." if b[last]["tokens_per_s"] > 1.05 * first and last <= LONG_RUN_STEPS
                        else f"; the last windows {_window_effs(a, b, wide.gpus)}."))]
         fsdp = next((x for x in peagle if x.machine == wide.machine and x.gpus == wide.gpus
-                     and _setting(x, "parallel_strategy") == "fsdp"), None)
+                     and training_setting(x.record, "parallel_strategy") == "fsdp"), None)
         if fsdp is not None:
             c = {int(h["step"]): h for h in _history(fsdp)}
             lines[-1] += (f" FSDP on the same {wide.gpus} GPUs ran {train_tok_s(_history(fsdp)) / train_tok_s(_history(wide)):.0%} "

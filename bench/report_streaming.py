@@ -6,8 +6,8 @@ multi_gpu_train_<label>`` records whose train outputs say ``streaming``."""
 from __future__ import annotations
 
 from bench.common import RESULTS
-from bench.report_fmt import f, load, table
-from bench.report_per_gpu import _batch_cell, _history, job_sets, leases, stage_runs, train_tok_s
+from bench.report_fmt import f, job_sets, load, table
+from bench.report_per_gpu import _batch_cell, _history, leases, stage_runs, train_tok_s
 
 HEADING = "### Capture streamed into training against materialized capture (the same machine and conversations)"
 GB = 1e9
