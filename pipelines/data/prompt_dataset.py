@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from pipelines.data.prompts import (
     SELF_INSTRUCT_NEEDS_ENGINE,
     finish_source,
+    flat,
     load_conversations,
     sample,
 )
@@ -130,4 +131,4 @@ def mix_weighted(parts: list[datasets.Dataset], weights: Sequence[float], num_sa
     log.info("weighted mix of %d sources: %s conversations (of %s usable)", len(parts), quotas,
              [len(p) for p in parts])
     drawn = [sample(p, q, seed) for p, q in zip(parts, quotas) if q > 0]
-    return _concatenate(drawn).shuffle(seed=seed).flatten_indices()
+    return flat(_concatenate(drawn).shuffle(seed=seed))

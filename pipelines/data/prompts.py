@@ -176,7 +176,7 @@ def _drop_duplicates(ds: datasets.Dataset, label: str) -> datasets.Dataset:
             keep.append(i)
     if len(keep) < len(ds):
         log.info("dropped %d exact-duplicate conversation(s) of %s", len(ds) - len(keep), label)
-        ds = ds.select(keep).flatten_indices()
+        ds = flat(ds.select(keep))
     ids = ds["id"]
     counts: Counter = Counter()
     unique = []
@@ -224,7 +224,15 @@ def sample(ds: datasets.Dataset, num_samples: int | None, seed: int) -> datasets
     if num_samples > len(ds):
         log.warning("requested %d conversations but only %d are usable; using all of them", num_samples, len(ds))
         num_samples = len(ds)
-    return ds.shuffle(seed=seed).select(range(num_samples)).flatten_indices()
+    return flat(ds.shuffle(seed=seed).select(range(num_samples)))
+
+
+def flat(ds: datasets.Dataset) -> datasets.Dataset:
+    """``ds``'s rows in their selected order (after ``select``, ``shuffle``) as a table of their own, taken by Arrow.
+    ``datasets``' ``flatten_indices`` in the default Python format converts every nested ``messages`` row to Python and
+    back: 550 rows/s for the 168k self-instruct prompts of issue 42's recipe (5 min), against ~0.1 s for 20k rows in
+    the Arrow format. The rows, features and order are the same."""
+    return ds.with_format("arrow").flatten_indices().with_format(None)
 
 
 def train_eval_split(ds: datasets.Dataset, eval_fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:

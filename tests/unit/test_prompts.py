@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.data.jsonl import json_array_to_jsonl
 from pipelines.data.prompt_dataset import load_prompt_dataset, weighted_quotas
-from pipelines.data.prompts import load_conversations, sample, train_eval_split
+from pipelines.data.prompts import flat, load_conversations, sample, train_eval_split
 from pipelines.data.rows import BadRow, normalize_row
 from pipelines.recipe import DataConfig, SourceConfig
 
@@ -175,6 +175,17 @@ def test_sampling_and_split_are_deterministic(tmp_path, tmp_peagle_home):
     assert len(tr0) == 10 and len(ev0) == 0
     with pytest.raises(ValueError, match="eval_fraction"):
         train_eval_split(a, 1.0, seed=1)
+
+
+def test_flat_takes_the_selected_rows_as_datasets_would():
+    import datasets
+
+    ds = datasets.Dataset.from_list([oa(("system", "s"), ("user", f"q{i}"), ("assistant", "a" * i), id=f"r{i}")
+                                     | {"source": "x"} for i in range(30)])
+    picked = ds.shuffle(seed=5).select(range(7, 25))
+    out = flat(picked)
+    assert out.to_list() == picked.flatten_indices().to_list() and out.features == ds.features
+    assert out._indices is None and out.format["type"] is None  # its own table, rows read as Python objects
 
 
 def test_filter_regex_keeps_matching_first_user_turns(tmp_path, tmp_peagle_home):
