@@ -79,6 +79,18 @@ def test_filters_and_dedup_count_every_drop():
         "exact_duplicates": 1, "near_duplicates": 1, "kept": 7}
 
 
+def test_duplicate_removal_reports_progress_for_every_prompt(capsys):
+    """The duplicate pass over a large recipe's prompts takes minutes: its progress line counts each prompt."""
+    gens = [Generation(t, 5, "stop") for t in POOL]
+    seen = []
+    assert si.deduplicate([g.text for g in gens], 0.7, advance=seen.append) == si.deduplicate([g.text for g in gens],
+                                                                                              0.7)
+    assert seen == [1] * len(POOL)
+    si.filter_prompts(gens, SelfInstructConfig(seed=3, min_chars=1), "")
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[self_instruct duplicates (seed 3)]")]
+    assert lines and lines[-1].split("]")[1].split()[0] == f"{len(POOL)}/{len(POOL)}"
+
+
 def test_near_dedup_threshold_and_exact_only():
     a = "please write a short story about a robot who learns to paint with watercolors in paris"
     b = a + " today"
