@@ -29,11 +29,13 @@
 #                          configs/smollm2-135m-300k.yaml, its ShareGPT source read from the carried file): the
 #                          cluster started if this machine has none, earlier machines' bundles (.carry/regen/*.tar
 #                          carried with this call, ~/keep/regen/*.tar kept by earlier calls: `mkdir -p ~/keep/regen
-#                          && cp .carry/regen/*.tar ~/keep/regen/`, <= 50 MiB a call) unpacked under the run's
+#                          && cp .carry/regen/*/*.tar ~/keep/regen/` carrying .carry/regen/1, then .carry/regen/2
+#                          ..., folders of <= 50 MiB) unpacked under the run's
 #                          regenerate/, the regenerate stage submitted unless this
 #                          machine's last job still runs (a new job resumes from the parts), followed until PACK_S
 #                          (90) s before the call's end, then the parts no earlier call returned -> $OUT/parts
-#                          (<= 8 bundles of <= 16 MiB: keep them here under .carry/regen/ for the next machine)
+#                          (<= 8 bundles of <= 16 MiB: keep them here in a new folder .carry/regen/N for the next
+#                          machine)
 #   logs                   what a stuck or failed replica left: `ray status`, `serve status`, nvidia-smi's processes
 #                          -> $OUT/state.txt; Serve's controller and replica logs, the workers' logs that name vLLM
 #                          -> $OUT/logs.tar.xz
@@ -147,7 +149,7 @@ print(settings.run_dir(load_recipe('$RECIPE').name) / 'regenerate')") || exit 1
       nvidia-smi -L
       setsid -w $M up --nodes "${NODES:-2}" --gpus-per-node "${GPUS_PER_NODE:-2}" --cpus-per-node 24 || exit 1
     fi
-    BUNDLES=$(ls .carry/regen/*.tar ~/keep/regen/*.tar 2> /dev/null)  # this call's, and earlier calls' kept ones
+    BUNDLES=$(ls .carry/regen/*.tar .carry/regen/*/*.tar ~/keep/regen/*.tar 2> /dev/null)  # this call's, earlier calls' kept ones
     if [ -n "$BUNDLES" ]; then
       python3 -m bench.parts_carry unpack $BUNDLES --regenerate-dir "$REGEN" --sent ~/keep/parts_sent.txt || exit 1
     fi

@@ -252,7 +252,7 @@ def test_an_override_names_a_list_item_by_its_index():
     kinds = [s.kind for s in r.data.sources]
     assert kinds == ["openai_jsonl", "self_instruct", "self_instruct", "self_instruct"]
     assert r.data.sources[0].path == "/x/sharegpt.jsonl" and r.data.sources[0].weight == 1
-    assert r.data.sources[1].self_instruct.num_prompts == 200000
+    assert r.data.sources[1].self_instruct.num_prompts == 205000
     assert data["data"]["sources"][0] == {"kind": "sharegpt", "weight": 1}
     with pytest.raises(ValueError, match=r"'4' is not an item of the 4 in data.sources \(0..3\)"):
         recipe_from_dict(data, ["data.sources.4.path=/x"])
