@@ -30,10 +30,11 @@ data, ...))`` calls the writer once per self_instruct source. The writer spreads
 in ranges of ``regenerate.batch_size``, over the regenerate stage's engine pool: ``regenerate.num_workers``
 engine actors of ``regenerate.backend`` (:class:`~pipelines.data.engines.VLLMEngine` also for the
 ``ray_data_llm`` runner; ``regenerate.engines_per_gpu`` of them a GPU, as :mod:`pipelines.data.engine_pool`
-places them; one in-process engine without Ray), each handed the next range as it finishes one, and releases
-them once the source is written. The rows then go through the same per-source steps (``filter_regex``,
-``num_samples``), weighted mixing and train/held-out split as every other source. Without a writer
-``load_prompt_dataset`` raises ``ValueError`` naming this class. Cost: one extra engine start per engine.
+places them; one in-process engine without Ray), each handed the next range as it finishes one. The pool serves
+every self_instruct source and is released when the writer closes (``with SelfInstructWriter(...) as writer``).
+The rows then go through the same per-source steps (``filter_regex``, ``num_samples``), weighted mixing and
+train/held-out split as every other source. Without a writer ``load_prompt_dataset`` raises ``ValueError`` naming
+this class. Cost: one extra engine start per engine, whatever the number of self_instruct sources.
 
 Parts (:func:`write_prompts`): every range's raw completions (before any filter) are kept as they come back,
 atomically, in a parts directory (the stage gives ``regenerate/self_instruct-parts-<key>``, keyed by what
@@ -53,7 +54,7 @@ from contextlib import closing
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from pipelines.data.engine_pool import check_pool_fits, engine_share, start_engine
 from pipelines.data.engines import (
@@ -370,7 +371,9 @@ class SelfInstructWriter:
     are left: with ``use_ray``, a pool of ``regenerate.num_workers`` engine actors (at most one per range) with
     the regenerate pool's resources (:func:`~pipelines.data.engine_pool.engine_share` of ``num_cpus_per_worker``,
     ``regenerate.engines_per_gpu`` engines a GPU), each handed the next range as it finishes one; else one
-    engine in-process. The engines end with the source.
+    engine in-process. The pool serves every source of the recipe (a later source that needs more engines adds
+    them; an engine's start is ~1.5 min of a GPU on an H200) and ends with :meth:`close` (the writer is a context
+    manager); the in-process engine ends with its source.
 
     ``parts_dir(cfg)``: the directory that keeps the completions of the source of self_instruct config ``cfg``
     (the stage gives ``regenerate/self_instruct-parts-<key>``); None: none kept. ``make``: the engine factory
@@ -388,6 +391,22 @@ class SelfInstructWriter:
         self.parts_dir, self.make = parts_dir, make
         self.stats: list[dict[str, Any]] = []
         self.parts_dirs: list[Path] = []
+        self._actors: list[Any] = []  # the Ray pool's engine actors, kept from one source to the next
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the pool's engines (their GPUs go back to the cluster); a later source starts a new pool."""
+        if self._actors:
+            import ray
+
+            for a in self._actors:
+                ray.kill(a)
+        self._actors = []
 
     def __call__(self, source_cfg: SourceConfig) -> list[dict[str, Any]]:
         """Rows of the kept prompts of ``source_cfg`` (kind self_instruct).
@@ -437,13 +456,15 @@ class SelfInstructWriter:
             ray.init()  # as ray.data does on first use
         num_cpus, num_gpus = share = engine_share(self.regen_cfg, self.num_cpus_per_worker)
         num_engines = min(self.regen_cfg.num_workers, len(ranges))
-        check_pool_fits(self.regen_cfg, num_engines, share, ray.cluster_resources())
-        actor = ray.remote(SelfInstructActor).options(num_cpus=num_cpus, num_gpus=num_gpus)
-        actors = [actor.remote(self.regen_cfg.backend, str(model_path), kwargs, self.regen_cfg.engines_per_gpu,
-                               self.make) for _ in range(num_engines)]
-        stats["num_engines"] = num_engines
+        started = max(0, num_engines - len(self._actors))
+        if started:
+            check_pool_fits(self.regen_cfg, num_engines, share, ray.cluster_resources())
+            actor = ray.remote(SelfInstructActor).options(num_cpus=num_cpus, num_gpus=num_gpus)
+            self._actors += [actor.remote(self.regen_cfg.backend, str(model_path), kwargs,
+                                          self.regen_cfg.engines_per_gpu, self.make) for _ in range(started)]
+        stats["num_engines"], stats["engines_started"] = min(len(self._actors), len(ranges)), started
         try:
-            yield from ActorPool(actors).map_unordered(lambda a, r: a.complete.remote(cfg, pq, *r), ranges)
-        finally:
-            for a in actors:
-                ray.kill(a)
+            yield from ActorPool(self._actors).map_unordered(lambda a, r: a.complete.remote(cfg, pq, *r), ranges)
+        except BaseException:
+            self.close()  # an engine may be mid-range: never hand it the next source's
+            raise

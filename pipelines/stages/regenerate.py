@@ -113,12 +113,13 @@ class RegenerateStage(Stage):
         from pipelines.data.selfinstruct import SelfInstructWriter, summary
 
         r = self.recipe
-        # the writer starts engines only for a self_instruct source with requests left (a pool per such source)
+        # the writer starts engines only when a self_instruct source has requests left
         writer = SelfInstructWriter(r.target, r.regenerate, r.data,
                                     num_cpus_per_worker=cpus_per_worker(r.regenerate.num_workers),
                                     engine_kwargs=dict(self.ctx.engine.vllm_kwargs),
                                     parts_dir=self.self_instruct_parts)
-        prompts = load_prompt_dataset(r.data, write_prompts=writer)
+        with writer:  # one engine pool for every self_instruct source, ended before the regeneration's starts
+            prompts = load_prompt_dataset(r.data, write_prompts=writer)
         for stats, parts_dir in zip(writer.stats, writer.parts_dirs, strict=True):
             resumed = stats.get("resumed_prompts", 0)
             self.ctx.say(f"self_instruct prompts: {summary(stats)}"

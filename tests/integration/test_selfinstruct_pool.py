@@ -6,6 +6,7 @@ left; a pool the cluster cannot hold is refused before any engine starts. The re
 
 import os
 import time
+from functools import partial
 
 import pytest
 
@@ -35,9 +36,9 @@ def ray_local():
 
 def write(tmp_path, name: str, num_workers: int, use_ray: bool = True) -> tuple[list[dict], SelfInstructWriter]:
     regen = RegenerateConfig(backend="vllm", vllm_runner="actor", batch_size=BATCH, num_workers=num_workers)
-    writer = SelfInstructWriter(TargetConfig(), regen, DataConfig(max_length_tokens=512), use_ray=use_ray,
-                                num_cpus_per_worker=1, make=fake_engine, parts_dir=lambda cfg: tmp_path / name)
-    return writer(SOURCE), writer
+    with SelfInstructWriter(TargetConfig(), regen, DataConfig(max_length_tokens=512), use_ray=use_ray,
+                            num_cpus_per_worker=1, make=fake_engine, parts_dir=lambda cfg: tmp_path / name) as writer:
+        return writer(SOURCE), writer
 
 
 def test_one_engine_or_three_keep_the_same_prompts_and_resume_from_their_parts(ray_local, tmp_path):
@@ -52,6 +53,40 @@ def test_one_engine_or_three_keep_the_same_prompts_and_resume_from_their_parts(r
         (tmp_path / "three" / name).unlink()
     again, w = write(tmp_path, "three", 3)
     assert again == one and w.stats[0]["num_engines"] == 2 and w.stats[0]["resumed_prompts"] == 24
+
+
+def counted_engine(started: str, backend, model_path, **kwargs):
+    """:func:`fake_engine` that first appends its process id to the file ``started``."""
+    with open(started, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return FakeEngine(None)
+
+
+def test_every_source_runs_on_the_same_engines_until_the_writer_closes(ray_local, tmp_path):
+    """Engines start once for a recipe's self_instruct sources (each start is ~1.5 min of a GPU with vLLM), a later
+    source that needs more adds only those, and closing the writer ends them all."""
+    started = tmp_path / "started"
+    regen = RegenerateConfig(backend="vllm", vllm_runner="actor", batch_size=BATCH, num_workers=3)
+    small = SourceConfig(kind="self_instruct", self_instruct=SelfInstructConfig(num_prompts=16, seed=4, min_chars=10))
+    with SelfInstructWriter(TargetConfig(), regen, DataConfig(max_length_tokens=512), num_cpus_per_worker=1,
+                            make=partial(counted_engine, str(started)),
+                            parts_dir=lambda cfg: tmp_path / f"p{cfg.seed}") as writer:
+        other = SOURCE.self_instruct.model_copy(update={"seed": 5})
+        rows = [writer(small), writer(SOURCE), writer(SOURCE.model_copy(update={"self_instruct": other}))]
+        pids = [int(p) for p in started.read_text().split()]
+    assert [(s["num_engines"], s["engines_started"]) for s in writer.stats] == [(2, 2), (3, 1), (3, 0)]
+    assert len(pids) == len(set(pids)) == 3 and all(rows) and rows[1] == write(tmp_path, "one", 1)[0]
+    assert writer._actors == [] and wait_gone(pids)
+
+
+def wait_gone(pids: list[int], timeout_s: float = 20.0) -> bool:
+    """Whether every process of ``pids`` has ended within ``timeout_s``."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(psutil.pid_exists(p) for p in pids)
 
 
 def test_a_pool_the_cluster_cannot_hold_is_refused_before_an_engine_starts(ray_local, tmp_path):
