@@ -144,7 +144,7 @@ def deduplicate(texts: Sequence[str], threshold: float | None, stats: Counter | 
 
     Exact: equal after collapsing whitespace. Near (``threshold`` not None): MinHashLSH candidates
     whose estimated Jaccard similarity of word 3-grams is >= ``threshold``. ``stats`` receives
-    ``exact_duplicates`` and ``near_duplicates``; ``advance(1)`` (a progress meter) is called after each text.
+    ``exact_duplicates`` and ``near_duplicates``; ``advance(1)`` (a progress meter) is called for each text.
     """
     from datasketch import MinHash, MinHashLSH
 
