@@ -46,11 +46,19 @@ def raylet_of(temp_dir: str, node: str) -> list:
     import psutil
 
     key = str(Path(temp_dir).resolve() / f"node-{node}")
+    return _processes_where(psutil.process_iter(["pid", "name", "cmdline"]), lambda p: p.info["name"] == "raylet"
+                            and any(key in part for part in p.info["cmdline"] or []))
+
+
+def _processes_where(procs, test) -> list:
+    """The processes of ``procs`` (psutil) for which ``test`` holds; one that ends or denies access meanwhile is
+    left out."""
+    import psutil
+
     out = []
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+    for p in procs:
         try:
-            cmd = p.info["cmdline"] or []
-            if p.info["name"] == "raylet" and any(key in part for part in cmd):
+            if test(p):
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -76,17 +84,8 @@ TRAIN_WORKER_TITLE = "ray::RayTrainWorker"  # the process title of a Ray Train w
 
 def train_workers_of(temp_dir: str, node: str) -> list:
     """The Ray Train worker processes of node ``node``: the raylet's descendants titled :data:`TRAIN_WORKER_TITLE`."""
-    import psutil
-
-    out = []
-    for raylet in raylet_of(temp_dir, node):
-        for p in raylet.children(recursive=True):
-            try:
-                if " ".join(p.cmdline()).startswith(TRAIN_WORKER_TITLE):
-                    out.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-    return out
+    return [p for raylet in raylet_of(temp_dir, node) for p in _processes_where(
+        raylet.children(recursive=True), lambda p: " ".join(p.cmdline()).startswith(TRAIN_WORKER_TITLE))]
 
 
 def kill_worker(temp_dir: str, node: str) -> list[int]:
