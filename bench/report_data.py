@@ -1,10 +1,13 @@
 """The GPU data path and whole-job sections of ``docs/benchmarks.md`` (issue 14) and the shifted-traffic refresh
-(issue 16): training warm-up, regeneration throughput, online vs offline steps, the main job through Ray."""
+(issue 16): training warm-up, regeneration throughput, online vs offline steps, the main job through Ray, and the
+multi-turn regeneration's engine batches (``bench.regen_batch_replay``)."""
 
 from __future__ import annotations
 
+from bench.common import ROOT
 from bench.report_fmt import env, f, load, met, section, stage_table, table
 from bench.report_scale import regen_tokens_per_s
+from pipelines.recipe import load_recipe
 
 STEADY_FACTOR = 2.0  # a step is steady once it takes < this x the median of the last five (the table's definition)
 GOAL_REGEN_TOK_S = 30_000  # transformers regeneration, tokens/s (issue 14 item 3)
@@ -155,3 +158,40 @@ def shifted_traffic(lines: list[str]) -> None:
         *shifted_traffic_table(r),
         "",
     ]
+
+
+def regen_batches(lines: list[str]) -> None:
+    """``bench.regen_batch_replay``: the 300k recipe's multi-turn batches as they ran, and replayed in the batches
+    the stage cuts now."""
+    r = load("regen_batch_replay")
+    if r is None:
+        return
+    lines += ["### Multi-turn regeneration: how many sequences an engine batch keeps running", "",
+              (f"`python -m bench.regen_batch_replay` over the {r['conversations']:,} conversations "
+               f"({r['tokens'] / 1e6:.1f}M tokens) of `{r['parts']}`, generated on {r['measured_on']} with "
+               f"`{r['config']}` (max_num_seqs {r['max_num_seqs']}). Each batch replayed as continuous batching "
+               "of its chains of turns; a step's time fitted on the measured batches as "
+               f"{r['step_ms']['a']:.1f} ms + {r['step_ms']['b_per_sequence']:.3f} ms a sequence running."), ""]
+    run = r["as_run"]
+    rows = [["as run: input order, batches of " + " / ".join(map(str, r["batch_sizes_as_run"])), f"{run['steps']:,}",
+             f(run["running"], 0), f"{run['measured_tokens_per_s']:,.0f} (measured)"]]
+    for key, what in (("whole_batches", "input order, whole batches"),
+                      ("longest_chains_first", "longest chains first, whole batches (the stage now)")):
+        x = r[key]
+        rows.append([f"{what} of {r['batch_size']}", f"{x['steps']:,}", f(x["running"], 0),
+                     f"{x['predicted_tokens_per_s']:,.0f} (predicted)"])
+    lines += table(["engine batches", "decode steps", "sequences running (mean)", "tok/s per engine"], rows) + [""]
+    cfg = load_recipe(ROOT / r["config"]).regenerate
+    short = load("multi_gpu_regenerate_4x2c")["stage_records"]["regenerate"]["outputs"]
+    lines += [(f"Reading: a batch lasts as long as its longest chain of turns, up to {cfg.max_turns} answers of up to "
+               f"{cfg.max_tokens_per_turn} tokens, and every batch in input order held one, so its engine ran "
+               f"{run['running']:.0f} sequences at a time of the {r['max_num_seqs']} it may run. "
+               "Ray Data also cut every default block of rows into one full batch and one of ~half size. The "
+               "stage now sorts conversations by turns (`pipelines.data.regenerate.longest_chains_first`) and "
+               f"hands each engine whole blocks: {r['longest_chains_first']['running'] / run['running']:.1f}x the "
+               "sequences at once, but each step costs more with each "
+               f"sequence, so the model gives {r['longest_chains_first']['predicted_tokens_per_s'] / run['measured_tokens_per_s']:.2f}x "
+               "the tokens/s: long multi-turn histories, not the batching, bound these engines "
+               f"({short['tokens_per_s']:,.0f} tok/s an engine on the {short['num_conversations']:,} shorter "
+               "conversations of `multi_gpu_regenerate_4x2c.json` above). A prediction until a lease "
+               "measures it."), ""]

@@ -10,6 +10,7 @@ import statistics
 from typing import Any, NamedTuple
 
 from bench.common import RESULTS
+from bench.report_data import regen_batches
 from bench.report_fmt import f, job_sets, load, recipe_of, table, training_setting
 
 TRAIN_HEADING = "### Training on 1, 2 and 4 GPUs through the train stage"
@@ -143,6 +144,7 @@ def data_path(lines: list[str]) -> None:
         extra=[("engines", _engines), ("conversations", lambda x: f"{x.outputs.get('num_conversations', 0):,}")])
     regen_sweep(lines)
     regen_reading(lines, regen)
+    regen_batches(lines)
     capture = _per_gpus(lines, "capture", CAPTURE_HEADING, [
         ("tok/s over the stage", lambda x: x.outputs.get("tokens_per_s")),
         ("tok/s once started", lambda x: _steady(x.outputs)),
