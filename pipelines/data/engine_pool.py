@@ -1,7 +1,7 @@
 """The regenerate stage's pool of engine actors on a Ray cluster: what each engine asks Ray for
 (:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), whether the cluster can hold the
 pool at all (:func:`check_pool_fits`), how the conversations are cut into the batches the pool hands out
-(:func:`pool_batch_size`) and handed out, one at a time an engine (:func:`pool_strategy`), how the engines of one
+(:func:`pool_batches`) and handed out, one at a time an engine (:func:`pool_strategy`), how the engines of one
 GPU start: one after another (:func:`gpu_start_lock`) or, on CUDA, side by side with a KV cache of a fixed size each
 (:func:`start_engine`), and what they report of their start (:func:`engine_started`, :func:`engines_summary`).
 :mod:`pipelines.data.regenerate` runs the pool; :mod:`pipelines.data.selfinstruct` runs a pool of the same engines for
@@ -65,18 +65,24 @@ def check_pool_fits(regen_cfg: RegenerateConfig, num_engines: int, share: tuple[
             "regenerate.num_workers")
 
 
+def pool_batches(num_rows: int, batch_size: int, num_workers: int) -> int:
+    """How many batches the pool cuts ``num_rows`` conversations into for its ``num_workers`` engines: batches of
+    at most ``batch_size`` (``regenerate.batch_size``), as many as a multiple of the engines, so that no engine
+    runs the last batches alone while the others idle. 5,880 conversations in batches of 1,024 made 6 batches
+    for 4 engines (2x H200, 2026-11-28: together the 4 engines decoded ~35k tok/s from the first answers to the
+    end, half of 4 times the rate of each inside its calls); here 8. At least 1, at most ``num_rows``."""
+    batches = math.ceil(num_rows / max(1, batch_size))
+    if num_workers > 1:
+        batches = math.ceil(batches / num_workers) * num_workers
+    return max(1, min(batches, num_rows))
+
+
 def pool_batch_size(num_rows: int, batch_size: int, num_workers: int) -> int:
-    """Conversations per batch the pool hands its ``num_workers`` engines: at most ``batch_size``
-    (``regenerate.batch_size``), and as many batches as a multiple of the engines, all of one size, so that no
-    engine runs the last batches alone while the others idle. 5,880 conversations in batches of 1,024 made 6
-    batches for 4 engines (2x H200, 2026-11-28: together the 4 engines decoded ~35k tok/s from the first answers
-    to the end, half of 4 times the rate of each inside its calls); here 8 batches of 735. One engine keeps
-    ``batch_size``. At least 1."""
+    """Conversations per batch of :func:`pool_batches`, all of one size (5,880 conversations for 4 engines: 735).
+    One engine keeps ``batch_size``. At least 1."""
     if num_rows <= 0 or num_workers <= 1:
         return max(1, batch_size)
-    batches = math.ceil(num_rows / max(1, batch_size))
-    batches = math.ceil(batches / num_workers) * num_workers
-    return max(1, math.ceil(num_rows / batches))
+    return max(1, math.ceil(num_rows / pool_batches(num_rows, batch_size, num_workers)))
 
 
 # Batches an engine actor holds at once (running and queued). Ray Data's default (2: DataContext's
@@ -248,4 +254,4 @@ def engines_summary(engines: list[dict[str, Any]], decode_rate: float | None, as
 
 __all__ = ["ENGINE_BATCHES_IN_FLIGHT", "GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits",
            "decode_tokens_per_s", "engine_share", "engine_started", "engines_summary", "gpu_start_lock", "in_process_on_cpu",
-           "pool_batch_size", "pool_strategy", "shared_kv_cache_bytes", "start_engine"]
+           "pool_batch_size", "pool_batches", "pool_strategy", "shared_kv_cache_bytes", "start_engine"]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -48,7 +47,7 @@ from pipelines.data.engine_pool import (
     decode_tokens_per_s,
     engine_share,
     engine_started,
-    pool_batch_size,
+    pool_batches,
     pool_strategy,
     start_engine,
 )
@@ -488,8 +487,8 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
     check_pool_fits(regen_cfg, regen_cfg.num_workers, share, ray.cluster_resources())
     # one block a batch (batch_size None: the whole block): with Ray Data's default blocks, a batch never spans
     # two blocks, so each block of 1,511 rows gave a batch of 1,021 and one of 490 (the 300k recipe, 2026-11-30)
-    size = pool_batch_size(len(rows), regen_cfg.batch_size, regen_cfg.num_workers)
-    ds = ray.data.from_items(rows, override_num_blocks=math.ceil(len(rows) / size))
+    blocks = pool_batches(len(rows), regen_cfg.batch_size, regen_cfg.num_workers)
+    ds = ray.data.from_items(rows, override_num_blocks=blocks)
     res = ds.map_batches(
         RegenerateActor,
         fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs, reports,

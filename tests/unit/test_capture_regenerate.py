@@ -215,8 +215,10 @@ def test_engines_sharing_a_gpu_split_its_share_of_cpus(monkeypatch):
 def test_pool_batches_are_a_multiple_of_the_engines():
     """Every engine of the pool gets the same number of equal batches, none above regenerate.batch_size: 5,880
     conversations in batches of 1,024 for 4 engines left 2 engines to run the last 2 batches alone (2x H200)."""
-    from pipelines.data.engine_pool import pool_batch_size
+    from pipelines.data.engine_pool import pool_batch_size, pool_batches
 
+    assert pool_batches(5880, 1024, 4) == 8 and pool_batches(302147, 1024, 4) == 296  # the Ray Data blocks
+    assert pool_batches(9, 3, 4) == 4 and pool_batches(3, 1024, 4) == 3 and pool_batches(12, 6, 1) == 2
     assert pool_batch_size(5880, 1024, 4) == 735  # 8 batches, 2 an engine
     assert pool_batch_size(5880, 1024, 2) == 980  # 6 batches, 3 an engine
     assert pool_batch_size(100, 1024, 1) == 1024 and pool_batch_size(100, 64, 1) == 64  # one engine: as set
