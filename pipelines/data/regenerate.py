@@ -391,7 +391,6 @@ def run_regenerate(
     if todo:
         model_path, kwargs = engine_setup(target_cfg, regen_cfg, data_cfg, num_cpus_per_worker=num_cpus_per_worker,
                                           engine_kwargs=engine_kwargs)
-        todo = longest_chains_first(todo, regen_cfg)
         budget = token_budget(todo, regen_cfg)
         with progress("regenerate", total=len(todo), unit="conversations", work_unit="tokens", work_total=budget,
                       work_bound=True) as meter:
@@ -467,6 +466,7 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         ValueError: an actor pool the Ray cluster can never hold (:func:`check_pool_fits`), before any engine starts.
     """
     runner = _ray_runner(regen_cfg, use_ray)
+    rows = longest_chains_first(rows, regen_cfg)  # the engines' batches: each of one chain length, longest first
     if runner == "ray_data_llm":
         engine = RayDataLLMEngine(model_path, regen_cfg, num_cpus=num_cpus_per_worker, **kwargs)
         return regenerate_conversations(rows, engine, regen_cfg, stats=stats, report=reports.add)
