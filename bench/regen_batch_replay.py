@@ -10,9 +10,9 @@ turns add up to its recorded ``num_generated_tokens``. Prefill is not modelled.
 
 From the replayed steps and the measured ``generate_s`` of every part, a least-squares fit gives the engine's
 step time as ``a + b x sequences running``; the same replay of the batches that
-:func:`pipelines.data.regenerate.longest_chains_first` and :func:`pipelines.data.engine_pool.pool_batch_size`
-cut from the same conversations then predicts their tokens/s (and, to tell the two apart, whole batches of the
-same size in the parts' order). A model, not a measurement: the next lease measures.
+:func:`pipelines.data.regenerate.longest_chains_first` and :func:`pipelines.data.engine_pool.pool_batches`
+cut from the same conversations then predicts their tokens/s (and, to tell the two apart, the same blocks in the
+parts' order). A model, not a measurement: the next lease measures.
 
     python -m bench.regen_batch_replay --parts RUN/regenerate/parts-KEY --tokenizer TARGET_DIR \\
         --config configs/smollm2-135m-300k.yaml --measured-on "..."   # -> bench/results/regen_batch_replay.json
@@ -25,8 +25,10 @@ import json
 from collections import deque
 from pathlib import Path
 
+import numpy as np
+
 from bench.common import write_result
-from pipelines.data.engine_pool import pool_batch_size
+from pipelines.data.engine_pool import pool_batches
 from pipelines.data.parts import PART_GLOB
 from pipelines.data.regenerate import longest_chains_first
 from pipelines.recipe import load_recipe
@@ -77,7 +79,7 @@ def main() -> None:
     ap.add_argument("--parts", required=True, help="a regenerate parts directory (parts-<key>)")
     ap.add_argument("--tokenizer", required=True, help="the target's directory (tokenizer.json)")
     ap.add_argument("--config", default="configs/smollm2-135m-300k.yaml", help="the recipe that wrote the parts")
-    ap.add_argument("--engines", type=int, default=4, help="engines of the run (pool_batch_size)")
+    ap.add_argument("--engines", type=int, default=4, help="engines of the run (pool_batches)")
     ap.add_argument("--measured-on", required=True, help="where the parts were generated, e.g. '2x NVIDIA H200, "
                     "2026-11-30, vLLM 0.26.0, 4 engines (2 a GPU)'")
     ap.add_argument("--name", default="regen_batch_replay")
@@ -98,25 +100,27 @@ def main() -> None:
         chains += c
     a, b = fit_step_ms([(p["running"], 1000 * p["generate_s"] / p["steps"]) for p in parts])
     chain_of = {r["id"]: c for r, c in zip(rows, chains)}
-    size = pool_batch_size(len(rows), cfg.batch_size, args.engines)
+    # the stage's blocks: pool_batches of them, split as evenly as ray.data.from_items splits its rows
+    blocks = np.array_split(np.arange(len(rows)), pool_batches(len(rows), cfg.batch_size, args.engines))
 
     def policy(ordered: list[dict]) -> dict:
         steps = tokens = 0
-        for i in range(0, len(ordered), size):
-            s, t = replay([chain_of[r["id"]] for r in ordered[i:i + size]], cfg.max_num_seqs)
+        for block in blocks:
+            s, t = replay([chain_of[ordered[i]["id"]] for i in block], cfg.max_num_seqs)
             steps, tokens = steps + s, tokens + t
         running = tokens / steps
         return {"steps": steps, "running": running, "predicted_tokens_per_s": 1000 * running / (a + b * running)}
 
-    as_run = {"steps": sum(p["steps"] for p in parts), "running": sum(p["tokens"] for p in parts) / sum(
-        p["steps"] for p in parts), "measured_tokens_per_s": sum(p["tokens"] for p in parts) / sum(
-        p["generate_s"] for p in parts)}
+    steps, tokens = sum(p["steps"] for p in parts), sum(p["tokens"] for p in parts)
+    as_run = {"steps": steps, "running": tokens / steps,
+              "measured_tokens_per_s": tokens / sum(p["generate_s"] for p in parts)}
     out = write_result(args.name, {
         "benchmark": "regen_batch_replay", "measured_on": args.measured_on, "parts": Path(args.parts).name,
         "config": args.config, "batch_sizes_as_run": sorted({p["conversations"] for p in parts}),
-        "max_num_seqs": cfg.max_num_seqs, "batch_size": size, "conversations": len(rows),
-        "tokens": sum(p["tokens"] for p in parts), "step_ms": {"a": a, "b_per_sequence": b},
-        "as_run": as_run, "whole_batches": policy(rows), "longest_chains_first": policy(longest_chains_first(rows, cfg)), "per_part": parts})
+        "max_num_seqs": cfg.max_num_seqs, "batch_size": max(map(len, blocks)), "conversations": len(rows),
+        "tokens": tokens, "step_ms": {"a": a, "b_per_sequence": b}, "as_run": as_run,
+        "whole_batches": policy(rows), "longest_chains_first": policy(longest_chains_first(rows, cfg)),
+        "per_part": parts})
     print(out)
 
 
