@@ -13,6 +13,9 @@ end. The result names the kill, what the job printed after it, how the job ended
     python -m bench.multi_gpu submit --config RECIPE ...; python -m bench.multi_gpu wait   # the run directory
     python -m bench.node_fault --stage train --node b --kill-at 10 --down-s 60 --name node_fault_train \\
         --set training.num_workers=4 --set training.max_steps=40
+
+On a one-node cluster (``up --nodes 1``, e.g. a one-GPU machine) only ``--kill worker --node a`` applies: one Ray
+Train worker of the head; its raylet would take the cluster with it.
 """
 
 from __future__ import annotations
@@ -41,11 +44,13 @@ def progress(line: str, stage: str) -> int | None:
 
 
 def raylet_of(temp_dir: str, node: str) -> list:
-    """The raylet process(es) of node ``node`` of the cluster in ``temp_dir`` (``pipelines.local_ray.join`` starts
-    it with ``<temp>/node-<node>`` on its command line)."""
+    """The raylet process(es) of node ``node`` of the cluster in ``temp_dir``: a joined node's raylet has
+    ``<temp>/node-<node>`` on its command line (``pipelines.local_ray.join``), the head's (``multi_gpu.NODE_NAMES[0]``)
+    its session directory ``<temp>/session_*``."""
     import psutil
 
-    key = str(Path(temp_dir).resolve() / f"node-{node}")
+    temp = Path(temp_dir).resolve()
+    key = f"{temp}/session_" if node == multi_gpu.NODE_NAMES[0] else str(temp / f"node-{node}")
     return _processes_where(psutil.process_iter(["pid", "name", "cmdline"]), lambda p: p.info["name"] == "raylet"
                             and any(key in part for part in p.info["cmdline"] or []))
 
@@ -118,6 +123,27 @@ def rejoin(temp_dir: str, node: str, node_args: dict[str, Any], timeout_s: float
             time.sleep(2)
 
 
+def sample_id_check(record: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """What the train stage trained, epoch by epoch, from the Ray Train run's ``sample_ids/epoch_XXXX.json``
+    (``pipelines.train.order``; beside the checkpoint the stage record names): the epoch's samples, whether every
+    rank's trained ids chain to the digest its trainer recorded from what it consumed (``matches_digest``: the
+    planned order, nothing skipped or repeated across the kill) and whether the ids are unique. Empty where the
+    record names no checkpoint or no epoch ended."""
+    ckpt = ((record or {}).get("outputs") or {}).get("checkpoint")
+    if not ckpt:
+        return []
+    from pipelines.train.order import SAMPLE_LOG_DIR
+
+    out = []
+    for f in sorted((Path(ckpt).parent / SAMPLE_LOG_DIR).glob("epoch_*.json")):
+        log = json.loads(f.read_text())
+        ids = [i for r in log["ranks"] for i in r.get("sample_ids", [])]
+        out.append({"epoch": log["epoch"], "num_samples": log["num_samples"], "world_size": log["world_size"],
+                    "ranks_match_digest": all(r.get("matches_digest", False) for r in log["ranks"]),
+                    "ids_unique": len(ids) == len(set(ids)) == log["num_samples"]})
+    return out
+
+
 def job_run_dir(state: dict[str, Any]) -> Path:
     """The run directory of the last job's recipe: ``$PEAGLE_HOME/runs/<recipe name>`` (``settings.run_dir``)."""
     from pipelines.cli.common import recipe_from_cli
@@ -172,7 +198,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                    "sets": opts.set,
                    "seconds": round(time.monotonic() - t0, 1)},
            "kill": kill, "down_s": opts.down_s, "rejoined_s": rejoined_s, "last_progress": last,
-           "log_after_kill": lines[-AFTER_KILL_LINES:], "stage_record": record, "note": opts.note,
+           "log_after_kill": lines[-AFTER_KILL_LINES:], "stage_record": record,
+           "sample_ids": sample_id_check(record) if opts.stage == "train" else [], "note": opts.note,
            "command": "python -m bench.node_fault " + " ".join(sys.argv[1:])}
     from bench.common import write_result
 
@@ -184,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--temp-dir", default=multi_gpu.DEFAULT_TEMP)
     ap.add_argument("--stage", default="train", help="ray_jobs.<stage>, alone on the last job's run directory")
-    ap.add_argument("--node", default="b", help="the node whose raylet is SIGKILLed (not the head)")
+    ap.add_argument("--node", default="b", help="the node whose raylet (not the head's) or Train worker is SIGKILLed")
     ap.add_argument("--kill", choices=("raylet", "worker"), default="raylet",
                     help="what is SIGKILLed on --node: its raylet (the node is lost, then joins again after "
                     "--down-s) or one Ray Train worker process (the node stays)")
@@ -201,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="node_fault_train")
     ap.add_argument("--note", default="")
     opts = ap.parse_args(argv)
-    if opts.node == multi_gpu.NODE_NAMES[0]:
-        ap.error(f"--node {opts.node}: the head's raylet takes the cluster with it; kill another node")
+    if opts.node == multi_gpu.NODE_NAMES[0] and opts.kill == "raylet":
+        ap.error(f"--node {opts.node}: the head's raylet takes the cluster with it; kill another node, or "
+                 "--kill worker (a one-node cluster: one Ray Train worker of the head)")
     out = run(opts)
     return 0 if out["job"]["status"] == "SUCCEEDED" else 1
 

@@ -24,7 +24,8 @@
 #   nodekill [FLAGS]       a stage alone (default train) while node b's raylet is SIGKILLed and joins again
 #                          (bench.node_fault; e.g. --kill-at 40 --down-s 60 --set training.max_steps=150)
 #                          -> $OUT/r/multi_gpu_node_fault.json, its output in $OUT/nodekill.log; with `--kill worker
-#                          --name multi_gpu_worker_fault` one Ray Train worker of node b instead (the node stays)
+#                          --name multi_gpu_worker_fault` one Ray Train worker of node b instead (the node stays;
+#                          on a one-node cluster, NODES=1, add `--node a`: a worker of the head)
 #   parts                  issue 42's regeneration across calls and leases (RECIPE, default
 #                          configs/smollm2-135m-300k.yaml, its ShareGPT source read from the carried file): the
 #                          cluster started if this machine has none, earlier machines' bundles (.carry/regen/*.tar

@@ -181,6 +181,57 @@ def test_worker_kill_takes_one_ray_train_worker_of_the_node_and_nothing_else(mon
         raylet.wait()
 
 
+def test_raylet_of_tells_the_head_from_a_joined_node(tmp_path):
+    """The head's raylet (node ``a``, ``--kill worker`` on a one-node cluster) is the one whose session directory
+    lies right under the cluster's temp dir; a joined node's lies under ``<temp>/node-<name>``. Real processes named
+    ``raylet`` (a link to bash), each with the ``--session_dir`` Ray gives a raylet."""
+    import subprocess
+
+    from bench import node_fault
+
+    link = tmp_path / "bin" / "raylet"
+    link.parent.mkdir()
+    link.symlink_to("/bin/bash")
+    temp = tmp_path / "ray"
+    procs = {node: subprocess.Popen([str(link), "-c", "sleep 30; true", "raylet", f"--session_dir={d}/session_2026_12_01"])
+             for node, d in (("a", temp), ("b", temp / "node-b"))}
+    try:
+        for node, proc in procs.items():
+            assert [p.pid for p in node_fault.raylet_of(str(temp), node)] == [proc.pid], node
+        assert node_fault.raylet_of(str(temp), "c") == []
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    with pytest.raises(SystemExit) as e:  # the head's raylet is refused; a worker of the head is not
+        node_fault.main(["--node", multi_gpu.NODE_NAMES[0], "--kill", "raylet"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit, match="no cluster recorded"):
+        node_fault.main(["--node", "a", "--kill", "worker", "--temp-dir", str(tmp_path / "none")])
+
+
+def test_sample_id_check_reads_what_each_epoch_trained(tmp_path):
+    """``bench.node_fault.sample_id_check``: the epoch files ``pipelines.train.order`` writes beside the
+    checkpoints, read back; a rank whose ids do not chain to its recorded digest, or an id trained twice, shows."""
+    from bench import node_fault
+    from pipelines.train import order
+
+    planned = order.epoch_orders([f"s{i}" for i in range(6)], seed=0, epoch=0, world_size=2)
+    recs = [order.EpochRecord(epoch=0, rank=r, num_samples=3, sha256=order.chain_digest(planned[r]))
+            for r in range(2)]
+    run = tmp_path / "ray_results" / "run"
+    order.write_epoch_summary(run / order.SAMPLE_LOG_DIR, order.epoch_summary(recs, seed=0, planned=planned))
+    bad = [recs[0], order.EpochRecord(epoch=1, rank=1, num_samples=3, sha256="x")]
+    summary = order.epoch_summary(bad, seed=0, planned=[planned[0], planned[0]])
+    summary["epoch"] = 1
+    order.write_epoch_summary(run / order.SAMPLE_LOG_DIR, summary)
+    record = {"outputs": {"checkpoint": str(run / "checkpoint_00000008")}}
+    assert node_fault.sample_id_check(record) == [
+        {"epoch": 0, "num_samples": 6, "world_size": 2, "ranks_match_digest": True, "ids_unique": True},
+        {"epoch": 1, "num_samples": 6, "world_size": 2, "ranks_match_digest": False, "ids_unique": False}]
+    assert node_fault.sample_id_check({"outputs": {}}) == [] == node_fault.sample_id_check(None)
+
+
 def test_submit_gives_the_job_its_own_variables(monkeypatch, tmp_path):
     """``submit --env KEY=VALUE`` lands in the job's runtime_env beside the tracking URI (bench.node_fault: the
     progress period); a malformed one stops before ``ray job submit``."""
