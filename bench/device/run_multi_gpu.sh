@@ -64,7 +64,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 python3 -c "import datasets" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target \
   ~/keep/site .carry/ray/wheels/datasets-*.whl .carry/ray/wheels/dill-*.whl .carry/ray/wheels/multiprocess-*.whl
 for f in sharegpt humaneval; do [ -f ~/keep/$f.jsonl ] || xz -dc ~/keep/$f.jsonl.xz > ~/keep/$f.jsonl; done
-RUN=~/keep/peagle/runs/smollm2-135m-4gpu
+RUN=${RUN:-~/keep/peagle/runs/smollm2-135m-4gpu}  # the run directory of `record` and `stage` (another recipe: its name)
 TEMP=/tmp/peagle-ray
 M="python3 -m bench.multi_gpu --temp-dir $TEMP"
 cluster_env() {  # the ray CLI's address and token, and GCS: the cluster's GCS address (clients of its Serve)
