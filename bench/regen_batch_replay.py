@@ -10,7 +10,7 @@ turns add up to its recorded ``num_generated_tokens``. Prefill is not modelled.
 
 From the replayed steps and the measured ``generate_s`` of every part, a least-squares fit gives the engine's
 step time as ``a + b x sequences running``; the same replay of the batches that
-:func:`pipelines.data.regenerate.longest_chains_first` and :func:`pipelines.data.engine_pool.pool_batches`
+:func:`pipelines.data.regenerate.longest_chains_first` and :func:`pipelines.data.engine_pool.pool_chunks`
 cut from the same conversations then predicts their tokens/s (and, to tell the two apart, the same blocks in the
 parts' order). A model, not a measurement: the next lease measures.
 
@@ -25,10 +25,8 @@ import json
 from collections import deque
 from pathlib import Path
 
-import numpy as np
-
 from bench.common import write_result
-from pipelines.data.engine_pool import pool_batches
+from pipelines.data.engine_pool import pool_chunks
 from pipelines.data.parts import PART_GLOB
 from pipelines.data.regenerate import longest_chains_first
 from pipelines.recipe import load_recipe
@@ -100,13 +98,10 @@ def main() -> None:
         chains += c
     a, b = fit_step_ms([(p["running"], 1000 * p["generate_s"] / p["steps"]) for p in parts])
     chain_of = {r["id"]: c for r, c in zip(rows, chains)}
-    # the stage's blocks: pool_batches of them, split as evenly as ray.data.from_items splits its rows
-    blocks = np.array_split(np.arange(len(rows)), pool_batches(len(rows), cfg.batch_size, args.engines))
-
     def policy(ordered: list[dict]) -> dict:
         steps = tokens = 0
-        for block in blocks:
-            s, t = replay([chain_of[ordered[i]["id"]] for i in block], cfg.max_num_seqs)
+        for batch in pool_chunks(ordered, cfg.batch_size, args.engines):  # the stage's engine batches
+            s, t = replay([chain_of[r["id"]] for r in batch], cfg.max_num_seqs)
             steps, tokens = steps + s, tokens + t
         running = tokens / steps
         return {"steps": steps, "running": running, "predicted_tokens_per_s": 1000 * running / (a + b * running)}
@@ -117,7 +112,7 @@ def main() -> None:
     out = write_result(args.name, {
         "benchmark": "regen_batch_replay", "measured_on": args.measured_on, "parts": Path(args.parts).name,
         "config": args.config, "batch_sizes_as_run": sorted({p["conversations"] for p in parts}),
-        "max_num_seqs": cfg.max_num_seqs, "batch_size": max(map(len, blocks)), "conversations": len(rows),
+        "max_num_seqs": cfg.max_num_seqs, "batch_size": max(map(len, pool_chunks(rows, cfg.batch_size, args.engines))), "conversations": len(rows),
         "tokens": tokens, "step_ms": {"a": a, "b_per_sequence": b}, "as_run": as_run,
         "whole_batches": policy(rows), "longest_chains_first": policy(longest_chains_first(rows, cfg)),
         "per_part": parts})

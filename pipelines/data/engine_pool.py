@@ -1,7 +1,7 @@
 """The regenerate stage's pool of engine actors on a Ray cluster: what each engine asks Ray for
 (:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), whether the cluster can hold the
 pool at all (:func:`check_pool_fits`), how the conversations are cut into the batches the pool hands out
-(:func:`pool_batches`) and handed out, one at a time an engine (:func:`pool_strategy`), how the engines of one
+(:func:`pool_batches`, :func:`pool_chunks`) and handed out, one at a time an engine (:func:`pool_strategy`), how the engines of one
 GPU start: one after another (:func:`gpu_start_lock`) or, on CUDA, side by side with a KV cache of a fixed size each
 (:func:`start_engine`), and what they report of their start (:func:`engine_started`, :func:`engines_summary`).
 :mod:`pipelines.data.regenerate` runs the pool; :mod:`pipelines.data.selfinstruct` runs a pool of the same engines for
@@ -12,6 +12,7 @@ Shape legend: not applicable (orchestration only).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -75,6 +76,20 @@ def pool_batches(num_rows: int, batch_size: int, num_workers: int) -> int:
     if num_workers > 1:
         batches = math.ceil(batches / num_workers) * num_workers
     return max(1, min(batches, num_rows))
+
+
+T = TypeVar("T")
+
+
+def pool_chunks(rows: list[T], batch_size: int, num_workers: int) -> list[list[T]]:
+    """``rows`` cut in order into the :func:`pool_batches` batches the pool hands out, sizes differing by at most
+    one (the larger first, as ``numpy.array_split``): ``[rows[0:a], rows[a:b], ...]``; none for no rows."""
+    if not rows:
+        return []
+    n = pool_batches(len(rows), batch_size, num_workers)
+    q, r = divmod(len(rows), n)
+    bounds = [i * q + min(i, r) for i in range(n + 1)]
+    return [rows[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def pool_batch_size(num_rows: int, batch_size: int, num_workers: int) -> int:
@@ -254,4 +269,4 @@ def engines_summary(engines: list[dict[str, Any]], decode_rate: float | None, as
 
 __all__ = ["ENGINE_BATCHES_IN_FLIGHT", "GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits",
            "decode_tokens_per_s", "engine_share", "engine_started", "engines_summary", "gpu_start_lock", "in_process_on_cpu",
-           "pool_batch_size", "pool_batches", "pool_strategy", "shared_kv_cache_bytes", "start_engine"]
+           "pool_batch_size", "pool_batches", "pool_chunks", "pool_strategy", "shared_kv_cache_bytes", "start_engine"]

@@ -47,7 +47,7 @@ from pipelines.data.engine_pool import (
     decode_tokens_per_s,
     engine_share,
     engine_started,
-    pool_batches,
+    pool_chunks,
     pool_strategy,
     start_engine,
 )
@@ -292,7 +292,9 @@ class RegenerateActor:
         self.reports.add(live_tokens=n)
 
     def __call__(self, batch) -> dict[str, list]:
-        rows = batch.to_pylist() if hasattr(batch, "to_pylist") else batch.to_dict("records")
+        # one engine batch a Ray Data row: its conversations as a JSON list (_generate, POOL_BATCH_COLUMN)
+        cells = batch[POOL_BATCH_COLUMN]
+        rows = [r for cell in (cells.to_pylist() if hasattr(cells, "to_pylist") else cells) for r in json.loads(cell)]
         stats: Counter = Counter()
         out = regenerate_batch(rows, self.engine, self.cfg, stats=stats, report=self.reports.add,
                                parts_dir=self.parts_dir)
@@ -454,6 +456,26 @@ def _progress_tally(meter: Meter, budget: int, *, use_ray: bool, regen_cfg: Rege
         yield t
 
 
+POOL_BATCH_COLUMN = "batch"  # the one column of the pool's input rows: an engine batch's conversations, as JSON
+
+
+def pool_dataset(rows: list[dict[str, Any]], regen_cfg: RegenerateConfig, actor_args: tuple,
+                 share: tuple[float, float]):
+    """The actor pool's Ray Dataset (lazy: nothing runs until it is read): ``rows`` cut into the engines' batches
+    (:func:`~pipelines.data.engine_pool.pool_chunks`), each batch ONE input row (its conversations as a JSON list
+    in :data:`POOL_BATCH_COLUMN`), mapped by :class:`RegenerateActor` (``actor_args``) one row a call on engines
+    of ``share`` = ``(CPUs, GPUs)``. A batch is exactly the engine batch whatever Ray Data does with blocks: with
+    its default blocks a batch never spanned two, so blocks of 1,511 rows made batches of 1,021 and 490 (the 300k
+    recipe, 2026-11-30); and Ray Data refuses ``batch_size=None`` (a whole block) where the actors ask for GPUs."""
+    import ray
+
+    chunks = pool_chunks(rows, regen_cfg.batch_size, regen_cfg.num_workers)
+    ds = ray.data.from_items([{POOL_BATCH_COLUMN: json.dumps(c)} for c in chunks], override_num_blocks=len(chunks))
+    num_cpus, num_gpus = share
+    return ds.map_batches(RegenerateActor, fn_constructor_args=actor_args, compute=pool_strategy(regen_cfg.num_workers),
+                          batch_size=1, batch_format="pyarrow", num_cpus=num_cpus, num_gpus=num_gpus)
+
+
 def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: RegenerateConfig, kwargs: dict[str, Any], *,
               num_cpus_per_worker: float, use_ray: bool, stats: Counter, reports: Tally,
               engines: list[dict[str, Any]], parts_dir: str | Path | None = None) -> list[dict[str, Any]]:
@@ -483,22 +505,10 @@ def _generate(rows: list[dict[str, Any]], model_path: Path, regen_cfg: Regenerat
         return out
     import ray
 
-    num_cpus, num_gpus = share = engine_share(regen_cfg, num_cpus_per_worker)
+    share = engine_share(regen_cfg, num_cpus_per_worker)
     check_pool_fits(regen_cfg, regen_cfg.num_workers, share, ray.cluster_resources())
-    # one block a batch (batch_size None: the whole block): with Ray Data's default blocks, a batch never spans
-    # two blocks, so each block of 1,511 rows gave a batch of 1,021 and one of 490 (the 300k recipe, 2026-11-30)
-    blocks = pool_batches(len(rows), regen_cfg.batch_size, regen_cfg.num_workers)
-    ds = ray.data.from_items(rows, override_num_blocks=blocks)
-    res = ds.map_batches(
-        RegenerateActor,
-        fn_constructor_args=(regen_cfg.backend, str(model_path), regen_cfg, kwargs, reports,
-                             None if parts_dir is None else str(parts_dir)),
-        compute=pool_strategy(regen_cfg.num_workers),
-        batch_size=None,
-        batch_format="pyarrow",
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-    )
+    res = pool_dataset(rows, regen_cfg, (regen_cfg.backend, str(model_path), regen_cfg, kwargs, reports,
+                                         None if parts_dir is None else str(parts_dir)), share)
     out = []
     for r in res.iter_rows():
         # Arrow gives the other rows of a batch the first row's stats keys with None values: skip them

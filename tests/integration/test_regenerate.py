@@ -148,3 +148,16 @@ def test_chained_turns_in_a_ray_actor_report_conversations_as_they_finish(ray_lo
     assert 0 < engine["start_s"] < res.seconds and engine["gpu"] == ""  # no GPU here
     assert res.decode_tokens_per_s > res.wall_tokens_per_s  # the engine's start is outside the decode window
     assert engines_summary(res.engines, res.decode_tokens_per_s).startswith("; 1 engine answered, ready ")
+
+
+def test_the_engine_pool_asks_for_gpus_with_whole_batches(ray_local):
+    """The pool's dataset with engines of half a GPU each (2 engines a GPU), built on this CPU cluster without
+    running it (Ray Data is lazy: no actor starts): Ray Data refuses ``batch_size=None`` where actors ask for GPUs,
+    and the first one-GPU lease that had it (2026-12-01) failed at once. Each input row is one engine batch
+    (``pool_chunks``), so a batch is whole whatever the blocks."""
+    from pipelines.data.regenerate import pool_dataset
+
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(10)]
+    cfg = RegenerateConfig(backend="vllm", vllm_runner="actor", batch_size=3, num_workers=2, engines_per_gpu=2)
+    ds = pool_dataset(rows, cfg, ("vllm", "/nonexistent", cfg, {}, None, None), (1, 0.5))
+    assert "MapBatches(RegenerateActor)" in str(ds)

@@ -226,6 +226,13 @@ def test_pool_batches_are_a_multiple_of_the_engines():
     for rows, size, n in ((5880, 1024, 4), (12345, 256, 3), (7, 2, 8), (1000, 1000, 1)):
         assert 1 <= pool_batch_size(rows, size, n) <= size
     assert -(-12345 // pool_batch_size(12345, 256, 3)) == 51  # 49 batches of <= 256 -> 51, 17 an engine
+    from pipelines.data.engine_pool import pool_chunks
+
+    for rows, size, n in ((5880, 1024, 4), (9, 3, 4), (12345, 256, 3), (7, 2, 8), (100, 7, 3)):
+        chunks = pool_chunks(list(range(rows)), size, n)  # the engine batches, in order, sizes within one
+        assert len(chunks) == pool_batches(rows, size, n) and [i for c in chunks for i in c] == list(range(rows))
+        assert max(map(len, chunks)) - min(map(len, chunks)) <= 1 and max(map(len, chunks)) <= size
+    assert [len(c) for c in pool_chunks(list(range(10)), 3, 2)] == [3, 3, 2, 2] and pool_chunks([], 3, 2) == []
 
 
 def test_vllm_token_count_is_told_while_a_generate_call_runs(monkeypatch):
