@@ -80,15 +80,17 @@ def stage_runs(stage: str) -> list[StageRun]:
     return sorted(runs, key=lambda x: (x.machine, x.gpus, x.name))
 
 
-def _baseline(run: StageRun, runs: list[StageRun], same=lambda a, b: True) -> tuple[StageRun | None, bool]:
+def _baseline(run: StageRun, runs: list[StageRun], same=lambda a, b: True,
+              value=lambda x: 0.0) -> tuple[StageRun | None, bool]:
     """``(the 1-GPU run to compare run with, whether it ran on the same machine)``: the same lease's first, else
-    one on the same kind of GPU (marked in the table); ``same(a, b)``: further conditions (e.g. the method)."""
+    the one on the same kind of GPU with the highest ``value`` (the strictest; marked in the table); ``same(a,
+    b)``: further conditions (e.g. the method, the engines a GPU)."""
     ones = [x for x in runs if x.gpus == 1 and same(x, run)]
     here = [x for x in ones if x.machine == run.machine]
     if here:
         return here[0], True
     kind = [x for x in ones if x.device == run.device]
-    return (kind[0] if kind else None), False
+    return (max(kind, key=lambda x: value(x) or 0.0) if kind else None), False
 
 
 def _per_gpus(lines: list[str], stage: str, heading: str, metrics: list[tuple[str, Any]], scaled: str,
@@ -104,7 +106,7 @@ def _per_gpus(lines: list[str], stage: str, heading: str, metrics: list[tuple[st
     col = dict(metrics)[scaled]
     rows = []
     for run in runs:
-        base, here = _baseline(run, runs, same)
+        base, here = _baseline(run, runs, same, col)
         value, ref = col(run), base and col(base)
         eff = "-" if not (value and ref) else f(value / (run.gpus * ref), 2) + ("" if here else " (1 GPU: another machine)")
         rows.append([run.gpus, f"`{run.name}.json`", run.machine, *[fn(run) for _, fn in extra],
@@ -141,7 +143,8 @@ def data_path(lines: list[str]) -> None:
         ("tok/s in the engines (all)", lambda x: (x.outputs.get("tokens_per_s") or 0) * _engines(x)),
         ("tok/s per engine", lambda x: x.outputs.get("tokens_per_s")),
         ("tok/s over the stage", lambda x: x.outputs.get("wall_tokens_per_s"))], "tok/s in the engines (all)",
-        extra=[("engines", _engines), ("conversations", lambda x: f"{x.outputs.get('num_conversations', 0):,}")])
+        extra=[("engines", _engines), ("conversations", lambda x: f"{x.outputs.get('num_conversations', 0):,}")],
+        same=lambda a, b: _engines_per_gpu(a) == _engines_per_gpu(b))  # 2 engines a GPU against 2 on one GPU
     regen_sweep(lines)
     regen_reading(lines, regen)
     regen_batches(lines)
@@ -305,7 +308,16 @@ def _side_by_side(shared: StageRun, alone: list[StageRun]) -> str:
             f"{_start_range(twin)} for one engine a GPU, `{twin.name}.json`), "
             f"and the stage took {_regen_s(shared):.0f} s against {_regen_s(twin):.0f} s "
             f"({shared.outputs['wall_tokens_per_s']:,.0f} against {twin.outputs['wall_tokens_per_s']:,.0f} tok/s over "
-            f"the stage): sharing a GPU did not pay there.")
+            f"the stage{_decode_ratio(shared, twin)}): sharing a GPU "
+            f"{'paid' if _regen_s(shared) < _regen_s(twin) else 'did not pay'} there.")
+
+
+def _decode_ratio(shared: StageRun, twin: StageRun) -> str:
+    """``; A against B tok/s from the first engine ready to the last answer, Rx`` where both runs recorded it."""
+    a, b = shared.outputs.get("decode_tokens_per_s"), twin.outputs.get("decode_tokens_per_s")
+    if not (a and b):
+        return ""
+    return f"; {a:,.0f} against {b:,.0f} tok/s from the first engine ready to the last answer, {a / b:.2f}x"
 
 
 def disk_mib_s(run: StageRun) -> float:
@@ -338,7 +350,8 @@ def _capture_reading(runs: list[StageRun]) -> str:
     """The reading of the newest machine with a 1-GPU capture run: the 1-GPU goal (steady state >= 50% of the model
     step), then what bounds the wider runs (the disk); then the newer machines' runs against it."""
     with_one = [x for x in runs if x.gpus == 1] or runs
-    machine = max(with_one, key=lambda x: x.record["environment"]["date"]).machine
+    both = [x for x in with_one if any(y.machine == x.machine and y.gpus > 1 for y in runs)] or with_one
+    machine = max(both, key=lambda x: x.record["environment"]["date"]).machine  # a machine with 1 GPU and more
     here = [x for x in runs if x.machine == machine]
     one = next((x for x in here if x.gpus == 1), None)
     wide = max(here, key=lambda x: x.gpus)
@@ -364,7 +377,12 @@ def _capture_reading(runs: list[StageRun]) -> str:
                     "(`capture.streaming`) writes no shards: see the next table.")
     date = here[0].record["environment"]["date"]
     for x in runs:
-        if x.machine != machine and x.record["environment"]["date"] > date and one is not None:
+        if x.machine != machine and x.record["environment"]["date"] > date and one is not None and x.gpus == 1:
+            steady, step = _steady(x.outputs), _forward_tok_s(x.outputs)
+            text.append(f"Later, on {x.machine}, one actor captured {steady:,.0f} tok/s once started, "
+                        f"{steady / step:.0%} of its model step ({step:,.0f} tok/s), at {disk_mib_s(x):,.0f} MiB/s "
+                        "to disk.")
+        elif x.machine != machine and x.record["environment"]["date"] > date and one is not None:
             text.append(f"Later, on {x.machine} (no 1-GPU run there), {x.gpus} actors with the overlap ran "
                         f"{x.outputs['tokens_per_s']:,.0f} tok/s over the stage, {_steady(x.outputs):,.0f} once "
                         f"started (per GPU {x.outputs['tokens_per_s'] / (x.gpus * one.outputs['tokens_per_s']):.2f} "

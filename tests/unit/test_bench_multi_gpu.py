@@ -112,6 +112,16 @@ def test_the_per_gpu_table_scales_against_the_same_machines_one_gpu(monkeypatch,
     late = [ln for ln in lines if "_2_late" in ln and ln.startswith("| ")]
     assert late and late[0].endswith(" 0.95 |"), late
 
+    # a row without a 1-GPU run on its machine is held to the fastest 1-GPU run of its GPU kind, whichever came first
+    files |= {"multi_gpu_train_1_fast": run(120_000, 1, 1, "2026-12-03"),
+              "multi_gpu_train_1_slow": run(60_000, 1, 1, "2026-11-30")}  # its machine's label sorts first
+    for name in ("multi_gpu_train_1_fast", "multi_gpu_train_1_slow"):
+        (tmp_path / f"{name}.json").write_text("{}")
+    lines = []
+    rmg.training(lines)
+    four = [ln for ln in lines if "`multi_gpu_train_4.json`" in ln and ln.startswith("| ")]
+    assert four and four[0].endswith(" 0.71 (1 GPU: another machine) |"), four
+
 
 def test_scale_down_is_counted_from_the_first_lower_level_after_the_peak():
     from bench.report_multi_gpu import _scaled_down
