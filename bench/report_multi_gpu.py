@@ -194,6 +194,18 @@ NODE_FAULT_RUNS = ("node_fault_train_cpu", "multi_gpu_node_fault_2gpu", "multi_g
                    "worker_fault_train_cpu", "multi_gpu_worker_fault")
 
 
+def _sample_ids_reading(epochs: list[dict]) -> str:
+    """``; epoch 0's 3,671 sample ids as planned ...`` from ``bench.node_fault.sample_id_check``'s rows; ``""``
+    where no epoch ended (runs before 2026-12-02 did not read them)."""
+    if not epochs:
+        return ""
+    ok = all(e["ranks_match_digest"] and e["ids_unique"] for e in epochs)
+    done = ", ".join(f"{e['epoch']} ({e['num_samples']:,} samples)" for e in epochs)
+    return (f"; epoch{'s' if len(epochs) > 1 else ''} {done} trained " + ("the planned sample ids, each once (every rank's ids "
+            "chain to the digest its trainer recorded)" if ok else "NOT the planned sample ids (a rank's digest or "
+            "a repeated id: see the result file)"))
+
+
 def _fault_training(r: dict, key: str) -> str:
     """``training.<key>`` of a ``bench.node_fault`` run: its override, else its recipe's; ``-`` for runs that
     recorded no recipe (before 2026-11-29) and no override."""
@@ -245,5 +257,6 @@ def node_fault(lines: list[str]) -> None:
             lines[-1] += (f" One Ray Train worker SIGKILLed ({r['environment']['device']}, "
                           f"{r['environment']['date'][:10]}, `{name}.json`) at step {kill['progress']}: the node "
                           f"stayed, the run resumed from step {out.get('resumed_from_step', '-')} and ended "
-                          f"{r['job']['status']} after {f(r['job']['seconds'], 0)} s at step {out.get('step', '-')}.")
+                          f"{r['job']['status']} after {f(r['job']['seconds'], 0)} s at step {out.get('step', '-')}"
+                          + _sample_ids_reading(r.get("sample_ids") or []) + ".")
     lines += [""]
