@@ -303,21 +303,16 @@ def _side_by_side(shared: StageRun, alone: list[StageRun]) -> str:
     twin = next((x for x in alone if x.machine == shared.machine and x.gpus == shared.gpus), None)
     if not (shared.outputs.get("engines") and twin and twin.outputs.get("engines")):
         return ""
+    a, b = shared.outputs.get("decode_tokens_per_s"), twin.outputs.get("decode_tokens_per_s")  # both since 11-28
+    decode = (f"; {a:,.0f} against {b:,.0f} tok/s from the first engine ready to the last answer, {a / b:.2f}x"
+              if a and b else "")
     return (f" On that machine its engines started side by side ({len(shared.outputs['engines'])} ready on "
             f"{len(_engine_gpus(shared))} GPUs {_start_range(shared)} after they were asked for, against "
             f"{_start_range(twin)} for one engine a GPU, `{twin.name}.json`), "
             f"and the stage took {_regen_s(shared):.0f} s against {_regen_s(twin):.0f} s "
             f"({shared.outputs['wall_tokens_per_s']:,.0f} against {twin.outputs['wall_tokens_per_s']:,.0f} tok/s over "
-            f"the stage{_decode_ratio(shared, twin)}): sharing a GPU "
-            f"{'paid' if _regen_s(shared) < _regen_s(twin) else 'did not pay'} there.")
-
-
-def _decode_ratio(shared: StageRun, twin: StageRun) -> str:
-    """``; A against B tok/s from the first engine ready to the last answer, Rx`` where both runs recorded it."""
-    a, b = shared.outputs.get("decode_tokens_per_s"), twin.outputs.get("decode_tokens_per_s")
-    if not (a and b):
-        return ""
-    return f"; {a:,.0f} against {b:,.0f} tok/s from the first engine ready to the last answer, {a / b:.2f}x"
+            f"the stage{decode}): sharing a GPU {'paid' if _regen_s(shared) < _regen_s(twin) else 'did not pay'} "
+            "there.")
 
 
 def disk_mib_s(run: StageRun) -> float:
