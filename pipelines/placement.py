@@ -10,7 +10,8 @@ Train run restarted after a node loss holds its GPUs again, not twice). Nodes ar
 ``settings.NODE_RESOURCE_PREFIX`` resource where they have one (``python -m pipelines.local_ray start|join
 --node-name``: the two "nodes" of one host in ``bench/device/run_multi_gpu.sh``), else by their IP and the first 8
 hex digits of their id; a node lost during the stage keeps the name it had at :meth:`PlacementProbe.start` (Ray
-drops a dead node's resources).
+drops a dead node's resources). The cluster-wide task listing is capped (:data:`LIST_LIMIT` over every job); a GPU
+actor none of whose tasks it holds gets them listed by its id.
 
 The probe never fails a stage: without the state API (no dashboard, a Ray without ``ray[default]``), or when a
 listing fails, :meth:`finish` returns None and the summary shows ``-``.
@@ -99,6 +100,15 @@ class PlacementProbe:
             log.info("placement probe: %s", e)
             return None
         new = {kind: [x for x in items if self._id(kind, x) not in self._before[kind]] for kind, items in listed.items()}
+        # the cluster-wide task listing is capped (LIST_LIMIT over every job: a regenerate stage's progress reports
+        # alone can fill it), and a GPU actor none of whose tasks it holds spans everything (_lifetimes): a killed
+        # Ray Train worker and its replacement then read as held at once ("2 GPUs" on one GPU, 2026-12-02)
+        listed_actors = {t.actor_id for t in new["tasks"] if t.actor_id}
+        missing = [a.actor_id for a in new["actors"] if _gpus(a.required_resources) and a.actor_id not in listed_actors]
+        try:
+            new["tasks"] += self._actor_tasks(missing) if missing else []
+        except Exception as e:  # noqa: BLE001 - advisory: the lifetimes stay open-ended
+            log.info("placement probe: tasks by actor: %s", e)
         return placement_of(new["actors"], new["tasks"], new["pgs"], names)
 
     @staticmethod
@@ -114,6 +124,16 @@ class PlacementProbe:
         kw = {"address": ray.get_runtime_context().gcs_address, "limit": LIST_LIMIT, "detail": True,
               "raise_on_missing_output": False}
         return {"actors": list_actors(**kw), "tasks": list_tasks(**kw), "pgs": list_placement_groups(**kw)}
+
+    @staticmethod
+    def _actor_tasks(actor_ids: list[str]) -> list:
+        """The tasks of each of ``actor_ids`` (one state-API listing an actor, filtered by its id)."""
+        import ray
+        from ray.util.state import list_tasks
+
+        kw = {"address": ray.get_runtime_context().gcs_address, "limit": LIST_LIMIT, "detail": True,
+              "raise_on_missing_output": False}
+        return [t for a in actor_ids for t in list_tasks(filters=[("actor_id", "=", a)], **kw)]
 
     @staticmethod
     def _node_names() -> dict[str, str]:

@@ -94,3 +94,26 @@ def test_node_resources_name_rule():
     assert node_resources(None) == {}
     with pytest.raises(ValueError, match="node name"):
         node_resources("a b")
+
+
+def test_gpu_actors_missing_from_the_capped_task_listing_get_their_tasks_by_actor(monkeypatch):
+    """The one-GPU worker kill of 2026-12-02 read "2 GPUs: a 2": the cluster-wide task listing (capped at
+    LIST_LIMIT over every job) may not hold the killed worker's tasks, and an actor without listed tasks spans
+    everything, so it overlapped its replacement. The probe now lists such actors' tasks by actor id."""
+    from pipelines.placement import PlacementProbe
+
+    killed, replacement = actor("n-a", 1, pg="g1"), actor("n-a", 1, pg="g2", state="ALIVE")
+    by_actor = {killed.actor_id: [task("n-a", 0, 0, None, actor_id=killed.actor_id)]}  # SIGKILLed at 127 s
+    listed = {"actors": [killed, replacement], "pgs": [pg("g1"), pg("g2")],
+              "tasks": [task("n-a", 0, 200, 310, actor_id=replacement.actor_id)]}  # the killed one's: capped out
+    probe = PlacementProbe()
+    probe._before = {"actors": set(), "tasks": set(), "pgs": set()}
+    monkeypatch.setattr(PlacementProbe, "_list", staticmethod(lambda: listed))
+    monkeypatch.setattr(PlacementProbe, "_node_names", staticmethod(lambda: NAMES))
+    asked = []
+    monkeypatch.setattr(PlacementProbe, "_actor_tasks",
+                        staticmethod(lambda ids: asked.extend(ids) or [t for i in ids for t in by_actor.get(i, [])]))
+    for t in listed["tasks"] + by_actor[killed.actor_id]:
+        t.task_id = f"{t.actor_id}-{t.start_time_ms}"
+    assert Placement.describe(probe.finish().to_json()) == "1 GPU: a 1" and asked == [killed.actor_id]
+    assert placement_of(listed["actors"], listed["tasks"], listed["pgs"], NAMES).gpus_by_node == {"a": 2}  # before
