@@ -112,7 +112,8 @@ def main() -> None:
     out = write_result(args.name, {
         "benchmark": "regen_batch_replay", "measured_on": args.measured_on, "parts": Path(args.parts).name,
         "config": args.config, "batch_sizes_as_run": sorted({p["conversations"] for p in parts}),
-        "max_num_seqs": cfg.max_num_seqs, "batch_size": max(map(len, pool_chunks(rows, cfg.batch_size, args.engines))), "conversations": len(rows),
+        "max_num_seqs": cfg.max_num_seqs, "conversations": len(rows),
+        "batch_size": max(map(len, pool_chunks(rows, cfg.batch_size, args.engines))),
         "tokens": tokens, "step_ms": {"a": a, "b_per_sequence": b}, "as_run": as_run,
         "whole_batches": policy(rows), "longest_chains_first": policy(longest_chains_first(rows, cfg)),
         "per_part": parts})

@@ -1,9 +1,10 @@
 """The regenerate stage's pool of engine actors on a Ray cluster: what each engine asks Ray for
 (:func:`engine_share`, ``regenerate.engines_per_gpu`` engines sharing one GPU), whether the cluster can hold the
 pool at all (:func:`check_pool_fits`), how the conversations are cut into the batches the pool hands out
-(:func:`pool_batches`, :func:`pool_chunks`) and handed out, one at a time an engine (:func:`pool_strategy`), how the engines of one
-GPU start: one after another (:func:`gpu_start_lock`) or, on CUDA, side by side with a KV cache of a fixed size each
-(:func:`start_engine`), and what they report of their start (:func:`engine_started`, :func:`engines_summary`).
+(:func:`pool_batches`, :func:`pool_chunks`) and handed out, one at a time an engine (:func:`pool_strategy`), how
+the engines of one GPU start: one after another (:func:`gpu_start_lock`) or, on CUDA, side by side with a KV
+cache of a fixed size each (:func:`start_engine`), and what they report of their start (:func:`engine_started`,
+:func:`engines_summary`).
 :mod:`pipelines.data.regenerate` runs the pool; :mod:`pipelines.data.selfinstruct` runs a pool of the same engines for
 the self-instruct prompts.
 
