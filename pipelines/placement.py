@@ -117,23 +117,27 @@ class PlacementProbe:
 
     @staticmethod
     def _list() -> dict[str, list]:
-        import ray
         from ray.util.state import list_actors, list_placement_groups, list_tasks
 
-        # this driver's cluster, never an auto-detected one (other clusters may run on the machine)
-        kw = {"address": ray.get_runtime_context().gcs_address, "limit": LIST_LIMIT, "detail": True,
-              "raise_on_missing_output": False}
+        kw = PlacementProbe._state_kw()
         return {"actors": list_actors(**kw), "tasks": list_tasks(**kw), "pgs": list_placement_groups(**kw)}
 
     @staticmethod
     def _actor_tasks(actor_ids: list[str]) -> list:
         """The tasks of each of ``actor_ids`` (one state-API listing an actor, filtered by its id)."""
-        import ray
         from ray.util.state import list_tasks
 
-        kw = {"address": ray.get_runtime_context().gcs_address, "limit": LIST_LIMIT, "detail": True,
-              "raise_on_missing_output": False}
+        kw = PlacementProbe._state_kw()
         return [t for a in actor_ids for t in list_tasks(filters=[("actor_id", "=", a)], **kw)]
+
+    @staticmethod
+    def _state_kw() -> dict[str, Any]:
+        """The state-API listings' arguments: this driver's cluster, never an auto-detected one (other clusters may
+        run on the machine), at most :data:`LIST_LIMIT` rows (read at call time), every column."""
+        import ray
+
+        return {"address": ray.get_runtime_context().gcs_address, "limit": LIST_LIMIT, "detail": True,
+                "raise_on_missing_output": False}
 
     @staticmethod
     def _node_names() -> dict[str, str]:
