@@ -195,15 +195,15 @@ NODE_FAULT_RUNS = ("node_fault_train_cpu", "multi_gpu_node_fault_2gpu", "multi_g
 
 
 def _sample_ids_reading(epochs: list[dict]) -> str:
-    """``; epoch 0's 3,671 sample ids as planned ...`` from ``bench.node_fault.sample_id_check``'s rows; ``""``
-    where no epoch ended (runs before 2026-12-02 did not read them)."""
+    """``; epoch 0 (3,671 samples) trained the planned sample ids, ...`` from ``bench.node_fault.sample_id_check``'s
+    rows; ``""`` where no epoch ended (runs before 2026-12-02 did not read them)."""
     if not epochs:
         return ""
     ok = all(e["ranks_match_digest"] and e["ids_unique"] for e in epochs)
     done = ", ".join(f"{e['epoch']} ({e['num_samples']:,} samples)" for e in epochs)
-    return (f"; epoch{'s' if len(epochs) > 1 else ''} {done} trained " + ("the planned sample ids, each once (every rank's ids "
-            "chain to the digest its trainer recorded)" if ok else "NOT the planned sample ids (a rank's digest or "
-            "a repeated id: see the result file)"))
+    what = ("the planned sample ids, each once (every rank's ids chain to the digest its trainer recorded)" if ok
+            else "NOT the planned sample ids (a rank's digest or a repeated id: see the result file)")
+    return f"; epoch{'s' if len(epochs) > 1 else ''} {done} trained {what}"
 
 
 def _fault_training(r: dict, key: str) -> str:

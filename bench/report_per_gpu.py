@@ -371,13 +371,13 @@ def _capture_reading(runs: list[StageRun]) -> str:
                     "not help it." + _shard_write_note() + " Streaming capture into training "
                     "(`capture.streaming`) writes no shards: see the next table.")
     date = here[0].record["environment"]["date"]
-    for x in runs:
-        if x.machine != machine and x.record["environment"]["date"] > date and one is not None and x.gpus == 1:
+    for x in (y for y in runs if one is not None and y.machine != machine and y.record["environment"]["date"] > date):
+        if x.gpus == 1:
             steady, step = _steady(x.outputs), _forward_tok_s(x.outputs)
             text.append(f"Later, on {x.machine}, one actor captured {steady:,.0f} tok/s once started, "
                         f"{steady / step:.0%} of its model step ({step:,.0f} tok/s), at {disk_mib_s(x):,.0f} MiB/s "
                         "to disk.")
-        elif x.machine != machine and x.record["environment"]["date"] > date and one is not None:
+        else:
             text.append(f"Later, on {x.machine} (no 1-GPU run there), {x.gpus} actors with the overlap ran "
                         f"{x.outputs['tokens_per_s']:,.0f} tok/s over the stage, {_steady(x.outputs):,.0f} once "
                         f"started (per GPU {x.outputs['tokens_per_s'] / (x.gpus * one.outputs['tokens_per_s']):.2f} "
