@@ -276,3 +276,26 @@ def test_progress_rate_skips_the_compiling_steps_and_the_last_short_interval():
 [train] done in 219.2s"""
     assert progress_steps_per_s(log) == (298 - 29) / 120
     assert progress_steps_per_s("[train] 5/9 steps, - steps/s, 0m30s\n[train] 9/9 steps, 1 steps/s, 0m40s") is None
+
+
+def test_the_regeneration_reading_names_the_best_gpu_and_the_engines_a_gpu_side_by_side(monkeypatch):
+    """The reading's best GPU is the fastest from first engine ready to last answer, over the GPUs its engines
+    answered on; one machine's 1-GPU runs of 1, 2 and 3 engines a GPU are read side by side."""
+    from bench import report_per_gpu as rmg
+
+    def run(name: str, engines: int, per_gpu: int, gpus: int, tok_s: float, seconds: float) -> rmg.StageRun:
+        outputs = {"tokens_per_s": tok_s, "decode_tokens_per_s": tok_s * engines,
+                   "engines": [{"gpu": f"n/{i % gpus}", "start_s": 90.0 + 10 * i} for i in range(engines)]}
+        record = {"job": {"sets": [f"regenerate.engines_per_gpu={per_gpu}"]},
+                  "stage_records": {"regenerate": {"seconds": seconds}}}
+        return rmg.StageRun(name, gpus, "NVIDIA H200", "1x NVIDIA H200, 2026-12-02 02:40" if gpus == 1
+                            else "4x NVIDIA H200, 2026-11-29 19:17", outputs, record)
+
+    runs = [run("r1x1", 1, 1, 1, 17_000, 320), run("r1x2", 2, 2, 1, 18_500, 255), run("r1x3", 3, 3, 1, 16_000, 240),
+            run("r4x2", 8, 2, 4, 21_000, 133)]
+    monkeypatch.setattr(rmg, "load", lambda name: {"vllm_sweep": [{"tokens_per_s": 20_000.0}]})
+    lines: list[str] = []
+    rmg.regen_reading(lines, runs)
+    text = lines[0]
+    assert "The best GPU decoded 48,000 tok/s" in text and "3 engines a GPU (`r1x3.json`; goal 45,000 a GPU: met)" in text
+    assert "1 / 2 / 3 engines decoded 17,000 / 37,000 / 48,000 tok/s and the stage took 320 / 255 / 240 s" in text
