@@ -204,10 +204,11 @@ def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
             text.append(f"On one GPU ({machine}), {' / '.join(map(str, ks))} engines decoded "
                         f"{' / '.join(f'{_gpu_decode(series[k]):,.0f}' for k in ks)} tok/s and the stage took "
                         f"{' / '.join(f'{_regen_s(series[k]):.0f}' for k in ks)} s.")
-    start = statistics.median(e["start_s"] for x in runs for e in x.outputs.get("engines") or [])
-    text.append(f"Each engine's start (median {start:.0f} s: compilation and CUDA graphs, longer when engines share "
-                "a GPU) is paid once per GPU, so on these few thousand conversations it is a large part of the "
-                "stage; over a build of 300k conversations it is a small share.")
+    starts = [e["start_s"] for x in runs for e in x.outputs.get("engines") or []]
+    text.append(f"Each engine's start (median {statistics.median(starts):.0f} s, up to {max(starts):.0f} s: "
+                "compilation and CUDA graphs; a machine's first start is the longest, later ones reuse vLLM's "
+                "compile cache) is paid once per engine, so on these few thousand conversations it is a large part "
+                "of the stage; over a build of 300k conversations it is a small share.")
     lines += [" ".join(text), ""]
 
 
