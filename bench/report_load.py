@@ -41,8 +41,8 @@ def under_load(lines: list[str], data: dict | None) -> None:
         return
     rows = data["rows"]
     commands = sorted({r["command"] for r in rows if r.get("command")})
-    lines += [(f"{_env(data)}; `NAME=gpu_synthetic_load bash bench/device/run_synthetic_serving.sh FLAGS` ("
-               + "; ".join(f"`{c}`" for c in commands) + "). *runner*: vLLM's model runner (v1 forced with "
+    lines += [(f"{_env(data)}; `NAME=gpu_synthetic_load bash bench/device/run_synthetic_serving.sh FLAGS` (the "
+               f"{len(commands)} commands below). *runner*: vLLM's model runner (v1 forced with "
                "`VLLM_USE_V2_MODEL_RUNNER=0` in the rows of up to one warm-up wave; the rows of "
                f"{WARM} or more warm-up waves run each method on its default: no speculation and EAGLE-3 on V2, P-EAGLE on "
                "V1, the only one with parallel drafting), random-weight targets, synthetic acceptance at the profile of the head named in the table (its per-position acceptance in GPU vLLM, "
@@ -51,7 +51,9 @@ def under_load(lines: list[str], data: dict | None) -> None:
                "wave*: one more wave of c requests after the whole sweep, host timers only "
                "(`pipelines.evaluate.step_profile`); its step is the wall time between two engine steps; *device "
                "busy*, *launches* from the wave after it, under `torch.profiler`. Host ms: time inside the runner's "
-               "`propose_draft_token_ids` (draft) and `execute_model` (target forward queued) per step."), ""]
+               "`propose_draft_token_ids` (draft) and `execute_model` (target forward queued) per step."), "",
+              f"<details><summary>The {len(commands)} commands</summary>", "",
+              *[f"- `{c}`" for c in commands], "", "</details>", ""]
     none = {(r["target"], r.get("warmup_waves", 0), r["concurrency"]): r for r in rows if r["method"] == "none"
             and not r.get("engine_kwargs")}
 

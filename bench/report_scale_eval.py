@@ -72,7 +72,7 @@ def scaling_eval(lines: list[str]) -> None:
                f"{ev['notes']['cells_not_run']} (each (head, K) engine run took "
                f"{span(ev['notes']['engine_run_min'], None)} min on the {e.get('num_cpus', '-')}-core box)."), ""]
     lines += _heads_table(x) + [""] + _sessions_table(x) + [""]
-    lines += [_goals(x) + " " + _reading(x), ""]
+    lines += [_goals(x), "", "Reading:", "", *_reading(x), ""]
     for o in ev.get("offline", []):
         head = (o["head"], o.get("run", 1))
         vllm = x.al(head, o["eval_set"], o["K"])
@@ -193,10 +193,10 @@ def _shown(a: float, b: float) -> float:
     return round(a, 2) - round(b, 2)
 
 
-def _reading(x: Rows) -> str:
-    """What the table says, each figure from the rows: data vs GPU time, P-EAGLE vs EAGLE-3, vLLM vs training
-    accuracy, the lr variant and the run-to-run spread."""
-    return " ".join(fn(x) for fn in (_reading_budget, _reading_methods, _reading_acceptance, _reading_spread))
+def _reading(x: Rows) -> list[str]:
+    """What the table says, a bullet each, every figure from the rows: data vs GPU time, P-EAGLE vs EAGLE-3, vLLM
+    vs training accuracy, the lr variant and the run-to-run spread."""
+    return [f"- {fn(x)}" for fn in (_reading_budget, _reading_methods, _reading_acceptance, _reading_spread)]
 
 
 def _table_sizes() -> list[int]:
