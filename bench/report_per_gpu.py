@@ -144,7 +144,8 @@ def data_path(lines: list[str]) -> None:
         ("tok/s per engine", lambda x: x.outputs.get("tokens_per_s")),
         ("tok/s a GPU, first engine ready to last answer", _gpu_decode),
         ("tok/s over the stage", lambda x: x.outputs.get("wall_tokens_per_s"))], "tok/s in the engines (all)",
-        extra=[("engines", lambda x: f"{_engines(x)} ({_engines_per_gpu(x)} a GPU)"), ("conversations", lambda x: f"{x.outputs.get('num_conversations', 0):,}")],
+        extra=[("engines", lambda x: f"{_engines(x)} ({_engines_per_gpu(x)} a GPU)"),
+               ("conversations", lambda x: f"{x.outputs.get('num_conversations', 0):,}")],
         same=lambda a, b: _engines_per_gpu(a) == _engines_per_gpu(b))  # 2 engines a GPU against 2 on one GPU
     regen_sweep(lines)
     regen_reading(lines, regen)
@@ -177,7 +178,7 @@ def regen_sweep(lines: list[str]) -> None:
 def regen_reading(lines: list[str], runs: list[StageRun]) -> None:
     """What the regenerate rows say, in a few sentences: one engine against vLLM alone (what bounds it), the best
     GPU of engines sharing it against the goal, the engines a GPU on one machine side by side, and the engines'
-    start. Each run's own story stays in its result file's ``note``."""
+    start. Each run's own story (its commands, what went wrong) is in ``bench/device/README.md``."""
     sweep = load("multi_gpu_regen_sweep")
     alone = [x for x in runs if _engines_per_gpu(x) == 1 and x.outputs.get("tokens_per_s")]
     if not (alone and sweep):
@@ -259,7 +260,7 @@ def capture_profile(lines: list[str], runs: list[StageRun]) -> None:
 def _capture_reading(runs: list[StageRun]) -> str:
     """What the capture rows say, in a few sentences: the 1-GPU goal (steady state >= 50% of the model step) on
     every machine that ran one GPU, then what bounds the wider runs (the node's disk) against the 1-GPU run of the
-    machine that ran both. Each run's own story stays in its result file's ``note``."""
+    machine that ran both. Each run's own story (its commands, what went wrong) is in ``bench/device/README.md``."""
     ones = [x for x in runs if x.gpus == 1 and _forward_tok_s(x.outputs)]
     text = []
     if ones:
