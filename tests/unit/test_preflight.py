@@ -275,7 +275,7 @@ def test_vllm_outside_the_supported_range_is_not_used():
     """vLLM 0.34 removed P-EAGLE: the stages that would start it say so, and name the releases that draft."""
     r = load_recipe(CONFIGS / "smollm2-135m-ci.yaml", ["regenerate.backend=transformers"])
     problems = preflight(r, machine=Machine(num_gpus=0, vllm_version="0.34.0", absent=frozenset()))
-    removed = ("vllm 0.34.0 is installed on this machine: no parallel drafting for EAGLE-3: vLLM 0.34 removed P-EAGLE "
+    removed = ("vllm 0.34.0 is installed on this machine: vLLM 0.34 removed P-EAGLE, parallel drafting for EAGLE-3 "
                "(it refuses parallel_drafting for method eagle3 and drops a head's mask_hidden); install "
                "vllm>=0.26,<0.34 (0.33 is the last release that drafts a P-EAGLE head)")
     assert not_runnable(problems) == {"evaluate": removed, "register": "needs the outputs of evaluate, which cannot "
