@@ -23,6 +23,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from peagle_core.atomic import recover_dir, replace_dir, temp_dir_for
 from peagle_core.checksums import sha256_file
 from pipelines import settings
@@ -255,7 +257,8 @@ def ensure_target(
     fsynced and renamed by ``peagle_core.atomic.replace_dir``, manifest with sha256 per file,
     greedy-generation check) and afterwards returned after a cheap manifest check (``verify=True``
     re-hashes all files). A broken directory is rebuilt; one a killed rebuild left moved aside is
-    restored first (``peagle_core.atomic.recover_dir``).
+    restored first (``peagle_core.atomic.recover_dir``). Processes of one host take turns (a file lock
+    ``<home>/targets/.<name>-<dtype>.lock``): one converts, the others wait and return its directory.
     For a local directory, ``config.json`` must exist; ``dtype`` is recorded, not applied.
 
     Raises:
@@ -270,6 +273,15 @@ def ensure_target(
     spec = EMBEDDED_TARGETS[name_or_path]
     root = settings.targets_dir(home)
     final = root / f"{spec.name}-{dtype}"
+    root.mkdir(parents=True, exist_ok=True)
+    # One process of the host at a time checks and builds a target (the make test workers, two replicas of a
+    # node): the others wait and find it complete, instead of converting it again and swapping it under readers.
+    with FileLock(root / f".{final.name}.lock"):
+        return _ensure_embedded(spec, dtype, final, home, verify)
+
+
+def _ensure_embedded(spec: EmbeddedTarget, dtype: str, final: Path, home: Path | None, verify: bool) -> TargetAsset:
+    """:func:`ensure_target` of an embedded asset, under its lock."""
     recover_dir(final)
     manifest = check_manifest(final, verify=verify)
     if manifest is not None:
@@ -277,7 +289,7 @@ def ensure_target(
     if final.exists():
         log.warning("%s is incomplete or corrupt; rebuilding it", final)
 
-    root.mkdir(parents=True, exist_ok=True)
+    root = final.parent
     _remove_stale_tmp(root, final.name)
     t0 = time.perf_counter()
     tmp = temp_dir_for(final)
