@@ -8,6 +8,13 @@ from pipelines.settings import VLLM_IN_PROCESS_ENV
 # box instead of ~35 s. pipelines.capture.vllm_backend, the CPU engine actors of regenerate and
 # tests/integration/vllm_drafter_probe.py run their engines this way already.
 IN_PROCESS_VLLM = VLLM_IN_PROCESS_ENV
+# `make test` runs the modules on 2 pytest-xdist workers (--dist loadfile); the main job's module (the pipeline job
+# and the refresh loop: ~10 of the suite's ~29 min on one worker) goes first, so that it does not run alone at the end.
+FIRST_MODULE = "test_pipeline_ci.py"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name != FIRST_MODULE)  # stable: the other modules keep their order
 
 
 @pytest.fixture
