@@ -339,9 +339,12 @@ def test_run_capture_local_and_resume_after_crash(tmp_path, target_dir, monkeypa
     assert meta["length_distribution"]["share_over"]["1024"] == 0.0  # max_length_tokens=64
     prof = meta["profile"]  # one in-process actor: its start once, then 4 shards' forward and write
     assert prof["num_actors"] == 1 and prof["forward_s"] > 0 and prof["write_s"] > 0 and prof["actor_start_s"] > 0
-    busy = prof["forward_s"] + prof["write_s"] + prof["wait_s"]
-    assert busy <= prof["run_s"] + 0.01 and prof["steady_tokens_per_s"] == pytest.approx(
-        ref.num_tokens / (prof["run_s"] - prof["actor_start_s"]))
+    # The model's time line: its start, then idle (wait) and forward, one after another, inside the run. A shard's
+    # write happens while the model is idle, so wait_s holds it too here (one shard at a time): forward + write +
+    # wait exceeded run_s on a loaded disk (a fresh clone's unit tests after the integration suite, 2026-12-07).
+    model = prof["actor_start_s"] + prof["wait_s"] + prof["forward_s"]
+    assert model <= prof["run_s"] + 0.01 and prof["write_s"] <= prof["run_s"]
+    assert prof["steady_tokens_per_s"] == pytest.approx(ref.num_tokens / (prof["run_s"] - prof["actor_start_s"]))
 
     out = tmp_path / "crashed"
     with monkeypatch.context() as m:
