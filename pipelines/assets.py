@@ -273,9 +273,9 @@ def ensure_target(
     spec = EMBEDDED_TARGETS[name_or_path]
     root = settings.targets_dir(home)
     final = root / f"{spec.name}-{dtype}"
-    manifest = check_manifest(final, verify=verify)  # complete: returned as it is, without the lock (writes nothing)
-    if manifest is not None:
-        return TargetAsset(final, manifest["sha256"], dtype, spec.name, manifest)
+    complete = _complete(spec, dtype, final, verify)  # returned as it is, without the lock (writes nothing)
+    if complete is not None:
+        return complete
     root.mkdir(parents=True, exist_ok=True)
     # One process of the host at a time repairs or builds a target (the make test workers, two replicas of a
     # node): the others wait and find it complete, instead of converting it again and swapping it under readers.
@@ -283,13 +283,19 @@ def ensure_target(
         return _ensure_embedded(spec, dtype, final, home, verify)
 
 
+def _complete(spec: EmbeddedTarget, dtype: str, final: Path, verify: bool) -> TargetAsset | None:
+    """The target in ``final`` if its manifest checks out (:func:`check_manifest`), else None."""
+    manifest = check_manifest(final, verify=verify)
+    return None if manifest is None else TargetAsset(final, manifest["sha256"], dtype, spec.name, manifest)
+
+
 def _ensure_embedded(spec: EmbeddedTarget, dtype: str, final: Path, home: Path | None, verify: bool) -> TargetAsset:
     """:func:`ensure_target` of an embedded asset that was not complete, under its lock: checked again (another
     process may have built it meanwhile), else built."""
     recover_dir(final)
-    manifest = check_manifest(final, verify=verify)
-    if manifest is not None:
-        return TargetAsset(final, manifest["sha256"], dtype, spec.name, manifest)
+    complete = _complete(spec, dtype, final, verify)
+    if complete is not None:
+        return complete
     if final.exists():
         log.warning("%s is incomplete or corrupt; rebuilding it", final)
 
