@@ -138,6 +138,10 @@ class Machine:
         """Whether ``path`` is a file here (True when not ``local``)."""
         return not self.local or Path(path).is_file()
 
+    def has_path(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` exists here, file or directory (True when not ``local``)."""
+        return not self.local or Path(path).exists()
+
     def has_env(self, name: str) -> bool:
         """Whether environment variable ``name`` is set and not empty here (True when not ``local``)."""
         return not self.local or bool(os.environ.get(name))

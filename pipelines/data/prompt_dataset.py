@@ -23,7 +23,7 @@ from pipelines.data.prompts import (
     load_conversations,
     sample,
 )
-from pipelines.data.rows import KEEP_ANSWERS
+from pipelines.data.rows import KEEP_ANSWERS, rows_dataset
 
 if TYPE_CHECKING:
     import datasets
@@ -61,24 +61,6 @@ def load_prompt_dataset(
     if any(w is None for w in weights):
         return sample(_concatenate(parts), data.num_samples, data.seed)
     return mix_weighted(parts, weights, data.num_samples, data.seed)
-
-
-def rows_dataset(rows: Sequence[dict]) -> datasets.Dataset:
-    """Rows ``{id, messages: [{role, content}], source}`` as a Dataset with the normalized columns.
-
-    Raises:
-        ValueError: no rows.
-    """
-    import datasets
-
-    if not rows:
-        raise ValueError("no prompt rows to load (a self_instruct source kept none: loosen its filters or raise "
-                         "num_prompts)")
-    return datasets.Dataset.from_dict({
-        "id": [str(r["id"]) for r in rows],
-        "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] for r in rows],
-        "source": [str(r.get("source", "")) for r in rows],
-    })
 
 
 def _concatenate(parts: list[datasets.Dataset]) -> datasets.Dataset:

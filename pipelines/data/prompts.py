@@ -15,6 +15,8 @@ Sources (``pipelines.recipe.SourceConfig.kind``):
   time (the newest slice is the held-out set: ``load_conversations(..., heldout=True)``, which
   evaluation uses). Its rows carry the optional column ``keep_answers`` (:data:`KEEP_ANSWERS`): True
   when the last assistant turn is the target's own greedy served answer, which regeneration keeps.
+- ``python_functions``: completion prompts (a function's signature and docstring) cut from a tree of Python files,
+  by default the interpreter's standard library (:mod:`pipelines.data.code_prompts`).
 - ``self_instruct``: prompts written by the target itself (``pipelines.data.selfinstruct``). They need the
   target's engine, so :func:`load_conversations` refuses them;
   :func:`pipelines.data.prompt_dataset.load_prompt_dataset` takes them from its ``write_prompts`` callable
@@ -76,6 +78,10 @@ def source_file(source_cfg: SourceConfig) -> tuple[Path, str]:
         return assets.mtbench_path(), "mtbench"
     if source_cfg.kind == "self_instruct":
         raise ValueError(SELF_INSTRUCT_NEEDS_ENGINE)
+    if source_cfg.kind == "python_functions":
+        from pipelines.data.code_prompts import SOURCE_KIND, stdlib_root
+
+        return source_cfg.resolved_path() or stdlib_root(), SOURCE_KIND
     if source_cfg.kind == "traffic":
         from pipelines.data.traffic_source import SOURCE_LABEL, source_uri
 
@@ -111,7 +117,8 @@ def load_conversations(
     (its own dedup and time split; ``heldout``: its newest slice when its split is ``auto``).
 
     Raises:
-        ValueError: a missing file; a self_instruct source (needs an engine:
+        ValueError: a missing file; a python_functions tree without a kept function; a self_instruct source
+            (needs an engine:
             :func:`pipelines.data.prompt_dataset.load_prompt_dataset`);
             with ``on_bad_row="fail"`` the first malformed rows (with their indices); with ``"skip"`` only
             if no row is usable.
@@ -125,6 +132,10 @@ def load_conversations(
 
         return finish_source(load_traffic(source_cfg, heldout=heldout), source_cfg, SOURCE_LABEL, seed)
     path, label = source_file(source_cfg)
+    if source_cfg.kind == "python_functions":
+        from pipelines.data.code_prompts import function_prompts
+
+        return finish_source(rows.rows_dataset(function_prompts(path)), source_cfg, label, seed)
     jsonl = as_jsonl(path, home, known_truncated=source_cfg.kind == "sharegpt")  # the packaged file: cut upstream
     cache_dir = str(settings.hf_datasets_dir(home))
     raw = datasets.load_dataset("text", data_files=str(jsonl), split="train", cache_dir=cache_dir)

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
 
 SHAREGPT_KINDS = ("sharegpt", "sharegpt_file")
 ROLE_ALIASES = {
@@ -170,3 +174,21 @@ def normalize_batch(batch: dict[str, list], indices: list[int], source: str) -> 
         out["leading_dropped"].append(num_dropped)
         out["key"].append(hashlib.sha1(json.dumps(norm["messages"], ensure_ascii=False).encode()).hexdigest())
     return out
+
+
+def rows_dataset(rows: Sequence[dict]) -> datasets.Dataset:
+    """Rows ``{id, messages: [{role, content}], source}`` as a Dataset with the normalized columns.
+
+    Raises:
+        ValueError: no rows.
+    """
+    import datasets
+
+    if not rows:
+        raise ValueError("no prompt rows to load (a self_instruct source kept none: loosen its filters or raise "
+                         "num_prompts)")
+    return datasets.Dataset.from_dict({
+        "id": [str(r["id"]) for r in rows],
+        "messages": [[{"role": m["role"], "content": m["content"]} for m in r["messages"]] for r in rows],
+        "source": [str(r.get("source", "")) for r in rows],
+    })

@@ -12,7 +12,8 @@ from pydantic import Field, field_validator, model_validator
 from pipelines.recipe.base import KEY_NEUTRAL_WHEN_NONE, OnBadRow, Section
 from pipelines.recipe.traffic import TrafficSourceConfig
 
-SourceKind = Literal["sharegpt", "humaneval", "sharegpt_file", "openai_jsonl", "mtbench", "self_instruct", "traffic"]
+SourceKind = Literal["sharegpt", "humaneval", "sharegpt_file", "openai_jsonl", "mtbench", "self_instruct", "traffic",
+                     "python_functions"]
 PACKAGED_KINDS = ("sharegpt", "humaneval", "mtbench")
 FILE_KINDS = ("sharegpt_file", "openai_jsonl")
 
@@ -65,11 +66,14 @@ class SourceConfig(Section):
         "80 questions); sharegpt_file: a user ShareGPT JSON or JSONL file ({conversations:[{from,value}]}); "
         "openai_jsonl: a user JSONL file of {messages:[{role,content}]}; self_instruct: prompts written by the "
         "target (settings in `self_instruct`; needs the regenerate stage's engine); traffic: the Serve traffic log "
-        "(serving.traffic_log; settings in `traffic`).",
+        "(serving.traffic_log; settings in `traffic`); python_functions: completion prompts (signature and "
+        "docstring of each public module-level function) from the Python files under `path`, default the "
+        "interpreter's standard library.",
     )
     path: str | None = Field(
         None, description="File for sharegpt_file / openai_jsonl (~ and $VARS expanded); traffic: the log directory "
-        "or a pyarrow.fs URI (None = every log under $PEAGLE_HOME/traffic); unused otherwise."
+        "or a pyarrow.fs URI (None = every log under $PEAGLE_HOME/traffic); python_functions: a directory of .py "
+        "files or one file (None = the standard library); unused otherwise."
     )
     num_samples: int | None = Field(
         None, ge=1, description="Conversations drawn from this source (deterministic, data.seed); None = all."
@@ -112,7 +116,7 @@ class SourceConfig(Section):
     def _path_matches_kind(self):
         if self.kind in FILE_KINDS and not self.path:
             raise ValueError(f"source kind {self.kind!r} needs `path`: set it to a local JSON/JSONL file")
-        if self.kind not in FILE_KINDS and self.kind != "traffic" and self.path:
+        if self.kind not in FILE_KINDS and self.kind not in ("traffic", "python_functions") and self.path:
             what = "reads its packaged file" if self.kind in PACKAGED_KINDS else "is written by the target"
             raise ValueError(
                 f"source kind {self.kind!r} {what}; drop `path` or use kind "

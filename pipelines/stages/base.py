@@ -297,14 +297,19 @@ class Stage(ABC):
 
     @classmethod
     def source_problems(cls, section: str, sources: list, machine: Machine) -> list[Problem]:
-        """``MACHINE`` problems of prompt ``sources`` (``SourceConfig``) whose user file is not on ``machine``, or
-        whose package (``pipelines.assets.PROMPT_PACKAGES``) is not installed there."""
+        """``MACHINE`` problems of prompt ``sources`` (``SourceConfig``) whose user file or python_functions tree is not
+        on ``machine``, or whose package (``pipelines.assets.PROMPT_PACKAGES``) is not installed there."""
         from pipelines.assets import PROMPT_PACKAGES
         from pipelines.recipe import FILE_KINDS
 
         problems = [cls.problem(Severity.MACHINE, f"{section}[{i}].path={s.path!r} ({s.kind}) is not a file on this "
                                 "machine; fix the path or copy the file here", f"{section}[{i}].path")
                     for i, s in enumerate(sources) if s.kind in FILE_KINDS and not machine.has_file(s.resolved_path())]
+        problems += [cls.problem(Severity.MACHINE, f"{section}[{i}].path={s.path!r} (python_functions) does not exist on "
+                                 "this machine; give a directory of .py files, or drop `path` for the standard library",
+                                 f"{section}[{i}].path")
+                     for i, s in enumerate(sources)
+                     if s.kind == "python_functions" and s.path and not machine.has_path(s.resolved_path())]
         return problems + [
             cls.problem(Severity.MACHINE, f"{section}[{i}].kind={s.kind!r} reads package {PROMPT_PACKAGES[s.kind]!r}, "
                         "which is not installed on this machine; `make setup` installs it, or give the prompts as a "
