@@ -32,6 +32,11 @@ TARGET_SHAPES = {
 }
 
 
+# A first user turn about code: the CPU demo recipe's ShareGPT filter until 2026-12-07 (its prompts are python_functions
+# since). bench.demo_sweep's "code" pool; bench.shifted_traffic's chat prompts are the ShareGPT turns it does not match.
+CODE_TOPIC_REGEX = r"(?i)```|\bdef |\bpython\b|\bfunction\b|\bcode\b|\bjavascript\b|\bsql\b|\bclass \b|#include|\bscript\b|\bjava\b|c\+\+|\breact\b"
+
+
 def environment() -> dict:
     env = {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

@@ -35,12 +35,10 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import read_jsonl_xz, write_result
-from pipelines.recipe import load_recipe
+from bench.common import CODE_TOPIC_REGEX, read_jsonl_xz, write_result
 
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-cpu.yaml"
-# The CPU demo recipe's filter of code-related conversations (the sweep's "code" pool).
-CODE = re.compile(load_recipe(CPU_RECIPE).data.sources[0].filter_regex)
+CODE = re.compile(CODE_TOPIC_REGEX)  # the CPU demo recipe's filter of code-related conversations then: the "code" pool
 TRAIN_MAX_LENGTH, EVAL_MAX_LENGTH = 448, 1024  # tokens per captured conversation: training pools, HumanEval
 
 # The CPU demo recipe (configs/smollm2-135m-cpu.yaml at the start of the sweep) and its variants.

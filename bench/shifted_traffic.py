@@ -1,9 +1,10 @@
 """Issue 16 item 5: the ``make demo`` head meets a shifted workload; the refresh job adapts it.
 
-The demo head (``configs/smollm2-135m-cpu.yaml``) is trained on code-related ShareGPT conversations and
-evaluated on HumanEval. The shifted workload is the reverse: chat. Its prompts are ShareGPT first user
-turns that the demo recipe's ``filter_regex`` does *not* select, so none of them is in the demo's training
-data, and the refresh recipe's replay share (the demo's code conversations) does not contain them either.
+The demo head (``configs/smollm2-135m-cpu.yaml``) is trained on code (code-related ShareGPT conversations until
+2026-12-07, python_functions prompts since) and evaluated on HumanEval. The shifted workload is the reverse: chat.
+Its prompts are ShareGPT first user turns that ``bench.common.CODE_TOPIC_REGEX`` (the demo's ShareGPT filter then)
+does *not* select, so none of them is in the demo's training data, and the refresh recipe's replay share (the
+demo's code prompts) does not contain them either.
 They are sent greedy (``temperature: 0``) to the demo endpoint with the traffic log on, so the served
 answers are training rows as they are (no regeneration).
 
@@ -38,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, environment
+from bench.common import CODE_TOPIC_REGEX, RESULTS, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = ROOT / "configs" / "smollm2-135m-cpu.yaml"
@@ -48,15 +49,14 @@ MAX_PROMPT_CHARS = 600  # short chat turns: the refresh recipe keeps 448 tokens,
 
 
 def chat_prompts(num_prompts: int, seed: int) -> list[str]:
-    """``num_prompts`` distinct ShareGPT first user turns (at most ``MAX_PROMPT_CHARS``) that the demo
-    recipe's first ``sharegpt`` source filter does not match, in a seeded random order."""
+    """``num_prompts`` distinct ShareGPT first user turns (at most ``MAX_PROMPT_CHARS``) that
+    ``CODE_TOPIC_REGEX`` does not match, in a seeded random order."""
     import random
 
     from pipelines.data.prompts import load_conversations
-    from pipelines.recipe import SourceConfig, load_recipe
+    from pipelines.recipe import SourceConfig
 
-    demo = load_recipe(DEMO_RECIPE)
-    code = re.compile(next(s.filter_regex for s in demo.data.sources if s.kind == "sharegpt"))
+    code = re.compile(CODE_TOPIC_REGEX)
     rows = load_conversations(SourceConfig(kind="sharegpt"), on_bad_row="skip")["messages"]
     firsts = dict.fromkeys(m[0]["content"].strip() for m in rows if m and m[0]["role"] == "user")
     chat = [p for p in firsts if p and len(p) <= MAX_PROMPT_CHARS and not code.search(p)]

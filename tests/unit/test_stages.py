@@ -36,12 +36,12 @@ KEYS = {
         "serve": "7a9640f85b4902468f1ddc3928374596cc49e32868b3f94b599239b5c8ad84c7",
     },
     "smollm2-135m-cpu.yaml": {
-        "regenerate": "0c45577140df41de12d86c999c7115a1b7b1a88be94c790dffde82d1c09a8dc4",
-        "capture": "242df82be4a9cdafe6ded2db8a70f8e16da757e561c5a22bf9262166f6f4e747",
-        "train": "b93aee054f1a1276a8c3f81e41974a97fa912790d56b67560ac1d49f1773ab58",
-        "evaluate": "df27ef63b4d517df4c99fa8560017b22a11454032d5059ddc026841e6ea435e4",
-        "register": "4e453bdbfa4783b636da04191b7878b71776fb5bf88866bcffe14810a98e7dbc",
-        "serve": "bd2398831c223cb12f381af1d0e2ac17f1653336e8b3b63580dd53bbdebc77cf",
+        "regenerate": "1a12c5f27a07db00a346f499272b9fffe0cef6c0b1f43882ada731f865cd15a4",
+        "capture": "919557d60468acd6b85061750958a122bf2906e1b33bc6dfe7dfbaee5e3ec03c",
+        "train": "b4c5ed38d40b25b4b2fccc8cc1b8f89c4d9b4f5f8060b088b3a35e77c616d076",
+        "evaluate": "0e67f708779f673822ad4d0b25632d01efebe86a4cad74b8829532cb2fe4ae47",
+        "register": "8e65a6c2515095c750fffd94b76ea01bfe17123793e6ed9433a9f9ddc5b313fc",
+        "serve": "dfc71d9d25e8a2d857ada2f78c57a41a78ffb4a156e9fceef365d9de5efa7ebc",
     },
     "smollm2-135m-gpu.yaml": {
         "regenerate": "0159e197976aa382f1ee898ba2a058652870e769900448ef0019805a052eebde",
