@@ -31,23 +31,24 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	touch $(STAMP)
 
 # The integration tests on INTEGRATION_WORKERS pytest-xdist workers, a module per worker at a time (--dist loadfile:
-# module fixtures -- a Ray cluster, a Serve deployment, the pipeline job -- stay in one process), then the unit tests
-# on UNIT_WORKERS workers. One at a time the integration suite kept the 2 cores 62% busy (imports, model loads and
-# engine starts are one thread; 2026-12-07): 29:08 on one worker, 21:44 on two (92% busy, 12.1 GB of memory at most;
-# the timing checks -- progress gaps < 20 s, the refresh loop's longest gap < 30 s -- passed). tests/integration/
-# conftest.py starts the pipeline job's module first (the longest). Both suites run; either failing fails.
+# module fixtures -- a Ray cluster, a Serve deployment, the pipeline job -- stay in one process; in the order of
+# tests/integration/conftest.py's MODULE_ORDER, longest first, which --no-loadscope-reorder keeps), then the unit
+# tests on UNIT_WORKERS workers. One at a time the integration suite kept the 2 cores 62% busy (imports, model loads
+# and engine starts are one thread; 2026-12-07): 29:08 on one worker, 21:44 on two (92% busy, 12.1 GB of memory at
+# most). Both suites run; either failing fails.
 # The unit suite beside the integration suite at nice 19 was measured and not kept (2026-11-29): it gained 36 s.
 INTEGRATION_WORKERS ?= 2
 UNIT_WORKERS ?= 2
+INTEGRATION_XDIST = -n $(INTEGRATION_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
-	rc=0; $(VPY) -m pytest tests/integration -n $(INTEGRATION_WORKERS) --dist loadfile || rc=$$?; $(VPY) -m pytest tests/unit -n $(UNIT_WORKERS) || rc=$$?; exit $$rc
+	rc=0; $(VPY) -m pytest tests/integration $(INTEGRATION_XDIST) || rc=$$?; $(VPY) -m pytest tests/unit -n $(UNIT_WORKERS) || rc=$$?; exit $$rc
 
 unit: setup
 	$(VPY) -m pytest tests/unit -m unit -n $(UNIT_WORKERS)
 
 integration: setup
-	$(VPY) -m pytest tests/integration -m integration -n $(INTEGRATION_WORKERS) --dist loadfile
+	$(VPY) -m pytest tests/integration -m integration $(INTEGRATION_XDIST)
 
 # The main job on the embedded default (SmolLM2 on CPU): a private local Ray head (token auth on, its own
 # temp dir and ports; reused if already up), then `ray job submit` of the pipeline with the working dir

@@ -8,13 +8,20 @@ from pipelines.settings import VLLM_IN_PROCESS_ENV
 # box instead of ~35 s. pipelines.capture.vllm_backend, the CPU engine actors of regenerate and
 # tests/integration/vllm_drafter_probe.py run their engines this way already.
 IN_PROCESS_VLLM = VLLM_IN_PROCESS_ENV
-# `make test` runs the modules on 2 pytest-xdist workers (--dist loadfile); the main job's module (the pipeline job
-# and the refresh loop: ~10 of the suite's ~29 min on one worker) goes first, so that it does not run alone at the end.
-FIRST_MODULE = "test_pipeline_ci.py"
+# `make test` runs the modules on 2 pytest-xdist workers (--dist loadfile --no-loadscope-reorder): each worker takes
+# the next module of this order when it has at most 2 tests left, so the longest modules go first (longest
+# processing time first) and the short ones fill the end. Seconds on one of 2 workers, `make test` of 2026-12-07
+# (sum 3,927 s): pipeline_ci 1,219 (the main job and the refresh loop), serve 536, capture 460, regenerate 445,
+# train 434, k_schedule 235, evaluate 128, warm_start 102, selfinstruct_pool 92, the rest <= 72 each. xdist's
+# default (--loadscope-reorder: most tests first) had put pipeline_ci's 2 tests near the end: the workers ended
+# 2,278 s and ~1,500 s.
+MODULE_ORDER = ("test_pipeline_ci.py", "test_serve.py", "test_capture.py", "test_regenerate.py", "test_train.py",
+                "test_k_schedule.py", "test_evaluate.py", "test_warm_start.py", "test_selfinstruct_pool.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name != FIRST_MODULE)  # stable: the other modules keep their order
+    rank = {name: i for i, name in enumerate(MODULE_ORDER)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(MODULE_ORDER)))  # stable: the rest keep their order
 
 
 @pytest.fixture
