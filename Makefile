@@ -31,15 +31,15 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	touch $(STAMP)
 
 # The integration tests on INTEGRATION_WORKERS pytest-xdist workers, a module per worker at a time (--dist loadfile:
-# module fixtures -- a Ray cluster, a Serve deployment, the pipeline job -- stay in one process; in the order of
-# tests/integration/conftest.py's MODULE_ORDER, longest first, which --no-loadscope-reorder keeps), then the unit
-# tests on UNIT_WORKERS workers. One at a time the integration suite kept the 2 cores 62% busy (imports, model loads
-# and engine starts are one thread; 2026-12-07): 29:08 on one worker, 21:44 on two (92% busy, 12.1 GB of memory at
-# most). Both suites run; either failing fails.
+# module fixtures -- a Ray cluster, a Serve deployment, the pipeline job -- stay in one process; in xdist's order,
+# tests/integration/conftest.py says why), then the unit tests on UNIT_WORKERS workers. One at a time the integration
+# suite kept the 2 cores 62% busy (imports, model loads and engine starts are one thread): 29:08 on one worker, 21:44
+# on two (92% busy, 12.1 GB of memory at most), on a faster day of the box than 2026-12-07 (37:57 on two).
+# Both suites run; either failing fails.
 # The unit suite beside the integration suite at nice 19 was measured and not kept (2026-11-29): it gained 36 s.
 INTEGRATION_WORKERS ?= 2
 UNIT_WORKERS ?= 2
-INTEGRATION_XDIST = -n $(INTEGRATION_WORKERS) --dist loadfile --no-loadscope-reorder
+INTEGRATION_XDIST = -n $(INTEGRATION_WORKERS) --dist loadfile
 
 test: setup
 	rc=0; $(VPY) -m pytest tests/integration $(INTEGRATION_XDIST) || rc=$$?; $(VPY) -m pytest tests/unit -n $(UNIT_WORKERS) || rc=$$?; exit $$rc

@@ -8,20 +8,13 @@ from pipelines.settings import VLLM_IN_PROCESS_ENV
 # box instead of ~35 s. pipelines.capture.vllm_backend, the CPU engine actors of regenerate and
 # tests/integration/vllm_drafter_probe.py run their engines this way already.
 IN_PROCESS_VLLM = VLLM_IN_PROCESS_ENV
-# `make test` runs the modules on 2 pytest-xdist workers (--dist loadfile --no-loadscope-reorder): each worker takes
-# the next module of this order when it has at most 2 tests left, so the longest modules go first (longest
-# processing time first) and the short ones fill the end. Seconds on one of 2 workers, `make test` of 2026-12-07
-# (sum 3,927 s): pipeline_ci 1,219 (the main job and the refresh loop), serve 536, capture 460, regenerate 445,
-# train 434, k_schedule 235, evaluate 128, warm_start 102, selfinstruct_pool 92, the rest <= 72 each. xdist's
-# default (--loadscope-reorder: most tests first) had put pipeline_ci's 2 tests near the end: the workers ended
-# 2,278 s and ~1,500 s.
-MODULE_ORDER = ("test_pipeline_ci.py", "test_serve.py", "test_capture.py", "test_regenerate.py", "test_train.py",
-                "test_k_schedule.py", "test_evaluate.py", "test_warm_start.py", "test_selfinstruct_pool.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(MODULE_ORDER)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(MODULE_ORDER)))  # stable: the rest keep their order
+# `make test` runs the modules on 2 pytest-xdist workers (--dist loadfile) in xdist's default order: modules with the
+# most tests first (--loadscope-reorder), so the pipeline job's module (2 tests, the longest: ~1,200 s of the suite's
+# ~3,900 s on one of 2 workers) starts late and its refresh loop ends the run beside the last short modules. Measured
+# on the 2-core box, 2026-12-07: that order 37:57 for the integration tests; the longest modules first (pipeline_ci,
+# serve, capture, regenerate, train: longest-processing-time scheduling, --no-loadscope-reorder) 43:10, because the
+# heaviest modules then ran side by side (the refresh loop 960 s instead of 513, the train module's fixture 384 s
+# instead of 129). A sort here would be undone by xdist's reorder, so there is none.
 
 
 @pytest.fixture
