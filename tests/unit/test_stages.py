@@ -38,10 +38,10 @@ KEYS = {
     "smollm2-135m-cpu.yaml": {
         "regenerate": "1a12c5f27a07db00a346f499272b9fffe0cef6c0b1f43882ada731f865cd15a4",
         "capture": "919557d60468acd6b85061750958a122bf2906e1b33bc6dfe7dfbaee5e3ec03c",
-        "train": "b4c5ed38d40b25b4b2fccc8cc1b8f89c4d9b4f5f8060b088b3a35e77c616d076",
-        "evaluate": "0e67f708779f673822ad4d0b25632d01efebe86a4cad74b8829532cb2fe4ae47",
-        "register": "8e65a6c2515095c750fffd94b76ea01bfe17123793e6ed9433a9f9ddc5b313fc",
-        "serve": "dfc71d9d25e8a2d857ada2f78c57a41a78ffb4a156e9fceef365d9de5efa7ebc",
+        "train": "86ca28edcd74f89ab879ef56b968c1bf25c192b21702856bfd5c1df8a9fccc3e",
+        "evaluate": "89a65d16efb5cb79903efeba7bb53b57424bff9146e788d5178253c82e41c06d",
+        "register": "904a9ab57585ecffddfd1f2c81cbc44fb55c18b18f709405275397a1469af778",
+        "serve": "b8d5ee89beaf259da7effdf5ec40cfcdae09252ce565fbc75da55b0976733a1e",
     },
     "smollm2-135m-gpu.yaml": {
         "regenerate": "0159e197976aa382f1ee898ba2a058652870e769900448ef0019805a052eebde",
