@@ -39,6 +39,7 @@ from bench.common import CODE_TOPIC_REGEX, read_jsonl_xz, write_result
 
 CPU_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m-cpu.yaml"
 CODE = re.compile(CODE_TOPIC_REGEX)  # the CPU demo recipe's filter of code-related conversations then: the "code" pool
+CHAT_ANSWER_TOKENS = 192  # new tokens of a regenerated ShareGPT answer (the NOW family: the recipe's own)
 TRAIN_MAX_LENGTH, EVAL_MAX_LENGTH = 448, 1024  # tokens per captured conversation: training pools, HumanEval
 
 # The CPU demo recipe (configs/smollm2-135m-cpu.yaml at the start of the sweep) and its variants.
@@ -73,29 +74,30 @@ VARIANTS = {
 # regenerate.max_tokens_per_turn. ``python -m bench.demo_sweep --data ~/keep --variants now,now_steps1920,...
 # --result demo_sweep_stdlib``.
 NOW = {"pool": "stdlib", "conversations": 608, "sets": {}}
+ALL = None  # "conversations": every prompt of the pool (demo_sweep_stdlib.json, run before, records 100000)
 NOW_VARIANTS = {
     "now": {},
     "now_steps1920": {"sets": {"training.max_steps": 1920}},
-    "now_all": {"conversations": 100_000},  # every prompt of the pool
-    "now_all_steps1920": {"conversations": 100_000, "sets": {"training.max_steps": 1920}},
+    "now_all": {"conversations": ALL},
+    "now_all_steps1920": {"conversations": ALL, "sets": {"training.max_steps": 1920}},
     "now_2layers": {"sets": {"drafter.num_layers": 2}},
     "now_lr3e-3": {"sets": {"training.lr": 3e-3}},
     "now_cod01": {"sets": {"training.cod_ratio": 0.1, "training.cod_min_ratio": 0.02}},
     "now_random_init": {"sets": {"drafter.init_layers_from_target": False}},
     "now_vocab8k": {"sets": {"drafter.draft_vocab_size": 8192}},
-    "now_all_steps1920_2layers": {"conversations": 100_000, "sets": {"training.max_steps": 1920,
+    "now_all_steps1920_2layers": {"conversations": ALL, "sets": {"training.max_steps": 1920,
                                                                      "drafter.num_layers": 2}},
     # every prompt at the recipe's 960 steps (its CPU train time), other settings
-    "now_all_lr3e-3": {"conversations": 100_000, "sets": {"training.lr": 3e-3}},
-    "now_all_cod01": {"conversations": 100_000, "sets": {"training.cod_ratio": 0.1, "training.cod_min_ratio": 0.02}},
-    "now_all_vocab8k": {"conversations": 100_000, "sets": {"drafter.draft_vocab_size": 8192}},
-    "now_all_steps1440": {"conversations": 100_000, "sets": {"training.max_steps": 1440}},
-    "now_all_random_init": {"conversations": 100_000, "sets": {"drafter.init_layers_from_target": False}},
-    "now_all_cod02": {"conversations": 100_000, "sets": {"training.cod_ratio": 0.2, "training.cod_min_ratio": 0.05}},
-    "now_all_cod01_steps1440": {"conversations": 100_000, "sets": {"training.cod_ratio": 0.1,
+    "now_all_lr3e-3": {"conversations": ALL, "sets": {"training.lr": 3e-3}},
+    "now_all_cod01": {"conversations": ALL, "sets": {"training.cod_ratio": 0.1, "training.cod_min_ratio": 0.02}},
+    "now_all_vocab8k": {"conversations": ALL, "sets": {"drafter.draft_vocab_size": 8192}},
+    "now_all_steps1440": {"conversations": ALL, "sets": {"training.max_steps": 1440}},
+    "now_all_random_init": {"conversations": ALL, "sets": {"drafter.init_layers_from_target": False}},
+    "now_all_cod02": {"conversations": ALL, "sets": {"training.cod_ratio": 0.2, "training.cod_min_ratio": 0.05}},
+    "now_all_cod01_steps1440": {"conversations": ALL, "sets": {"training.cod_ratio": 0.1,
                                                                    "training.cod_min_ratio": 0.02,
                                                                    "training.max_steps": 1440}},
-    "now_all_cod01_2layers": {"conversations": 100_000, "sets": {"training.cod_ratio": 0.1,
+    "now_all_cod01_2layers": {"conversations": ALL, "sets": {"training.cod_ratio": 0.1,
                                                                  "training.cod_min_ratio": 0.02,
                                                                  "drafter.num_layers": 2}},
 }
@@ -107,9 +109,7 @@ def stdlib_pool(seed: int = 0) -> list[dict]:
     seeded random order."""
     from pipelines.data.code_prompts import function_prompts
 
-    rows = function_prompts()
-    g = torch.Generator().manual_seed(seed)
-    return [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+    return shuffled(function_prompts(), seed)
 
 
 def recipe_variant(v: dict) -> dict:
@@ -127,10 +127,15 @@ def now_overrides(v: dict, steps: int | None = None) -> list[str]:
     return [f"{k}={json.dumps(x)}" for k, x in sets.items()]
 
 
+def shuffled(rows: list, seed: int) -> list:
+    """``rows`` in the random order ``torch.randperm`` draws with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+
+
 def pools(convs: list[dict], n: int, seed: int = 0) -> dict[str, list[dict]]:
     """``random``: a uniform sample; ``code``: the first user turn matches ``CODE``."""
-    g = torch.Generator().manual_seed(seed)
-    perm = [convs[i] for i in torch.randperm(len(convs), generator=g).tolist()]
+    perm = shuffled(convs, seed)
     return {"random": perm[:n], "code": [c for c in perm if CODE.search(c["messages"][0]["content"])][:n]}
 
 
@@ -212,8 +217,7 @@ def train_variant(name, v, data, regen, eval_sets, device, keep, max_steps=None)
     drafter = head.drafter
 
     def samples_for_epoch(epoch: int):
-        g = torch.Generator().manual_seed(epoch)
-        return [samples[i] for i in torch.randperm(len(samples), generator=g).tolist()]
+        return shuffled(samples, epoch)
 
     hist = []
     t0 = time.perf_counter()
@@ -261,7 +265,7 @@ def main() -> None:
     n_pool = 16 if args.time_cpu_steps else args.pool_size
     # the ShareGPT pools only where a variant trains on them (the NOW family needs no sharegpt.jsonl.xz)
     chat = any(v["pool"] != "stdlib" for v in vs.values())
-    p = pools(read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz"), n_pool) if chat else {"random": []}
+    p = pools(read_jsonl_xz(Path(args.data) / "sharegpt.jsonl.xz"), n_pool) if chat else {}
     if any(v["pool"] == "stdlib" for v in vs.values()):
         p["stdlib"] = stdlib_pool()[: 16 if args.time_cpu_steps else None]
     need_pools = {("random", "code") if v["pool"] == "mixed" else (v["pool"],) for v in vs.values()}
@@ -271,8 +275,8 @@ def main() -> None:
         regen = {k: regenerate(p[k], engine, 32, 16) if k == "stdlib" else p[k] for k in need_pools}
         he_rows = regenerate(he[:4], engine, 32, 4)
     else:
-        answer_tokens = {v["pool"]: v.get("max_tokens", 192) for v in vs.values()}  # the NOW family: the recipe's
-        regen = {k: regenerate(p[k], engine, answer_tokens.get(k, 192), 64) for k in need_pools}
+        answer_tokens = {v["pool"]: v["max_tokens"] for v in vs.values() if "max_tokens" in v}
+        regen = {k: regenerate(p[k], engine, answer_tokens.get(k, CHAT_ANSWER_TOKENS), 64) for k in need_pools}
         he_rows = regenerate(he, engine, 128, 64)
     regen_s = time.perf_counter() - t0
     if "random" in regen and "code" in regen:
