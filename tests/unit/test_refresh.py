@@ -189,7 +189,7 @@ def test_evaluate_measures_the_champion_like_the_trained_head(monkeypatch):
 
     specs = []
 
-    def engine(spec, timeout_s):
+    def engine(spec, timeout_s, report=None):
         specs.append(spec)
         al = {"none": 1.0, "peagle": 1.8}[spec.method] - (0.3 if spec.head == "/champion" else 0.0)
         return [{"method": spec.method, "K": spec.K, "concurrency": c, "acceptance_length": al,
