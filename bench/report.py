@@ -93,6 +93,7 @@ QUESTIONS = [
         report_summary.where_it_pays,
         report_kernels.drafting,
         report_decode.decode,
+        report_decode.cpu_openmp,
         _gpu(report_gpu_vllm.serving, "gpu_vllm_serving"),
         _gpu(report_gpu_vllm.synthetic, "gpu_synthetic_serving"),
         _gpu(report_load.under_load, "gpu_synthetic_load"),

