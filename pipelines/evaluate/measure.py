@@ -33,6 +33,7 @@ Prompts by eval set: :mod:`pipelines.evaluate.prompts`; the table, best K, markd
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -141,20 +142,9 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
                          use_tqdm=False)
         compiles_warm = _compile_counts(llm) if spec.step_profile else None
         before = _spec_counters(llm)
-        latencies, tpots, tokens, wall = [], [], 0, 0.0
-        for i in range(0, len(prompts) if spec.waves is None else min(len(prompts), c * spec.waves), c):
-            t = time.perf_counter()
-            outs = llm.generate(prompts[i:i + c], params, use_tqdm=False)
-            dt = time.perf_counter() - t
-            finished += len(outs)
-            if spec.progress_path:
-                atomic_write_text(spec.progress_path, str(finished))
-            wall += dt
-            n = [len(o.outputs[0].token_ids) for o in outs]
-            tokens += sum(n)
-            latencies += [dt] * len(outs)
-            if max(n, default=0):
-                tpots.append(dt / max(n))  # the wave's longest request sets its wall time
+        timed = prompts if spec.waves is None else prompts[:c * spec.waves]
+        latencies, tpots, tokens, wall = _timed_waves(llm, timed, c, params, spec.progress_path, finished)
+        finished += len(latencies)
         after = _spec_counters(llm)
         drafts = after["drafts"] - before["drafts"]
         accepted = after["accepted"] - before["accepted"]
@@ -186,6 +176,27 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
         for row in rows:
             row["step_costs"] = _split_steps(llm, prompts[:row["concurrency"]], params)
     return rows
+
+
+def _timed_waves(llm, prompts: list[dict[str, Any]], c: int, params, progress_path: str | None,
+                 finished_before: int) -> tuple[list[float], list[float], int, float]:
+    """``prompts`` in waves of ``c`` requests, each wave timed: ``(latency s of each request, s per token of each wave,
+    generated tokens, wall s)``. After each wave the count of timed requests finished so far in this engine
+    (``finished_before`` + this call's) goes to ``progress_path`` (the stage's progress)."""
+    latencies, tpots, tokens, wall = [], [], 0, 0.0
+    for i in range(0, len(prompts), c):
+        t = time.perf_counter()
+        outs = llm.generate(prompts[i:i + c], params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        wall += dt
+        n = [len(o.outputs[0].token_ids) for o in outs]
+        tokens += sum(n)
+        latencies += [dt] * len(outs)
+        if max(n, default=0):
+            tpots.append(dt / max(n))  # the wave's longest request sets its wall time
+        if progress_path:
+            atomic_write_text(progress_path, str(finished_before + len(latencies)))
+    return latencies, tpots, tokens, wall
 
 
 def _compile_counts(llm) -> dict[str, int]:
@@ -261,6 +272,17 @@ def _timed_engine(spec: EngineSpec, timeout_s: float,
     return rows, time.perf_counter() - t
 
 
+@dataclass
+class _RequestsDone:
+    """A :class:`pipelines.tally.Gauge`: the timed requests an engine worker has finished, the count it writes to
+    ``path`` (:func:`_timed_waves`); unreadable (no file yet) until its first wave ends."""
+
+    path: Path
+
+    def read(self) -> dict[str, int]:
+        return {"requests": int(self.path.read_text())}
+
+
 def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0,
                           report: Callable[..., None] | None = None) -> list[dict[str, Any]]:
     """Measure ``spec`` in a fresh ``python -m pipelines.evaluate.measure --worker`` process; while it runs,
@@ -270,35 +292,22 @@ def run_engine_subprocess(spec: EngineSpec, *, timeout_s: float = 1800.0,
     Raises:
         RuntimeError: the worker failed or timed out (its last output lines included).
     """
-    from pipelines.tally import POLL_S
+    from pipelines.tally import tally
 
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
         spec_path, out_path, progress_path = Path(tmp) / "spec.json", Path(tmp) / "rows.json", Path(tmp) / "progress"
         spec_path.write_text(json.dumps(spec.__dict__ | {"progress_path": str(progress_path)}))
         cmd = [sys.executable, "-m", "pipelines.evaluate.measure", "--worker", str(spec_path), str(out_path)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=Path(__file__).resolve().parents[2])  # the repository root
-        deadline, reported, out = time.monotonic() + timeout_s, 0, None
+        counting = (tally(lambda counts: report(**counts), use_ray=False, gauges=[_RequestsDone(progress_path)])
+                    if report is not None else contextlib.nullcontext())
         try:
-            while out is None:
-                try:
-                    out = proc.communicate(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() >= deadline:
-                        raise
-                if report is not None and progress_path.exists():
-                    finished = int(progress_path.read_text() or 0)
-                    if finished > reported:
-                        report(requests=finished - reported)
-                        reported = finished
+            with counting:
+                proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s,
+                                      cwd=Path(__file__).resolve().parents[2])  # the repository root
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"vLLM eval worker ({spec.method}, K={spec.K}) exceeded {timeout_s}s") from e
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
         if proc.returncode != 0 or not out_path.exists():
-            tail = "\n".join((out[0] + out[1]).splitlines()[-40:])
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
             raise RuntimeError(f"vLLM eval worker ({spec.method}, K={spec.K}) failed (rc={proc.returncode}):\n{tail}")
         return json.loads(out_path.read_text())
 
@@ -398,8 +407,10 @@ def evaluate(
                         max_tokens=cfg.max_tokens, engine_kwargs=ekw, step_costs=bool(cfg.step_costs),
                         warmup_waves=cfg.warmup_waves_for(on_gpus),
                         env=dict(engine_env or {})) for _, method, K, head in runs]
-    with progress("evaluate", total=len(runs) * len(prompts) * len(cfg.concurrency_sweep), unit="requests") as advance:
+    total = len(runs) * len(prompts) * len(cfg.concurrency_sweep)
+    with progress("evaluate", total=total, unit="requests") as advance:
         results = run_engines(specs, timeout_s=timeout_s, on_gpus=on_gpus, on_requests=advance)
+        advance.update(done=total)  # all of them, whatever progress reports were lost
     for (label, method, K, head), (got, seconds) in zip(runs, results, strict=True):
         if label != method:  # the champion: labelled apart from the trained head of the same method
             got = [r | {"method": label, "head_method": method} for r in got]

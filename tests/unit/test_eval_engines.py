@@ -12,13 +12,14 @@ pytestmark = pytest.mark.unit
 
 
 def _fake_engine(spec, timeout_s, report):
-    """Stands in for a vLLM engine process: what GPU Ray gave it and when it ran; it reports 2 finished requests."""
+    """Stands in for a vLLM engine process: what GPU Ray gave it and when it ran; it reports 2 finished requests
+    while it runs (a report sent as the task returns may reach the counter after its last read: pipelines.tally)."""
     import os
     import time
 
     t0 = time.time()
-    time.sleep(1.5)
     report(requests=2)
+    time.sleep(1.5)
     return [{"K": spec.K, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "t0": t0, "t1": time.time()}], 1.5
 
 
