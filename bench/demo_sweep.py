@@ -100,8 +100,8 @@ NOW_VARIANTS = {
     "now_all_cod01_2layers": {"conversations": ALL, "sets": {"training.cod_ratio": 0.1,
                                                                  "training.cod_min_ratio": 0.02,
                                                                  "drafter.num_layers": 2}},
-    # around the COD 0.2 / 0.05 recipe: the seed's noise, deeper COD, regularisation (not run yet: no device came on
-    # 2026-12-07 evening; --result demo_sweep_cod02)
+    # around the COD 0.2 / 0.05 recipe: the seed's noise, deeper COD, regularisation (demo_sweep_cod02.json: none moves
+    # AL_tf past the seeds' spread; now_all_seed1 not run)
     "now_seed1": {"sets": {"training.seed": 1}},
     "now_cod03": {"sets": {"training.cod_ratio": 0.3, "training.cod_min_ratio": 0.1}},
     "now_cod04": {"sets": {"training.cod_ratio": 0.4, "training.cod_min_ratio": 0.15}},

