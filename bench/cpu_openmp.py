@@ -58,6 +58,12 @@ def main() -> None:
     ap.add_argument("--side-by-side", default="1", help="comma-separated engine counts run at once, e.g. 1,2")
     ap.add_argument("--result", default="cpu_openmp", help="bench/results/<RESULT>.json")
     a = ap.parse_args()
+    variants = a.variants.split(",")
+    if sorted(set(variants) - set(VARIANTS)):
+        ap.error(f"--variants: unknown {sorted(set(variants) - set(VARIANTS))}; known: {', '.join(VARIANTS)}")
+    if not all(n.isdigit() and int(n) > 0 for n in a.side_by_side.split(",")):
+        ap.error(f"--side-by-side: positive engine counts, comma-separated (got {a.side_by_side!r})")
+    side_by_side = [int(n) for n in a.side_by_side.split(",")]
 
     from transformers import AutoTokenizer
 
@@ -66,14 +72,9 @@ def main() -> None:
     from pipelines.evaluate.prompts import load_eval_prompts
     from pipelines.recipe import SourceConfig
 
-    variants = a.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
     environments = {"gnu": {}, "gnu-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
     if "intel" in variants:
         environments["intel"] = {"LD_PRELOAD": str(intel_openmp())}
-    side_by_side = [int(n) for n in a.side_by_side.split(",")]
     target = str(ensure_target("smollm2-135m-instruct", dtype="float32").path)
     prompts = load_eval_prompts([SourceConfig(kind="humaneval")], AutoTokenizer.from_pretrained(target),
                                 num_prompts=a.num_prompts)["humaneval"]
