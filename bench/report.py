@@ -96,6 +96,7 @@ QUESTIONS = [
         report_decode.decode,
         report_decode.cpu_openmp,
         report_decode.cpu_openmp_wait,
+        report_decode.cpu_inproc,
         _gpu(report_gpu_vllm.serving, "gpu_vllm_serving"),
         _gpu(report_gpu_vllm.synthetic, "gpu_synthetic_serving"),
         _gpu(report_load.under_load, "gpu_synthetic_load"),

