@@ -402,8 +402,9 @@ def build_ingress(backend: Backend, *, server=None, route: dict[str, Any] | None
 
     Exactly one of: ``server`` (the bound ``LLMServer`` app: one complete app) or ``route`` (a gateway:
     :class:`pipelines.serve.gateway.Route` as a dict, applied as ``user_config`` under the fixed deployment
-    ``version`` :func:`gateway_version`, so a later route is switched in place). ``runtime_env``: the replicas'
-    (``ray_actor_options``); None = the deploying job's (Serve's default).
+    ``version`` :func:`gateway_version`, so a later route is switched in place; ``{}``: no backend yet, every
+    request answered 503 until the first route). ``runtime_env``: the replicas' (``ray_actor_options``); None =
+    the deploying job's (Serve's default).
     """
     from ray import serve
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata

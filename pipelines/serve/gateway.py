@@ -128,8 +128,11 @@ class PeagleIngress(OpenAiIngress):
         """Switch to the backend ``config`` (a :class:`Route` as a dict) for requests that start from now on.
 
         No ``await`` from reading the route to installing it: Ray runs this on the replica's user event
-        loop, so a request sees either the old or the new backend, whole.
+        loop, so a request sees either the old or the new backend, whole. An empty ``config``: no backend yet
+        (a gateway started beside its first backend, ``pipelines.serve.rollout.roll``).
         """
+        if not config:
+            return
         route = Route.model_validate(config)
         card = ModelCard.model_validate(route.model_card)
         handle = serve.get_deployment_handle(route.deployment, app_name=route.app, _check_exists=False)

@@ -22,7 +22,9 @@ Apps on the Serve cluster::
 4. wait until the gateway has no request in flight on the old backend (streams included), then delete the
    old backend app.
 
-First deployment (no gateway): backend, then gateway. The same backend already active: nothing is done.
+First deployment (no gateway app): the gateway starts with no route beside the backend (its replica's start,
+~20 s on 2 cores, overlaps the backend's), then takes the route in place as in step 3; a backend that fails
+then takes the new gateway with it. The same backend already active: nothing is done.
 A gateway whose own settings (:data:`pipelines.serve.GATEWAY_FIELDS`, model id, code) changed is
 redeployed with a restart -- a short outage, as with any Serve rolling update of a single replica.
 """
@@ -115,8 +117,17 @@ def roll(args, *, ready_timeout_s: float = 900.0, drain_timeout_s: float = 600.0
         log.info("peagle serve: %s already serves %s", settings.SERVE_APP_NAME, name)
         return RollResult(backend=name, previous=None, changed=False, served=backend.served,
                           seconds=time.monotonic() - t0)
-    deployment = _deploy_backend(backend, ready_timeout_s=ready_timeout_s, poll_s=poll_s)
     runtime_env = (gateway_runtime_env() if same_code else None) or job_runtime_env()
+    first = settings.SERVE_APP_NAME not in statuses
+    if first:  # the gateway's replica starts while the backend's does; the route follows in place
+        _deploy_gateway(backend, route={}, runtime_env=runtime_env, wait=False)
+    try:
+        deployment = _deploy_backend(backend, ready_timeout_s=ready_timeout_s, poll_s=poll_s)
+    except RolloutError:
+        if first:
+            log.warning("peagle serve: deleting the gateway app %s started beside it", settings.SERVE_APP_NAME)
+            ray_serve().delete(settings.SERVE_APP_NAME)
+        raise
     _route_gateway(backend, deployment, runtime_env=runtime_env, timeout_s=ready_timeout_s, poll_s=poll_s)
     drained = True
     stale = [n for n in backend_apps() if n != name]  # the old backend, and any a failed run left behind
@@ -277,16 +288,12 @@ def _route_gateway(backend, deployment: str, *, runtime_env: dict[str, Any] | No
     """
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
 
-    from pipelines.serve import build_ingress
     from pipelines.serve.gateway import Route
 
-    serve = ray_serve()
     route = Route(app=backend.app_name, deployment=deployment,
                   model_card=to_model_metadata(backend.model_id, backend.llm_config).model_dump(mode="json"),
                   served=backend.served)
-    ingress = build_ingress(backend, route=route.model_dump(), runtime_env=runtime_env)
-    serve.run_many([serve.RunTarget(ingress, name=settings.SERVE_APP_NAME, route_prefix="/")],
-                   wait_for_ingress_deployment_creation=True, wait_for_applications_running=True)
+    _deploy_gateway(backend, route=route.model_dump(), runtime_env=runtime_env, wait=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = gateway_state()
@@ -294,6 +301,17 @@ def _route_gateway(backend, deployment: str, *, runtime_env: dict[str, Any] | No
             return
         time.sleep(poll_s)
     raise RolloutError(f"{settings.SERVE_APP_NAME} did not switch to {backend.app_name} within {timeout_s:.0f}s")
+
+
+def _deploy_gateway(backend, *, route: dict[str, Any], runtime_env: dict[str, Any] | None, wait: bool) -> None:
+    """Deploy the gateway app with ``route`` (``{}``: none yet) under its fixed version; with ``wait``, return once
+    the app is RUNNING."""
+    from pipelines.serve import build_ingress
+
+    serve = ray_serve()
+    ingress = build_ingress(backend, route=route, runtime_env=runtime_env)
+    serve.run_many([serve.RunTarget(ingress, name=settings.SERVE_APP_NAME, route_prefix="/")],
+                   wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
 
 
 def _drain(app: str, *, timeout_s: float, poll_s: float) -> bool:

@@ -1,6 +1,7 @@
 """The blue/green pieces that need no Serve cluster: backend app names, the gateway version, the
-gateway ingress switching backends with requests in flight (fake handles), and the traffic log taking
-the served head from the answer header."""
+gateway ingress switching backends with requests in flight (fake handles), the traffic log taking
+the served head from the answer header, and a first roll's order of deployments against a stand-in Serve (a real
+failed first roll costs ~85 s of CI: a Serve cluster, and Serve's 20 s wait to delete an unplaced replica)."""
 
 import asyncio
 import json
@@ -56,6 +57,7 @@ def request() -> Request:
 
 
 def test_gateway_switches_backend_with_requests_in_flight(monkeypatch):
+    from fastapi import HTTPException
     from ray import serve
 
     from pipelines.serve.gateway import PeagleIngress, Route
@@ -69,7 +71,11 @@ def test_gateway_switches_backend_with_requests_in_flight(monkeypatch):
 
     async def scenario():
         gw = PeagleIngress(version="gw-1")
+        await gw.reconfigure({})  # a gateway started beside its first backend: no route yet
         assert (await gw.gateway_state())["backend"] is None
+        with pytest.raises(HTTPException) as early:
+            await gw._get_response(body=SimpleNamespace(model="m"), call_method="chat", raw_request=request()).__anext__()
+        assert early.value.status_code == 503
         await gw.reconfigure(route("app-a", "models:/x/1"))
         req_a = request()
         old = gw._get_response(body=SimpleNamespace(model="m"), call_method="chat", raw_request=req_a)
@@ -119,3 +125,69 @@ def test_traffic_log_rows_follow_the_served_header(tmp_path):
     assert mw.writer.flush()
     rows = sorted(read_log(tmp_path / "log").to_pylist(), key=lambda r: r["messages"][-1]["content"])
     assert [(r["head"], r["num_speculative_tokens"]) for r in rows] == [("models:/x/1", 5), ("models:/x/2", 5)]
+
+
+class FakeServe:
+    """Ray Serve as :func:`pipelines.serve.rollout.roll` sees it: apps by name with a status; ``run_many`` adds
+    them DEPLOYING (a backend becomes RUNNING when ``ready`` says so), ``delete`` removes them; ``deployed`` and
+    ``routes`` record the order of deployments and the gateway's routes."""
+
+    def __init__(self, ready: bool) -> None:
+        self.apps: dict[str, str] = {}
+        self.ready, self.deployed, self.routes = ready, [], []
+
+    def RunTarget(self, app, name, route_prefix):  # Serve's name
+        return SimpleNamespace(app=app, name=name)
+
+    def run_many(self, targets, **_):
+        for t in targets:
+            self.deployed.append(t.name)
+            self.apps[t.name] = "RUNNING" if t.name == settings.SERVE_APP_NAME or self.ready else "DEPLOYING"
+
+    def delete(self, name):
+        self.apps.pop(name)
+
+    def get_app_handle(self, name):
+        return SimpleNamespace(deployment_name="LLMServer:m")
+
+    def gateway(self):
+        return {"backend": self.routes[-1]["app"] if self.routes and self.routes[-1] else None, "version": "gw"}
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_a_first_roll_starts_the_gateway_beside_its_backend(monkeypatch, ready):
+    """No gateway yet: the gateway app is deployed first with no route (its replica starts while the backend's
+    does), then takes the route in place. A backend that never becomes RUNNING takes the new gateway with it: the
+    cluster is left with no app (no gateway answering 503 for a backend that never came)."""
+    import ray.serve.llm
+
+    import pipelines.serve
+    from pipelines.serve import rollout
+
+    fake = FakeServe(ready)
+    backend = SimpleNamespace(app_name="peagle-backend-v1-aaaa", model_id="m", served={}, head_ref="models:/x/1",
+                              llm_config=None, args=SimpleNamespace(accelerator="cpu"))
+    monkeypatch.setattr(pipelines.serve, "resolve_backend", lambda args: backend)
+    monkeypatch.setattr(pipelines.serve, "gateway_version", lambda args, model_id: "gw")
+    monkeypatch.setattr(pipelines.serve, "build_ingress",
+                        lambda b, route, runtime_env: fake.routes.append(route) or "ingress")
+    monkeypatch.setattr(ray.serve.llm, "build_llm_deployment", lambda config: "llm")
+    monkeypatch.setattr(rollout, "ray_serve", lambda: fake)
+    monkeypatch.setattr(rollout, "app_statuses", lambda: dict(fake.apps))
+    monkeypatch.setattr(rollout, "gateway_state", lambda: fake.gateway() if settings.SERVE_APP_NAME in fake.apps else None)
+    monkeypatch.setattr(rollout, "gateway_runtime_env", lambda: None)
+    monkeypatch.setattr(rollout, "job_runtime_env", lambda: {"working_dir": None})
+    monkeypatch.setattr(rollout, "_probe", lambda handle, model_id: None)
+    with monkeypatch.context() as m:
+        m.setattr("pipelines.serve.gateway.Route", lambda **kw: SimpleNamespace(model_dump=lambda: kw))
+        m.setattr("ray.llm._internal.serve.core.configs.openai_api_models.to_model_metadata",
+                  lambda model_id, config: SimpleNamespace(model_dump=lambda mode: {"id": model_id}))
+        if ready:
+            result = rollout.roll(object(), ready_timeout_s=5, poll_s=0.01)
+            assert result.backend == backend.app_name and result.previous is None and result.changed
+            assert fake.deployed == [settings.SERVE_APP_NAME, backend.app_name, settings.SERVE_APP_NAME]
+            assert fake.routes[0] == {} and fake.routes[1]["app"] == backend.app_name
+        else:
+            with pytest.raises(rollout.RolloutError, match="not RUNNING"):
+                rollout.roll(object(), ready_timeout_s=0.1, poll_s=0.01)
+            assert fake.deployed == [settings.SERVE_APP_NAME, backend.app_name] and fake.apps == {}
