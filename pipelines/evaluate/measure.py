@@ -135,7 +135,7 @@ def _run_engine(spec: EngineSpec) -> list[dict[str, Any]]:
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, detokenize=detokenize),
                      use_tqdm=False)
     runner = "v2" if getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False) else "v1"
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"  # vLLM's reading (vllm/envs.py)
+    in_process = all(os.environ.get(k) == v for k, v in settings.VLLM_IN_PROCESS_ENV.items())
     rows = []
     finished = 0  # timed requests, every concurrency so far
     for c in spec.concurrency:
